@@ -1,0 +1,131 @@
+"""Collecting state for a save and applying loaded state on restore (the Stateful protocol of torch DCP).
+
+Restore loads what was *saved*, not only what the live object happens to contain: the load template is built
+from the manifest, reusing the live tensor wherever one exists with the same FQN and shape (so parameters are
+filled in place and tied weights stay tied) and allocating a new tensor for every saved entry the live object
+lacks (e.g. the ``exp_avg`` of an optimizer that has not stepped yet, a data loader's grown state). The nested
+result is then handed to ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, StateMismatchError
+from .format import Manifest, TensorEntry
+from .state.dtypes import dtype_from_name
+from .state.flatten import PathT, flatten, unflatten
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping, list, tuple))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT], dict[str, dict[str, Any]]]:
+    """``state_dict()`` of every Stateful value, then flatten. Returns ``(flat, paths, top_level)``."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
+    resolved: dict[str, Any] = {}
+    top: dict[str, dict[str, Any]] = {}
+    for k, v in state.items():
+        if is_stateful(v):
+            resolved[k] = v.state_dict()
+            top[k] = {"stateful": True, "type": f"{type(v).__module__}.{type(v).__qualname__}"}
+        else:
+            resolved[k] = v
+            top[k] = {"stateful": False, "type": type(v).__name__}
+    flat, paths = flatten(resolved)
+    return flat, paths, top
+
+
+def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]:
+    """The flat ``{fqn: destination}`` DCP loads into, and the saved paths of those entries.
+
+    Raises:
+        StateMismatchError: a requested top-level key is not in the checkpoint, or a live tensor has a
+            different shape than the saved one.
+    """
+    saved_top: dict[str, list[str]] = {}
+    for fqn, e in manifest.entries.items():
+        tag, key = e.path[0]
+        saved_top.setdefault(str(key), []).append(fqn)
+    template: dict[str, Any] = {}
+    paths: dict[str, PathT] = {}
+    for k, obj in state.items():
+        if k not in saved_top:
+            raise StateMismatchError(
+                f"the checkpoint of step {manifest.step} has no state entry {k!r} (it holds "
+                f"{sorted(saved_top)}); remove {k!r} from the state passed to restore, or restore a checkpoint "
+                "saved with it"
+            )
+        live = obj.state_dict() if is_stateful(obj) else obj
+        live_flat, _ = flatten({k: live})
+        for fqn in saved_top[k]:
+            e = manifest.entries[fqn]
+            paths[fqn] = e.path
+            if isinstance(e, TensorEntry):
+                cur = live_flat.get(fqn)
+                if isinstance(cur, torch.Tensor):
+                    if tuple(cur.shape) != tuple(e.shape):
+                        raise StateMismatchError(
+                            f"{fqn!r}: checkpoint of step {manifest.step} has shape {tuple(e.shape)} but the live "
+                            f"tensor has {tuple(cur.shape)}; build the model with the configuration it was saved with"
+                        )
+                    template[fqn] = cur
+                else:
+                    template[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            else:
+                template[fqn] = None
+    return template, paths
+
+
+def apply(loaded_flat: Mapping[str, Any], paths: Mapping[str, PathT], state: MutableMapping[str, Any], step: int) -> None:
+    """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects, in-place updates of
+    dicts/lists, replacement of immutable values."""
+    nested = unflatten(loaded_flat, paths)
+    for k in list(state.keys()):
+        obj = state[k]
+        new = nested[k]
+        if is_stateful(obj):
+            try:
+                obj.load_state_dict(new)
+            except (RuntimeError, KeyError, ValueError, TypeError) as e:
+                raise StateMismatchError(
+                    f"{k}.load_state_dict() rejected the checkpoint of step {step}: {e}"
+                ) from e
+        elif isinstance(obj, torch.Tensor):
+            if new is not obj:
+                with torch.no_grad():
+                    obj.copy_(new)
+        elif isinstance(obj, (dict, list)):
+            _merge(obj, new, state, k)
+        else:
+            state[k] = new
+
+
+def _merge(live: Any, new: Any, parent: Any, key: Any) -> None:
+    if isinstance(live, dict) and isinstance(new, dict):
+        for kk, vv in new.items():
+            if kk in live and live[kk] is vv:
+                continue
+            if kk in live and isinstance(live[kk], (dict, list)):
+                _merge(live[kk], vv, live, kk)
+            else:
+                live[kk] = vv
+    elif isinstance(live, list) and isinstance(new, list) and len(live) == len(new):
+        for i, vv in enumerate(new):
+            if live[i] is vv:
+                continue
+            if isinstance(live[i], (dict, list)):
+                _merge(live[i], vv, live, i)
+            else:
+                live[i] = vv
+    else:
+        parent[key] = new

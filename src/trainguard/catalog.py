@@ -1,0 +1,157 @@
+"""Finding checkpoints under a run root and judging their status without reading chunk data.
+
+Status (docs/FORMAT.md "Validity"):
+- ``valid``: the manifest parses, its CRC32C matches, and every chunk it lists exists with the right length
+  (and no earlier full read found a CRC32C mismatch: see the ``corrupt.json`` marker).
+- ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a read found a chunk
+  whose CRC32C does not match (recorded in ``step-N/corrupt.json``).
+- ``incomplete``: a step directory without a manifest, or a save still in progress / killed
+  (``step-N.partial-*``) with no committed checkpoint of that step.
+
+Ordering is always by the step number, never by mtime or by name as text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._time import iso
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .format import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from .incremental.chunkstore import ChunkStore
+
+CORRUPT_MARKER = "corrupt.json"
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as listed by ``CheckpointManager.checkpoints()`` and ``trainguard ls``.
+
+    Attributes:
+        step: the training step.
+        status: ``"valid"``, ``"corrupt"`` or ``"incomplete"``.
+        bytes: bytes of chunk data it references (for incomplete ones: bytes written so far).
+        time: commit time, ISO 8601 UTC (for incomplete ones: directory mtime); None if unknown.
+        t: the same as seconds since the epoch.
+        problem: why it is not valid (None when valid).
+        path: the step directory.
+    """
+
+    step: int
+    status: str
+    bytes: int
+    time: str | None
+    t: float | None
+    problem: str | None
+    path: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "status": self.status, "bytes": self.bytes, "time": self.time,
+                "problem": self.problem}
+
+
+def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, list[Path]]]:
+    """Committed-or-not step directories and partial directories, keyed by step (cheap: one listdir)."""
+    steps: dict[int, Path] = {}
+    partials: dict[int, list[Path]] = {}
+    r = Path(root)
+    if not r.is_dir():
+        return steps, partials
+    for entry in os.scandir(r):
+        parsed = parse_step_dir(entry.name)
+        if parsed is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        step, is_partial = parsed
+        if is_partial:
+            partials.setdefault(step, []).append(Path(entry.path))
+        else:
+            steps[step] = Path(entry.path)
+    return steps, partials
+
+
+def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
+    """Parse and validate the manifest of ``step``.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint of that step.
+        CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged or unsafe.
+    """
+    d = Path(root) / step_dir_name(step)
+    p = d / MANIFEST_NAME
+    if p.is_symlink():
+        raise CorruptCheckpointError(f"manifest of step {step} is a symlink; refusing to follow it", step=step)
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
+        ) from None
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step)
+    m = manifest_from_json(p.read_bytes(), root=str(root), expect_step=step)
+    return m
+
+
+def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+    p = Path(root) / step_dir_name(step) / CORRUPT_MARKER
+    try:
+        data = json.loads(p.read_text())
+        return data if isinstance(data, dict) else {"problem": "corrupt"}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"problem": "corrupt (unreadable marker)"}
+
+
+def inspect_step(root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore) -> tuple[CheckpointInfo, Manifest | None]:
+    """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data)."""
+    if not (path / MANIFEST_NAME).exists():
+        return _incomplete(step, path, "no manifest (the save did not commit)"), None
+    try:
+        m = read_manifest(root, step)
+    except CorruptCheckpointError as e:
+        t = path.stat().st_mtime
+        return CheckpointInfo(step, "corrupt", 0, iso(t), t, str(e), str(path)), None
+    problem = None
+    for rec in m.chunks.values():
+        bad = store.check_present(rec)
+        if bad is not None:
+            problem = f"chunk {rec.path} {bad}"
+            break
+    if problem is None:
+        marker = corrupt_marker(root, step)
+        if marker is not None:
+            problem = str(marker.get("problem", "corrupt"))
+    status = "valid" if problem is None else "corrupt"
+    return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path)), m
+
+
+def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:
+    size = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                size += os.stat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    try:
+        t: float | None = path.stat().st_mtime
+    except OSError:
+        t = None
+    return CheckpointInfo(step, "incomplete", size, iso(t) if t else None, t, problem, str(path))
+
+
+def scan(root: str | os.PathLike[str], store: ChunkStore | None = None) -> list[CheckpointInfo]:
+    """Every checkpoint under ``root`` with its status, ascending by step."""
+    store = store or ChunkStore(root)
+    steps, partials = step_dirs(root)
+    out = [inspect_step(root, s, p, store)[0] for s, p in steps.items()]
+    for s, ps in partials.items():
+        if s not in steps:
+            out.append(_incomplete(s, ps[0], "save in progress or killed before commit"))
+    out.sort(key=lambda i: i.step)
+    return out

@@ -1,0 +1,32 @@
+"""Entry point of the ``trainguard`` console script.
+
+Exit codes shared by every command: 0 ok, 1 a check failed, 2 usage error (bad option or input).
+``trainguard run`` has its own documented codes (see ``trainguard run --help``).
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="trainguard")
+def main() -> None:
+    """trainguard: fast, verified, resumable checkpoints for PyTorch training jobs."""
+
+
+def _register() -> None:
+    # Each command module registers itself on `main`; a module that is not there yet is skipped.
+    import importlib
+
+    for mod in ("inspect", "plan", "run", "demo"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as e:  # pragma: no cover - only while a command is being built
+            if e.name != f"{__package__}.{mod}":
+                raise
+
+
+_register()

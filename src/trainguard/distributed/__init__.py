@@ -1,0 +1,19 @@
+"""DCP extension points onto trainguard's format: planners, StorageWriter and StorageReader.
+
+Call sequence (torch ``distributed/checkpoint/storage.py``), every rank unless noted:
+
+Save: ``TrainguardSavePlanner.set_up_planner`` -> ``TrainguardWriter.set_up_storage_writer`` ->
+``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``write_data`` (each rank writes and fsyncs
+its own chunks) -> (coordinator, only after every rank's ``write_data`` succeeded) ``finish``, which publishes
+the manifest: the commit.
+
+Load: ``TrainguardReader.read_metadata`` (from our JSON manifest, never DCP's pickled ``.metadata``) ->
+``TrainguardLoadPlanner.set_up_planner`` -> ``read_data`` (each chunk's CRC32C checked as it is read; values
+decoded by :mod:`trainguard.state.values`, never ``weights_only=False``).
+"""
+
+from .planner import TrainguardLoadPlanner, TrainguardSavePlanner
+from .reader import TrainguardReader
+from .writer import TrainguardWriter
+
+__all__ = ["TrainguardLoadPlanner", "TrainguardReader", "TrainguardSavePlanner", "TrainguardWriter"]

@@ -1,0 +1,196 @@
+"""``TrainguardWriter``: a DCP ``StorageWriter`` that stores each rank's items as content-addressed chunks.
+
+Tensors of at least ``pack_threshold_bytes`` get chunks of their own (split every ``chunk_size_bytes``), so an
+unchanged tensor maps to the same chunk in the next checkpoint and is not written again. Smaller tensors and
+values are packed together into shared chunks. Strictly-JSON values of up to ``inline_value_bytes`` go into the
+manifest itself. Every chunk is fsynced before ``write_data`` returns; the manifest is published by the
+``commit`` callback in ``finish``, on the coordinator only, after all ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future as _CFuture, ThreadPoolExecutor
+
+from torch.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ..incremental.chunkstore import ChunkStore
+from ..state.values import TAG_JSON
+
+CommitFn = Callable[[Metadata, list[list[WriteResult]]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterOptions:
+    """Chunking of a save. Units in bytes; ``threads`` writer threads per rank."""
+
+    chunk_size_bytes: int = 64 << 20
+    pack_threshold_bytes: int = 1 << 20
+    inline_value_bytes: int = 16 << 10
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_size_bytes < 4096:
+            raise ValueError(f"chunk_size_bytes must be >= 4096, got {self.chunk_size_bytes}")
+        if not 0 <= self.pack_threshold_bytes <= self.chunk_size_bytes:
+            raise ValueError("pack_threshold_bytes must be between 0 and chunk_size_bytes")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Bytes of ``t`` in C order (a contiguous CPU copy only when needed: views store only their elements)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class TrainguardWriter(StorageWriter):
+    """StorageWriter for one save. Built by the manager per save.
+
+    Args:
+        store: the run's chunk store.
+        tmp_dir: this save's partial directory (temporary chunk files).
+        commit: called by ``finish`` on the coordinator with DCP's metadata and every rank's results.
+        options: chunking options.
+        step: the step being saved (for error messages).
+    """
+
+    def __init__(self, store: ChunkStore, tmp_dir: Path, commit: CommitFn, options: WriterOptions, step: int) -> None:
+        super().__init__()
+        self.store = store
+        self.tmp_dir = tmp_dir
+        self.commit = commit
+        self.options = options
+        self.step = step
+        self.rank = 0
+        self.is_coordinator = True
+        self.hashes: list[str] = []  # pinned chunk hashes of this rank; the manager unpins after commit/fail
+        self.bytes_written = 0
+        self.bytes_total = 0
+        self._lock = threading.Lock()
+
+    # -- DCP protocol -------------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        return None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            fut.set_result(self._write_all(plan, planner))
+        except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
+            fut.set_exception(e)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.commit(metadata, results)
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def _put(self, view: memoryview) -> tuple[str, dict[str, Any]]:
+        rec, written = self.store.put(view, self.tmp_dir, step=self.step)
+        with self._lock:
+            self.hashes.append(rec.hash)
+            self.bytes_written += rec.length if written else 0
+            self.bytes_total += rec.length
+        return rec.hash, {"length": rec.length, "crc32c": rec.crc32c, "codec": rec.codec}
+
+    def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        opts = self.options
+        results: list[WriteResult] = []
+        pack: list[tuple[Any, memoryview, str | None]] = []  # (item, bytes, codec for values)
+        pack_size = 0
+        futures: list[tuple[Any, _CFuture[list[tuple[str, dict[str, Any]]]], int]] = []
+        keep_alive: list[Any] = []  # tensors whose memory the views point into
+
+        def put_many(views: list[memoryview]) -> list[tuple[str, dict[str, Any]]]:
+            return [self._put(v) for v in views]
+
+        with ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="trainguard-write") as pool:
+
+            def flush_pack() -> None:
+                nonlocal pack, pack_size
+                if not pack:
+                    return
+                blob = bytearray(pack_size)
+                off = 0
+                placed = []
+                for item, view, codec in pack:
+                    blob[off : off + len(view)] = view
+                    placed.append((item, off, len(view), codec))
+                    off += len(view)
+                h, info = self._put(memoryview(blob))
+                for item, o, n, codec in placed:
+                    sd: dict[str, Any] = {"segments": [[h, o, n]], "chunks": {h: info}}
+                    if codec is not None:
+                        sd["codec"] = codec
+                    results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=sd))
+                pack, pack_size = [], 0
+
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    payload = data.getvalue()
+                    if payload[:1] == TAG_JSON and len(payload) <= opts.inline_value_bytes:
+                        value = json.loads(payload[1:])
+                        results.append(WriteResult(index=item.index, size_in_bytes=0,
+                                                   storage_data={"codec": "json", "value": value}))
+                        continue
+                    codec = "json" if payload[:1] == TAG_JSON else "torch"
+                    view = memoryview(payload)[1:]
+                else:
+                    codec = None
+                    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
+                    keep_alive.append(t)
+                    view = tensor_bytes(t)
+                    keep_alive.append(view)
+                n = len(view)
+                if n == 0:
+                    sd0: dict[str, Any] = {"segments": [], "chunks": {}}
+                    if codec is not None:
+                        sd0["codec"] = codec
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=sd0))
+                    continue
+                if codec is None and n >= max(opts.pack_threshold_bytes, 1):
+                    pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
+                    futures.append((item, pool.submit(put_many, pieces), n))
+                    continue
+                if pack_size + n > opts.chunk_size_bytes:
+                    flush_pack()
+                pack.append((item, view, codec))
+                pack_size += n
+            flush_pack()
+            for item, fut, n in futures:
+                parts = fut.result()
+                segs = [[h, 0, info["length"]] for h, info in parts]
+                results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                           storage_data={"segments": segs, "chunks": dict(parts)}))
+        self.store.sync()
+        return results

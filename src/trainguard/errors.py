@@ -1,0 +1,88 @@
+"""Exception hierarchy.
+
+Every error trainguard raises derives from :class:`TrainguardError`; where a built-in exception has the same
+meaning, the subclass inherits it too, so ``except FileNotFoundError`` keeps working. Messages name the
+problem and the fix.
+"""
+
+from __future__ import annotations
+
+
+class TrainguardError(Exception):
+    """Root of every trainguard error."""
+
+
+class ConfigError(TrainguardError, ValueError):
+    """A setting or argument is invalid (bad unit, negative interval, unknown option)."""
+
+
+class CheckpointNotFoundError(TrainguardError, FileNotFoundError):
+    """The requested step has no committed checkpoint under the run root."""
+
+
+class NoValidCheckpointError(TrainguardError):
+    """Checkpoints exist under the run root but none of them is valid.
+
+    Raised by ``restore_latest`` instead of silently starting from scratch.
+    """
+
+
+class CorruptCheckpointError(TrainguardError):
+    """A checkpoint failed an integrity check (manifest, chunk length or CRC32C, unsafe content).
+
+    Attributes:
+        step: the step of the checkpoint, when known.
+        chunk: the relative path of the corrupt chunk, when the problem is in one chunk.
+        tensors: fully qualified names of the state entries stored in that chunk.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        chunk: str | None = None,
+        tensors: list[str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.chunk = chunk
+        self.tensors = list(tensors or [])
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A manifest points outside the run root or carries content that would execute code on load."""
+
+
+class CheckpointExistsError(TrainguardError, FileExistsError):
+    """A committed checkpoint already exists for this step; pass ``overwrite=True`` to replace it."""
+
+
+class RootLockedError(TrainguardError):
+    """Another process holds the write lock of this run root (a second writer would corrupt it)."""
+
+
+class StateMismatchError(TrainguardError, ValueError):
+    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure)."""
+
+
+class SaveError(TrainguardError):
+    """A save failed; no checkpoint was committed and every earlier checkpoint is intact.
+
+    Attributes:
+        step: the step that failed to save.
+        rank_errors: mapping of rank to the exception raised there (one entry in a single process).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, rank_errors: dict[int, BaseException] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.rank_errors = dict(rank_errors or {})
+
+
+class StorageFullError(SaveError, OSError):
+    """The storage ran out of space (ENOSPC) during a save."""
+
+
+class TransientStorageError(TrainguardError, OSError):
+    """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""

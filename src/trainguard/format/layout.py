@@ -1,0 +1,82 @@
+"""Path layout of a run root and validation of paths read from a manifest.
+
+    <run root>/
+      chunks/<2 hex>/<content hash>        content-addressed chunks shared by the run's checkpoints
+      step-000001000/manifest.json         written last, atomically: its presence is the commit
+      step-000001000.partial-<nonce>/      a save in progress (temporary chunk files); never a checkpoint
+      events/                              the event log (JSON lines)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+from ..errors import UnsafeCheckpointError
+
+CHUNKS_DIR = "chunks"
+MANIFEST_NAME = "manifest.json"
+STEP_DIGITS = 9
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_PARTIAL_RE = re.compile(r"^step-(\d+)\.partial-([0-9a-zA-Z]+)$")
+_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def step_dir_name(step: int) -> str:
+    """``step-000001000`` for step 1000 (zero-padded to 9 digits; wider steps keep all their digits)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def partial_dir_name(step: int, nonce: str) -> str:
+    return f"{step_dir_name(step)}.partial-{nonce}"
+
+
+def parse_step_dir(name: str) -> tuple[int, bool] | None:
+    """Return ``(step, is_partial)`` for a step or partial directory name, else None.
+
+    Ordering of checkpoints always uses the returned integer, never the name as text.
+    """
+    m = _STEP_RE.match(name)
+    if m:
+        return int(m.group(1)), False
+    m = _PARTIAL_RE.match(name)
+    if m:
+        return int(m.group(1)), True
+    return None
+
+
+def chunk_relpath(content_hash: str) -> str:
+    """Relative path of a chunk: ``chunks/<first 2 hex>/<hash>``."""
+    if not _HASH_RE.match(content_hash):
+        raise UnsafeCheckpointError(f"invalid chunk hash {content_hash!r}: expected 32 lowercase hex digits")
+    return f"{CHUNKS_DIR}/{content_hash[:2]}/{content_hash}"
+
+
+def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> str:
+    """Check a path read from a manifest and return it unchanged.
+
+    A valid path is relative, uses ``/`` separators, has no empty, ``.`` or ``..`` components, no NUL or
+    backslash, and, when ``root`` is given, does not resolve (through symlinks) outside ``root``.
+
+    Raises:
+        UnsafeCheckpointError: naming the path and the rule it breaks.
+    """
+    if not isinstance(rel, str) or not rel:
+        raise UnsafeCheckpointError(f"manifest path {rel!r} is not a non-empty string")
+    if "\x00" in rel or "\\" in rel:
+        raise UnsafeCheckpointError(f"manifest path {rel!r} contains a NUL or backslash")
+    if rel.startswith("/") or PurePosixPath(rel).is_absolute() or re.match(r"^[A-Za-z]:", rel):
+        raise UnsafeCheckpointError(f"manifest path {rel!r} is absolute; only paths inside the run root are allowed")
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafeCheckpointError(f"manifest path {rel!r} has an empty, '.' or '..' component")
+    if root is not None:
+        root_real = Path(os.path.realpath(root))
+        full = Path(os.path.realpath(Path(root) / rel))
+        if full != root_real and root_real not in full.parents:
+            raise UnsafeCheckpointError(f"manifest path {rel!r} resolves outside the run root (symlink?)")
+    return rel

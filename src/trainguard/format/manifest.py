@@ -1,0 +1,360 @@
+"""Manifest records and their JSON form (format version 1; docs/FORMAT.md is the contract).
+
+A manifest describes one committed checkpoint: every state entry (tensor or value) by fully qualified name
+(FQN), the path that rebuilds the nested state, and for tensors the dtype, global shape and each saved shard's
+global offsets and sizes (as DCP's metadata does, so a later load can reshard). Tensor bytes and large values
+live in content-addressed chunks; every chunk has its length, CRC32C and codec in the manifest. The manifest
+carries a CRC32C of its own canonical JSON so a flipped bit in it is detected too.
+
+Parsing is defensive: any wrong type, absurd length or unsafe path raises CorruptCheckpointError /
+UnsafeCheckpointError, never an arbitrary exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .layout import chunk_relpath, validate_relpath
+
+FORMAT_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: anything larger in a manifest is corrupt or malicious
+MAX_NDIM = 64
+CODECS = ("raw",)
+VALUE_CODECS = ("json", "torch")
+
+# dtype names on disk <-> torch dtypes are resolved in trainguard.state.dtypes (this module stays torch-free).
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk file: ``path`` relative to the run root, stored ``length`` in bytes, ``crc32c`` of the stored
+    bytes (unsigned 32-bit), ``codec`` used to store it ("raw")."""
+
+    hash: str
+    path: str
+    length: int
+    crc32c: int
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range ``[offset, offset + length)`` of the chunk with content hash ``chunk``."""
+
+    chunk: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One saved shard of a tensor: global ``offsets`` and ``sizes`` (elements per dim), and the segments
+    that hold its bytes, in order (C-contiguous, native little-endian)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor in the state: ``dtype`` name (e.g. "bfloat16"), global ``shape``, and its shards."""
+
+    fqn: str
+    path: tuple[Any, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardRecord, ...]
+    kind: str = field(default="tensor", init=False)
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A non-tensor value: inline JSON (``value``) or bytes in ``segments`` decoded by ``codec``
+    ("json", or "torch" = ``torch.load(weights_only=True)``)."""
+
+    fqn: str
+    path: tuple[Any, ...]
+    codec: str
+    value: Any = None
+    segments: tuple[Segment, ...] | None = None
+    kind: str = field(default="value", init=False)
+
+
+Entry = TensorEntry | ValueEntry
+
+
+@dataclass
+class Manifest:
+    """A committed checkpoint. ``t`` is seconds since the epoch; ``bytes`` the total of referenced chunk bytes."""
+
+    step: int
+    t: float
+    time: str
+    world_size: int
+    entries: dict[str, Entry]
+    chunks: dict[str, ChunkRecord]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    top_level: dict[str, dict[str, Any]] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.length for c in self.chunks.values())
+
+    def chunk_owners(self) -> dict[str, list[str]]:
+        """Map chunk hash -> FQNs of the entries with bytes in it."""
+        owners: dict[str, list[str]] = {h: [] for h in self.chunks}
+        for e in self.entries.values():
+            segs: list[Segment] = []
+            if isinstance(e, TensorEntry):
+                for sh in e.shards:
+                    segs.extend(sh.segments)
+            elif e.segments:
+                segs.extend(e.segments)
+            for s in segs:
+                lst = owners.setdefault(s.chunk, [])
+                if e.fqn not in lst:
+                    lst.append(e.fqn)
+        return owners
+
+
+# ----------------------------------------------------------------------------------------------------------
+# path elements: how a leaf's position in the nested state is written ("s": str key, "i": int key,
+# "l": list index, "t": tuple index)
+PATH_TAGS = ("s", "i", "l", "t")
+
+
+def _seg_to_json(s: Segment) -> list[Any]:
+    return [s.chunk, s.offset, s.length]
+
+
+def _entry_to_json(e: Entry) -> dict[str, Any]:
+    if isinstance(e, TensorEntry):
+        return {
+            "kind": "tensor",
+            "path": [list(p) for p in e.path],
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "shards": [
+                {"offsets": list(s.offsets), "sizes": list(s.sizes), "segments": [_seg_to_json(x) for x in s.segments]}
+                for s in e.shards
+            ],
+        }
+    d: dict[str, Any] = {"kind": "value", "path": [list(p) for p in e.path], "codec": e.codec}
+    if e.segments is None:
+        d["value"] = e.value
+    else:
+        d["segments"] = [_seg_to_json(x) for x in e.segments]
+    return d
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def manifest_to_json(m: Manifest) -> bytes:
+    """Serialize to UTF-8 JSON bytes with a ``crc32c`` field over the canonical form of everything else."""
+    body: dict[str, Any] = {
+        "format_version": m.format_version,
+        "step": m.step,
+        "t": m.t,
+        "time": m.time,
+        "world_size": m.world_size,
+        "metrics": _jsonable(m.metrics),
+        "metadata": _jsonable(m.metadata),
+        "top_level": m.top_level,
+        "chunks": {
+            h: {"path": c.path, "length": c.length, "crc32c": c.crc32c, "codec": c.codec} for h, c in m.chunks.items()
+        },
+        "entries": {fqn: _entry_to_json(e) for fqn, e in m.entries.items()},
+    }
+    body["crc32c"] = _crc32c.crc32c(_canonical(body))
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _jsonable(x: Any) -> Any:
+    """Metrics and user metadata: floats that are NaN/Inf become strings, unknown objects become repr."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else repr(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    item = getattr(x, "item", None)  # 0-dim tensors and numpy scalars
+    if callable(item):
+        try:
+            return _jsonable(item())
+        except Exception:  # noqa: BLE001 - metadata is best effort, the save must not fail on it
+            pass
+    return repr(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+def _bad(msg: str, step: int | None = None) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"corrupt manifest: {msg}", step=step)
+
+
+def _int(x: Any, what: str, lo: int = 0, hi: int = MAX_CHUNK_BYTES) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise _bad(f"{what} must be an integer, got {type(x).__name__}")
+    if not lo <= x <= hi:
+        raise _bad(f"{what}={x} is out of range [{lo}, {hi}]")
+    return x
+
+
+def _seg(x: Any, chunks: dict[str, ChunkRecord], what: str) -> Segment:
+    if not isinstance(x, list) or len(x) != 3 or not isinstance(x[0], str):
+        raise _bad(f"{what}: a segment must be [chunk, offset, length]")
+    c = chunks.get(x[0])
+    if c is None:
+        raise _bad(f"{what}: segment names chunk {x[0]!r} that is not in the chunk table")
+    off = _int(x[1], f"{what} offset")
+    ln = _int(x[2], f"{what} length")
+    if off + ln > c.length:
+        raise _bad(f"{what}: segment [{off}, {off + ln}) runs past the end of chunk {x[0]} ({c.length} bytes)")
+    return Segment(x[0], off, ln)
+
+
+def _path(x: Any, what: str) -> tuple[Any, ...]:
+    if not isinstance(x, list) or not x:
+        raise _bad(f"{what}: path must be a non-empty list")
+    out = []
+    for el in x:
+        if not isinstance(el, list) or len(el) != 2 or el[0] not in PATH_TAGS:
+            raise _bad(f"{what}: bad path element {el!r}")
+        tag, v = el
+        if tag == "s" and not isinstance(v, str):
+            raise _bad(f"{what}: path key must be a string")
+        if tag != "s":
+            _int(v, f"{what} path index", 0, 1 << 40)
+        out.append((tag, v))
+    return tuple(out)
+
+
+def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int | None = None) -> Manifest:
+    """Parse and validate manifest bytes.
+
+    Args:
+        data: the manifest file's bytes.
+        root: the run root; when given, chunk paths are also checked not to resolve outside it.
+        expect_step: the step the directory name says; a mismatch is corruption.
+
+    Raises:
+        CorruptCheckpointError: bad JSON, a wrong type or range, a CRC32C mismatch.
+        UnsafeCheckpointError: a chunk path that is absolute, has ``..``, or escapes the root.
+    """
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(f"not valid JSON ({e})", expect_step) from None
+    if not isinstance(body, dict):
+        raise _bad("top level is not an object", expect_step)
+    version = body.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest format_version {version!r} is not supported by this trainguard (reads {FORMAT_VERSION}); "
+            "upgrade trainguard to read it",
+            step=expect_step,
+        )
+    crc = body.pop("crc32c", None)
+    try:
+        actual = _crc32c.crc32c(_canonical(body))
+    except (TypeError, ValueError) as e:
+        raise _bad(f"unserializable content ({e})", expect_step) from None
+    if crc != actual:
+        raise _bad(f"manifest CRC32C mismatch (stored {crc!r}, computed {actual})", expect_step)
+    step = _int(body.get("step"), "step", 0, 1 << 62)
+    if expect_step is not None and step != expect_step:
+        raise _bad(f"manifest says step {step} but lives in the directory of step {expect_step}", expect_step)
+    chunks: dict[str, ChunkRecord] = {}
+    raw_chunks = body.get("chunks")
+    if not isinstance(raw_chunks, dict):
+        raise _bad("chunks must be an object", step)
+    for h, c in raw_chunks.items():
+        if not isinstance(c, dict):
+            raise _bad(f"chunk {h!r} must be an object", step)
+        expected_path = chunk_relpath(h)  # validates the hash itself
+        path = validate_relpath(c.get("path"), root)  # type: ignore[arg-type]
+        if path != expected_path:
+            raise UnsafeCheckpointError(f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}")
+        codec = c.get("codec")
+        if codec not in CODECS:
+            raise _bad(f"chunk {h} has unknown codec {codec!r}", step)
+        chunks[h] = ChunkRecord(h, path, _int(c.get("length"), f"chunk {h} length"),
+                                _int(c.get("crc32c"), f"chunk {h} crc32c", 0, 0xFFFFFFFF), codec)
+    entries: dict[str, Entry] = {}
+    raw_entries = body.get("entries")
+    if not isinstance(raw_entries, dict):
+        raise _bad("entries must be an object", step)
+    for fqn, e in raw_entries.items():
+        if not isinstance(e, dict):
+            raise _bad(f"entry {fqn!r} must be an object", step)
+        path = _path(e.get("path"), fqn)
+        kind = e.get("kind")
+        if kind == "tensor":
+            dtype = e.get("dtype")
+            if not isinstance(dtype, str):
+                raise _bad(f"{fqn}: dtype must be a string", step)
+            shape_raw = e.get("shape")
+            if not isinstance(shape_raw, list) or len(shape_raw) > MAX_NDIM:
+                raise _bad(f"{fqn}: shape must be a list of at most {MAX_NDIM} ints", step)
+            shape = tuple(_int(s, f"{fqn} shape", 0, 1 << 48) for s in shape_raw)
+            shards = []
+            raw_shards = e.get("shards")
+            if not isinstance(raw_shards, list):
+                raise _bad(f"{fqn}: shards must be a list", step)
+            for sh in raw_shards:
+                if not isinstance(sh, dict):
+                    raise _bad(f"{fqn}: shard must be an object", step)
+                offs, sizes = sh.get("offsets"), sh.get("sizes")
+                if not isinstance(offs, list) or not isinstance(sizes, list) or len(offs) != len(shape) or len(sizes) != len(shape):
+                    raise _bad(f"{fqn}: shard offsets/sizes must be lists of {len(shape)} ints", step)
+                o = tuple(_int(v, f"{fqn} offset", 0, 1 << 48) for v in offs)
+                z = tuple(_int(v, f"{fqn} size", 0, 1 << 48) for v in sizes)
+                if any(a + b > s for a, b, s in zip(o, z, shape)):
+                    raise _bad(f"{fqn}: shard {o}+{z} lies outside the shape {shape}", step)
+                segs_raw = sh.get("segments")
+                if not isinstance(segs_raw, list):
+                    raise _bad(f"{fqn}: segments must be a list", step)
+                segs = tuple(_seg(s, chunks, fqn) for s in segs_raw)
+                shards.append(ShardRecord(o, z, segs))
+            entries[fqn] = TensorEntry(fqn, path, dtype, shape, tuple(shards))
+        elif kind == "value":
+            codec = e.get("codec")
+            if codec not in VALUE_CODECS:
+                raise _bad(f"{fqn}: unknown value codec {codec!r}", step)
+            if "segments" in e:
+                if not isinstance(e["segments"], list):
+                    raise _bad(f"{fqn}: segments must be a list", step)
+                entries[fqn] = ValueEntry(fqn, path, codec, None, tuple(_seg(s, chunks, fqn) for s in e["segments"]))
+            else:
+                if codec != "json":
+                    raise _bad(f"{fqn}: an inline value must use the json codec", step)
+                entries[fqn] = ValueEntry(fqn, path, codec, e.get("value"), None)
+        else:
+            raise _bad(f"{fqn}: unknown entry kind {kind!r}", step)
+    t = body.get("t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise _bad("t must be a number", step)
+    ws = _int(body.get("world_size"), "world_size", 1, 1 << 24)
+    metrics = body.get("metrics") or {}
+    metadata = body.get("metadata") or {}
+    top = body.get("top_level") or {}
+    if not isinstance(metrics, dict) or not isinstance(metadata, dict) or not isinstance(top, dict):
+        raise _bad("metrics, metadata and top_level must be objects", step)
+    return Manifest(step=step, t=float(t), time=str(body.get("time", "")), world_size=ws, entries=entries,
+                    chunks=chunks, metrics=metrics, metadata=metadata, top_level=top, format_version=version)

@@ -1,0 +1,1 @@
+"""Integrity: CRC32C per chunk, the verify scrub."""

@@ -1,0 +1,315 @@
+"""Heartbeats from the job to the supervisor, and the job-side preemption flag.
+
+The channel is one small local file whose path the supervisor passes in ``TRAINGUARD_HEARTBEAT_FILE`` (a new
+file for every attempt, so a straggler of an earlier attempt can never look alive). The file is an array of
+fixed-size slots of :data:`RECORD_SIZE_BYTES` bytes, one per local rank (``LOCAL_RANK``, else 0); each process
+overwrites its own slot in place with ``os.pwrite``, so every rank of a ``torchrun`` job can beat into the same
+file without locking and the file never grows. A slot holds one ASCII line::
+
+    tg1 <step> <t> <pid> <first_step> <first_t> <crc32 of the text before it, 8 hex>
+
+``t`` is the wall time (seconds since the epoch) of the beat, ``first_*`` the first beat of that process. A
+reader that races a writer may see a torn slot; the CRC rejects it and the reader uses the other slots or
+the previous reading. The supervisor takes the newest slot.
+
+Cost: :func:`heartbeat` is one environment lookup when ``TRAINGUARD_HEARTBEAT_FILE`` is unset; when set it
+writes at most once per :data:`MIN_WRITE_INTERVAL_S` (about 1 us per call otherwise). A call inside that
+interval is remembered and written by the next call after it, at interpreter exit, or by
+:func:`exit_after_preemption_save`, so the recorded step lags the loop by at most 0.1 s while it runs. I/O
+errors are swallowed: a heartbeat never raises into the training loop.
+
+Preemption: :func:`install_preemption_handler` turns SIGTERM into a flag (:func:`preemption_requested`) that
+the ``CheckpointManager`` polls at each step boundary; after saving it calls
+:func:`exit_after_preemption_save`, which exits with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "stopped
+early, checkpoint saved, run me again").
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ..errors import ConfigError
+
+HEARTBEAT_FILE_ENV = "TRAINGUARD_HEARTBEAT_FILE"
+"""Environment variable holding the heartbeat file's path (set by the supervisor)."""
+
+RECORD_SIZE_BYTES = 128
+"""Size of one slot of the heartbeat file."""
+
+MAX_SLOTS = 4096
+"""Slots beyond this local rank wrap around (two processes sharing a slot only lose the older beat)."""
+
+MIN_WRITE_INTERVAL_S = 0.1
+"""Minimum time between two writes by one process (at most 10 writes per second)."""
+
+EXIT_PREEMPTED = 75
+"""Exit code of a job that stopped on a preemption request after saving a checkpoint (``EX_TEMPFAIL``).
+
+The supervisor never restarts after a stop it forwarded itself; otherwise it restarts the job (failure cause
+``"preempted"``), which resumes from the checkpoint just saved.
+"""
+
+_MAGIC = "tg1"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One slot of the heartbeat file.
+
+    Attributes:
+        step: the step of the latest recorded beat.
+        t: wall time of that beat (seconds since the epoch).
+        pid: the process that beat.
+        first_step: the step of that process's first beat.
+        first_t: wall time of that process's first beat (seconds since the epoch).
+        slot: the slot index (local rank).
+    """
+
+    step: int
+    t: float
+    pid: int
+    first_step: int
+    first_t: float
+    slot: int
+
+
+def _encode(step: int, t: float, pid: int, first_step: int, first_t: float) -> bytes | None:
+    body = f"{_MAGIC} {step} {t:.6f} {pid} {first_step} {first_t:.6f}"
+    line = f"{body} {zlib.crc32(body.encode('ascii')):08x}"
+    if len(line) >= RECORD_SIZE_BYTES:
+        return None  # an absurd step number; skip the beat rather than corrupt the neighbouring slot
+    return (line.ljust(RECORD_SIZE_BYTES - 1) + "\n").encode("ascii")
+
+
+def _decode(raw: bytes, slot: int) -> Heartbeat | None:
+    try:
+        parts = raw.decode("ascii").split()
+    except UnicodeDecodeError:
+        return None
+    if len(parts) != 7 or parts[0] != _MAGIC:
+        return None
+    body = " ".join(parts[:6])
+    try:
+        if int(parts[6], 16) != zlib.crc32(body.encode("ascii")):
+            return None  # torn by a concurrent write
+        return Heartbeat(
+            step=int(parts[1]),
+            t=float(parts[2]),
+            pid=int(parts[3]),
+            first_step=int(parts[4]),
+            first_t=float(parts[5]),
+            slot=slot,
+        )
+    except ValueError:
+        return None
+
+
+def _local_slot() -> int:
+    raw = os.environ.get("LOCAL_RANK", "0")
+    return int(raw) % MAX_SLOTS if raw.isdigit() else 0
+
+
+class _Beater:
+    """The per-process writer behind :func:`heartbeat`. Thread-safe; re-created in a forked child."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._path: str | None = None
+        self._fd = -1
+        self._slot = 0
+        self._retry_open_after = 0.0  # monotonic seconds
+        self._last_write = float("-inf")  # monotonic seconds
+        self._first: tuple[int, float] | None = None
+        self._pending: tuple[int, float] | None = None
+
+    def beat(self, path: str, step: int) -> None:
+        now = time.monotonic()
+        t = time.time()
+        with self._lock:
+            if path != self._path:
+                self._switch(path)
+            if self._first is None:
+                self._first = (step, t)
+            if now - self._last_write < MIN_WRITE_INTERVAL_S:
+                self._pending = (step, t)
+                return
+            self._write(step, t, now)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self._write(*self._pending, time.monotonic())
+
+    def _switch(self, path: str) -> None:
+        self._close()
+        self._path = path
+        self._slot = _local_slot()
+        self._retry_open_after = 0.0
+        self._last_write = float("-inf")
+        self._first = None
+        self._pending = None
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = -1
+
+    def _write(self, step: int, t: float, now: float) -> None:
+        self._pending = None
+        self._last_write = now
+        if self._path is None or self._first is None:
+            return
+        if self._fd < 0:
+            if now < self._retry_open_after:
+                return
+            try:
+                self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError:
+                self._retry_open_after = now + 1.0  # a missing directory must not cost a syscall per step
+                return
+        record = _encode(step, t, self._pid, self._first[0], self._first[1])
+        if record is None:
+            return
+        try:
+            os.pwrite(self._fd, record, self._slot * RECORD_SIZE_BYTES)
+        except OSError:
+            self._close()
+            self._retry_open_after = now + 1.0
+
+
+_beater = _Beater()
+
+
+def _reset_after_fork() -> None:
+    # A child (DataLoader worker, ...) must not inherit the parent's lock state, fd position or first beat.
+    global _beater
+    _beater = _Beater()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+atexit.register(lambda: _beater.flush())
+
+
+def heartbeat(step: int) -> None:
+    """Tell the supervisor that the job is alive and at ``step``.
+
+    ``CheckpointManager.maybe_save`` calls this on every step; call it yourself in loops that do not use the
+    manager (once per step is right). A no-op unless the job runs under ``trainguard run``.
+
+    Args:
+        step: the training step just completed (an int, or anything ``int()`` accepts).
+    """
+    path = os.environ.get(HEARTBEAT_FILE_ENV)
+    if not path:
+        return
+    _beater.beat(path, int(step))
+
+
+def flush_heartbeat() -> None:
+    """Write a beat held back by the rate limit now (done automatically at interpreter exit)."""
+    _beater.flush()
+
+
+def read_heartbeats(path: str | os.PathLike[str]) -> list[Heartbeat]:
+    """Return every valid slot of a heartbeat file (empty when the file is missing or unreadable).
+
+    Args:
+        path: the heartbeat file.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return []
+    beats = []
+    for slot in range(min(len(data) // RECORD_SIZE_BYTES, MAX_SLOTS)):
+        raw = data[slot * RECORD_SIZE_BYTES : (slot + 1) * RECORD_SIZE_BYTES]
+        if raw.strip(b"\0 \n"):
+            hb = _decode(raw, slot)
+            if hb is not None:
+                beats.append(hb)
+    return beats
+
+
+def read_heartbeat(path: str | os.PathLike[str]) -> tuple[int, float] | None:
+    """Return ``(step, t)`` of the newest beat in a heartbeat file, or None when there is none yet.
+
+    Args:
+        path: the heartbeat file.
+
+    Returns:
+        The step and wall time (seconds since the epoch) of the most recent beat of any rank.
+    """
+    beats = read_heartbeats(path)
+    if not beats:
+        return None
+    newest = max(beats, key=lambda b: b.t)
+    return newest.step, newest.t
+
+
+# --- preemption ---------------------------------------------------------------------------------------------
+
+_preempted = threading.Event()
+_previous_handlers: dict[int, Any] = {}
+
+
+def _on_preemption_signal(signum: int, frame: object) -> None:
+    # Only set a flag: the save happens at the next step boundary, outside the signal handler. A second
+    # SIGTERM (torchrun forwards one, the supervisor signals the whole group) is deliberately not fatal.
+    _preempted.set()
+
+
+def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    """Make SIGTERM set the preemption flag instead of killing the process.
+
+    Idempotent. Call from the main thread (Python runs signal handlers there), before the training loop.
+
+    Args:
+        signals: the signals to catch (default SIGTERM only; SIGINT keeps raising KeyboardInterrupt).
+
+    Raises:
+        ConfigError: when called outside the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise ConfigError(
+            "install_preemption_handler() must run in the main thread (Python delivers signals there); "
+            "create the CheckpointManager with save_on_preemption=True in the main thread"
+        )
+    for sig in signals:
+        previous = signal.signal(sig, _on_preemption_signal)
+        if previous is not _on_preemption_signal:
+            _previous_handlers[int(sig)] = previous
+
+
+def uninstall_preemption_handler() -> None:
+    """Restore the handlers replaced by :func:`install_preemption_handler` and clear the flag."""
+    for sig, previous in list(_previous_handlers.items()):
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        del _previous_handlers[sig]
+    _preempted.clear()
+
+
+def preemption_requested() -> bool:
+    """Return True once a preemption signal arrived (cheap: safe to call every step, from any thread)."""
+    return _preempted.is_set()
+
+
+def exit_after_preemption_save() -> NoReturn:
+    """Exit the job after the preemption checkpoint is committed, with :data:`EXIT_PREEMPTED`.
+
+    Flushes the pending heartbeat first so the supervisor sees the final step. Raises ``SystemExit``, so
+    ``finally`` blocks and ``atexit`` handlers still run.
+    """
+    flush_heartbeat()
+    raise SystemExit(EXIT_PREEMPTED)

@@ -1,0 +1,568 @@
+"""The recovery supervisor behind ``trainguard run``: launch, watch, kill, relaunch.
+
+The supervisor runs COMMAND in its own process group (session), so one ``os.killpg`` reaches every process
+it spawned (``torchrun`` and its workers, a shell and its children). Each attempt gets in its environment:
+
+- ``TRAINGUARD_RESTART_COUNT``: 0 for the first attempt, k for the k-th restart;
+- ``TRAINGUARD_RUN_ID``: the same for every attempt of one ``trainguard run``;
+- ``TRAINGUARD_HEARTBEAT_FILE``: a fresh per-attempt file (see :mod:`.heartbeat`);
+- ``TRAINGUARD_ROOT``: the run root (absolute) holding the event log.
+
+Failures: a non-zero exit (cause ``"exit"``), death by a signal (``"signal"``), no heartbeat for
+``heartbeat_timeout_s`` (``"hang"``: the group gets SIGTERM, then SIGKILL after ``grace_period_s``), or exit
+code 75 after a preemption save that the supervisor did not ask for (``"preempted"``). After a failure the
+supervisor relaunches COMMAND (the training script's own ``restore_latest`` finds the newest valid
+checkpoint), after a backoff that doubles while restarts make no progress and resets when one does.
+
+Progress is the heartbeat step: a restart made progress when its attempt reported a step above every earlier
+attempt's. An attempt that never beats makes no progress; the no-progress limit only applies once some
+attempt has beaten (a job that never calls the heartbeat is governed by ``max_restarts`` alone).
+
+SIGTERM and SIGINT sent to the supervisor are forwarded to the job's process group; the supervisor then
+waits up to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting.
+
+Exit codes (:data:`EXIT_CODES`): 0 the job exited 0; 2 usage error; 3 gave up after ``max_restarts``
+restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without progress; 127 COMMAND could
+not be started; 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
+
+Concurrency: one :meth:`Supervisor.run` at a time per object. Signals are forwarded only when ``run`` is
+called from the main thread (Python delivers signals there).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .events import EventLog
+from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, Heartbeat, read_heartbeats
+from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_MAX_RESTARTS = 3
+EXIT_NO_PROGRESS = 4
+EXIT_SPAWN_FAILED = 127
+EXIT_SIGNAL_BASE = 128
+
+EXIT_CODES: dict[str, str] = {
+    "0": "COMMAND exited 0 (possibly after restarts)",
+    "2": "usage error (no COMMAND, bad option)",
+    "3": "gave up: the job failed again after --max-restarts restarts",
+    "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance)",
+    "127": "COMMAND could not be started (not found or not executable)",
+    "128+N": "stopped by signal N, forwarded to the job, no restart (130 SIGINT, 143 SIGTERM)",
+}
+"""Exit codes of ``trainguard run``, documented in ``--help``."""
+
+RESTART_COUNT_ENV = "TRAINGUARD_RESTART_COUNT"
+RUN_ID_ENV = "TRAINGUARD_RUN_ID"
+ROOT_ENV = "TRAINGUARD_ROOT"
+DEFAULT_ROOT = "trainguard-run"
+"""Run root when neither ``--root`` nor ``TRAINGUARD_ROOT`` is given (relative to the working directory)."""
+
+TAIL_INTERVAL_S = 0.5
+"""How often the event log is read while a recovery waits for the manager's events."""
+
+
+def default_root() -> Path:
+    """Return ``$TRAINGUARD_ROOT`` if set, else ``./trainguard-run``, as an absolute path."""
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT).absolute()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """Delay before a relaunch: ``min(max_s, initial_s * factor ** n)``, n = restarts in a row without progress.
+
+    Attributes:
+        initial_s: delay after a failure of an attempt that made progress (seconds, >= 0).
+        max_s: upper bound (seconds, >= initial_s).
+        factor: growth per restart without progress (>= 1).
+    """
+
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.initial_s >= 0:
+            raise ConfigError(f"backoff initial_s must be >= 0 seconds, got {self.initial_s}")
+        if not self.max_s >= self.initial_s:
+            raise ConfigError(f"backoff max_s ({self.max_s}) must be >= initial_s ({self.initial_s})")
+        if not self.factor >= 1:
+            raise ConfigError(f"backoff factor must be >= 1, got {self.factor}")
+
+    def delay_s(self, no_progress_streak: int) -> float:
+        """Return the delay (seconds) after ``no_progress_streak`` restarts in a row without progress."""
+        return min(self.max_s, self.initial_s * self.factor ** min(no_progress_streak, 64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    """Settings of a :class:`Supervisor`.
+
+    Attributes:
+        max_restarts: restarts allowed before giving up (0: never restart).
+        heartbeat_timeout_s: a job whose newest heartbeat is older than this is hung (seconds); None turns
+            hang detection off. Armed by the attempt's first heartbeat (startup is covered by
+            ``startup_timeout_s``).
+        startup_timeout_s: a job that has not beaten this long after its spawn is hung (seconds); None: no
+            limit on startup (imports, restore).
+        grace_period_s: SIGTERM to SIGKILL delay when killing a hung job or stopping (seconds).
+        backoff: the relaunch delay.
+        max_no_progress_restarts: give up after this many restarts in a row without progress (0: never).
+        root: run root for the event log; must be the job's checkpoint root for the TTR join. None:
+            :func:`default_root`.
+        poll_interval_s: how often the heartbeat file is read (seconds). Exits are noticed at once.
+        forward_signals: forward SIGTERM/SIGINT to the job (only possible from the main thread).
+        env: extra environment for the job.
+        run_id: the run id; None: generated (``YYYYmmdd-HHMMSS-<6 hex>``).
+    """
+
+    max_restarts: int = 10
+    heartbeat_timeout_s: float | None = None
+    startup_timeout_s: float | None = None
+    grace_period_s: float = 30.0
+    backoff: Backoff = field(default_factory=Backoff)
+    max_no_progress_restarts: int = 3
+    root: str | os.PathLike[str] | None = None
+    poll_interval_s: float = 0.1
+    forward_signals: bool = True
+    env: Mapping[str, str] = field(default_factory=dict)
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.max_no_progress_restarts, int) or self.max_no_progress_restarts < 0:
+            raise ConfigError(
+                f"max_no_progress_restarts must be an int >= 0 (0 turns it off), got {self.max_no_progress_restarts!r}"
+            )
+        for name in ("heartbeat_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds or None (off), got {value}")
+        if not self.grace_period_s >= 0:
+            raise ConfigError(f"grace_period_s must be >= 0 seconds, got {self.grace_period_s}")
+        if not 0 < self.poll_interval_s <= 60:
+            raise ConfigError(f"poll_interval_s must be in (0, 60] seconds, got {self.poll_interval_s}")
+        if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= self.poll_interval_s:
+            raise ConfigError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed poll_interval_s ({self.poll_interval_s})"
+            )
+
+
+class _Job:
+    """A running attempt; a waiter thread reaps it the instant it exits (no polling latency)."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], attempt: int, heartbeat_file: Path, t_spawn: float
+    ) -> None:
+        self.proc = proc
+        self.pgid = proc.pid  # start_new_session=True: the child leads its own group
+        self.attempt = attempt
+        self.heartbeat_file = heartbeat_file
+        self.t_spawn = t_spawn
+        self.done = threading.Event()
+        self.returncode: int | None = None
+        self.t_exit: float | None = None
+        self.forwarded = False
+        threading.Thread(target=self._wait, name=f"trainguard-wait-{proc.pid}", daemon=True).start()
+
+    def _wait(self) -> None:
+        rc = self.proc.wait()
+        self.t_exit = time.time()
+        self.returncode = rc
+        self.done.set()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    # Caveat: a member left as a zombie under a non-reaping PID 1 counts as alive; callers bound their wait.
+    return _signal_group(pgid, 0)
+
+
+def _new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+class Supervisor:
+    """Run a command, restart it on failure, and account for every recovery.
+
+    Args:
+        command: the program and its arguments (e.g. ``["torchrun", "--nproc-per-node", "8", "train.py"]``).
+        config: the settings; None: defaults.
+        echo: receives one-line progress messages (default: print to stderr).
+
+    Raises:
+        ConfigError: when ``command`` is empty.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        config: SupervisorConfig | None = None,
+        *,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
+        if not command:
+            raise ConfigError("no command to supervise; usage: trainguard run [OPTIONS] -- COMMAND [ARGS]...")
+        self.command = tuple(str(c) for c in command)
+        self.config = config or SupervisorConfig()
+        self.root = Path(self.config.root).absolute() if self.config.root is not None else default_root()
+        self.run_id = self.config.run_id or _new_run_id()
+        self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._stop_signal: int | None = None
+        self._stop_t: float | None = None
+        self._job: _Job | None = None
+        self._recoveries: list[RecoveryTiming] = []
+        self._attempts: list[Attempt] = []
+
+    # --- public ------------------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        """Supervise until the job succeeds, the limits are hit, or a stop signal arrives.
+
+        Returns:
+            The result; its ``exit_code`` is what ``trainguard run`` exits with.
+        """
+        self._log = EventLog(self.root, "supervisor")
+        self._log.set_context(run_id=self.run_id)
+        self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
+        self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
+        previous = self._install_signal_handlers()
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._log.close()
+            shutil.rmtree(self._hb_dir, ignore_errors=True)
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop as if ``signum`` had been received: forward it to the job and exit with 128 + signum.
+
+        A second request kills the job's process group with SIGKILL at once. Safe from a signal handler.
+        """
+        job = self._job
+        if self._stop_signal is not None:
+            if job is not None:
+                _signal_group(job.pgid, signal.SIGKILL)
+            return
+        self._stop_signal = int(signum)
+        self._stop_t = time.time()
+        if job is not None and not job.done.is_set():
+            job.forwarded = _signal_group(job.pgid, signum) or job.forwarded
+
+    # --- the loop ----------------------------------------------------------------------------------------
+
+    def _loop(self) -> RunResult:
+        cfg = self.config
+        self._log.write(
+            "supervisor_start", command=list(self.command), root=str(self.root), config=_config_fields(cfg)
+        )
+        best_step: int | None = None
+        no_progress = 0
+        pending: PendingRecovery | None = None
+        attempt = 0
+        while True:
+            if self._stop_signal is not None:
+                return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
+            job = self._spawn(attempt)
+            if job is None:
+                return self._finish("spawn_failed", "spawn_failed", EXIT_SPAWN_FAILED)
+            if pending is not None:
+                pending.t_spawn = job.t_spawn
+            result = self._watch(job, pending)
+            self._attempts.append(result)
+            if pending is not None and not pending.done:
+                self._record_recovery(pending)
+            pending = None
+            if result.outcome == "stopped":
+                return self._finish("stopped", signal.Signals(self._stop_signal or signal.SIGTERM).name, None)
+            if result.outcome == "success":
+                self._log.write(
+                    "success",
+                    attempt=attempt,
+                    restart_count=attempt,
+                    exit_code=0,
+                    last_step=result.last_step,
+                    runtime_s=result.t_end - result.t_start,
+                )
+                self._echo(f"[trainguard] attempt {attempt} succeeded (exit 0)")
+                return self._finish("succeeded", None, EXIT_OK)
+            progressed = result.last_step is not None and (best_step is None or result.last_step > best_step)
+            if progressed:
+                best_step = result.last_step
+            if attempt > 0:
+                no_progress = 0 if progressed else no_progress + 1
+            self._log.write(
+                "failure",
+                attempt=attempt,
+                restart_count=attempt,
+                cause=result.outcome,
+                exit_code=result.exit_code,
+                signal=result.signal,
+                last_step=result.last_step,
+                t_death=result.t_death,
+                detect_s=result.detect_s,
+                teardown_s=result.teardown_s,
+                runtime_s=result.t_end - result.t_start,
+                progressed=progressed,
+            )
+            how = f"signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
+            self._echo(
+                f"[trainguard] attempt {attempt} failed ({result.outcome}, {how}) at step {result.last_step}"
+            )
+            if self._stop_signal is not None:
+                return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
+            limit = cfg.max_no_progress_restarts
+            if limit and best_step is not None and no_progress >= limit:
+                return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
+            if attempt >= cfg.max_restarts:
+                return self._finish("gave_up", "max_restarts", EXIT_MAX_RESTARTS)
+            delay = cfg.backoff.delay_s(no_progress)
+            self._log.write("restart", attempt=attempt + 1, restart_count=attempt + 1, backoff_s=delay)
+            self._echo(f"[trainguard] restart {attempt + 1}/{cfg.max_restarts} in {delay:.2f} s")
+            slept = self._sleep(delay)
+            pending = PendingRecovery(
+                restart_count=attempt + 1,
+                t_death=result.t_death,
+                detect_s=result.detect_s,
+                teardown_s=result.teardown_s,
+                backoff_s=slept,
+                last_step=result.last_step,
+            )
+            attempt += 1
+
+    def _spawn(self, attempt: int) -> _Job | None:
+        hb_file = self._hb_dir / f"heartbeat-{attempt}"
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.update(
+            {
+                RESTART_COUNT_ENV: str(attempt),
+                RUN_ID_ENV: self.run_id,
+                HEARTBEAT_FILE_ENV: str(hb_file),
+                ROOT_ENV: str(self.root),
+            }
+        )
+        t_spawn = time.time()
+        try:
+            proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
+        except OSError as e:
+            self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=str(e))
+            self._echo(f"[trainguard] cannot start {self.command[0]!r}: {e}")
+            return None
+        job = _Job(proc, attempt, hb_file, t_spawn)
+        self._job = job
+        if self._stop_signal is not None and not job.forwarded:
+            job.forwarded = _signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
+        self._log.write(
+            "job_start",
+            attempt=attempt,
+            restart_count=attempt,
+            command=list(self.command),
+            pid=proc.pid,
+            t_spawn=t_spawn,
+            heartbeat_file=str(hb_file),
+        )
+        self._echo(f"[trainguard] attempt {attempt} started: pid {proc.pid}, run {self.run_id}")
+        return job
+
+    def _watch(self, job: _Job, pending: PendingRecovery | None) -> Attempt:
+        cfg = self.config
+        newest: Heartbeat | None = None
+        max_step: int | None = None
+        next_tail = 0.0
+        killed_for_stop = False
+        t_death: float | None = None
+        noticed = now = time.time()
+
+        def observe() -> None:
+            nonlocal newest, max_step
+            beats = read_heartbeats(job.heartbeat_file)
+            if not beats:
+                return
+            top = max(beats, key=lambda b: b.t)
+            if newest is None or top.t > newest.t:
+                newest = top
+            high = max(b.step for b in beats)
+            max_step = high if max_step is None else max(max_step, high)
+            if pending is not None and not pending.done:
+                pending.offer_heartbeats(beats)
+
+        while True:
+            exited = job.done.wait(cfg.poll_interval_s)
+            now = time.time()
+            observe()
+            if pending is not None and not pending.done and (exited or time.monotonic() >= next_tail):
+                next_tail = time.monotonic() + TAIL_INTERVAL_S
+                for rec in self._tail.poll():
+                    pending.offer(rec)
+                if pending.ready(now):
+                    self._record_recovery(pending)
+            if exited:
+                break
+            if self._stop_signal is not None:
+                if not job.forwarded:
+                    job.forwarded = _signal_group(job.pgid, self._stop_signal)
+                if not killed_for_stop and now - (self._stop_t or now) > cfg.grace_period_s:
+                    self._echo("[trainguard] job still running after the grace period: SIGKILL")
+                    _signal_group(job.pgid, signal.SIGKILL)
+                    killed_for_stop = True
+                continue
+            hang = self._hang_reference(job, newest)
+            if hang is not None and now - hang[0] > hang[1]:
+                self._echo(
+                    f"[trainguard] attempt {job.attempt}: no heartbeat for {now - hang[0]:.1f} s "
+                    f"(limit {hang[1]:g} s): killing process group {job.pgid}"
+                )
+                t_death, noticed = hang[0], now
+                self._terminate(job)
+                break
+        hung = t_death is not None
+        if t_death is None:
+            noticed = time.time()
+            t_death = job.t_exit or noticed
+        observe()  # the beat flushed at exit
+        rc = job.returncode if job.returncode is not None else -signal.SIGKILL
+        if hung:
+            outcome = "hang"
+        elif self._stop_signal is not None and (rc != 0 or (self._stop_t or 0.0) <= t_death):
+            outcome = "stopped"  # a job that had already exited 0 before the stop still succeeded
+        elif rc == 0:
+            outcome = "success"
+        elif rc < 0:
+            outcome = "signal"
+        elif rc == EXIT_PREEMPTED:
+            outcome = "preempted"
+        else:
+            outcome = "exit"
+        if _group_alive(job.pgid):
+            # Leftovers (torchrun workers orphaned by a SIGKILLed agent) would hold GPUs and ports.
+            self._terminate(job)
+        return Attempt(
+            attempt=job.attempt,
+            pid=job.pgid,
+            t_start=job.t_spawn,
+            t_end=time.time(),
+            outcome=outcome,
+            exit_code=rc if rc >= 0 else None,
+            signal=_signal_name(rc),
+            last_step=max_step,
+            t_death=t_death,
+            detect_s=max(0.0, noticed - t_death),
+            teardown_s=time.time() - noticed,
+        )
+
+    def _hang_reference(self, job: _Job, newest: Heartbeat | None) -> tuple[float, float] | None:
+        """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
+        cfg = self.config
+        if newest is not None:
+            return (newest.t, cfg.heartbeat_timeout_s) if cfg.heartbeat_timeout_s is not None else None
+        if cfg.startup_timeout_s is not None:
+            return job.t_spawn, cfg.startup_timeout_s
+        return None
+
+    def _terminate(self, job: _Job) -> None:
+        """SIGTERM the job's group, SIGKILL it after the grace period, and wait (bounded) until it is gone."""
+        grace = self.config.grace_period_s
+        deadline = time.monotonic() + grace
+        _signal_group(job.pgid, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            if job.done.is_set() and not _group_alive(job.pgid):
+                return
+            time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+        _signal_group(job.pgid, signal.SIGKILL)
+        job.done.wait(5.0)
+        end = time.monotonic() + 1.0
+        while _group_alive(job.pgid) and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def _sleep(self, delay_s: float) -> float:
+        """Sleep up to ``delay_s`` seconds, waking early on a stop request; return the time slept."""
+        start = time.monotonic()
+        end = start + delay_s
+        while self._stop_signal is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, 0.05))
+        return time.monotonic() - start
+
+    def _record_recovery(self, pending: PendingRecovery) -> None:
+        timing = pending.finish()
+        self._recoveries.append(timing)
+        self._log.write("recovery", **timing.to_dict())
+        self._echo(f"[trainguard] {timing.describe()}")
+
+    def _finish(self, status: str, reason: str | None, exit_code: int | None) -> RunResult:
+        if status == "stopped":
+            signum = self._stop_signal or signal.SIGTERM
+            exit_code = EXIT_SIGNAL_BASE + signum
+            last = self._attempts[-1] if self._attempts else None
+            self._log.write(
+                "stop",
+                signal=signal.Signals(signum).name,
+                exit_code=exit_code,
+                job_exit_code=last.exit_code if last else None,
+                job_signal=last.signal if last else None,
+            )
+            self._echo(f"[trainguard] stopped by {signal.Signals(signum).name}: not restarting")
+        elif status in ("gave_up", "spawn_failed"):
+            self._log.write("give_up", reason=reason, exit_code=exit_code, attempts=len(self._attempts))
+            self._echo(f"[trainguard] giving up ({reason}): exit {exit_code}")
+        return RunResult(
+            exit_code=EXIT_SIGNAL_BASE if exit_code is None else exit_code,
+            status=status,
+            reason=reason,
+            run_id=self.run_id,
+            root=str(self.root),
+            command=self.command,
+            attempts=tuple(self._attempts),
+            recoveries=tuple(self._recoveries),
+        )
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if not self.config.forward_signals or threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        return previous
+
+
+def _signal_name(returncode: int | None) -> str | None:
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _config_fields(cfg: SupervisorConfig) -> dict[str, Any]:
+    fields = asdict(cfg)
+    fields["root"] = str(cfg.root) if cfg.root is not None else None
+    fields["env"] = sorted(cfg.env)  # names only: values may be secrets
+    return fields

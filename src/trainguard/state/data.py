@@ -1,0 +1,132 @@
+"""Resumable data order for a plain ``torch.utils.data.DataLoader``.
+
+The rule: the position saved is the number of samples of the current epoch *delivered to the training loop*
+(not what worker processes prefetched), and each epoch's order is a pure function of ``(seed, epoch)``. So a
+resumed run continues the epoch exactly where the loop left it, and later epochs are shuffled exactly as in an
+uninterrupted run, however many times it resumes and whatever ``num_workers`` is.
+
+torchdata's ``StatefulDataLoader`` is also supported as ordinary state (it has state_dict/load_state_dict); note
+the upstream behaviour documented in the README: with ``shuffle=True`` and a ``generator``, resuming mid-epoch
+continues that epoch correctly but shuffles the *following* epochs differently from an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..errors import ConfigError
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The sample order of ``epoch``: a permutation of ``range(n)`` (int64, shape [n]) from numpy's
+    SeedSequence of ``(seed, epoch)``, or ``arange(n)`` without shuffle."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch)]).permutation(n).astype(np.int64)
+
+
+class ResumableSampler(Sampler[int]):
+    """Yields the indices of epoch ``epoch`` from position ``start`` on.
+
+    Args:
+        num_samples: dataset length (> 0).
+        shuffle: shuffle each epoch (order from ``seed`` and the epoch number).
+        seed: the shuffle seed.
+        rank, world_size: when given, the sampler yields only this rank's share of every epoch (samples
+            ``start + rank, start + rank + world_size, ...`` of the global order), as DistributedSampler does
+            without padding.
+
+    State (``state_dict``): ``epoch`` and ``start`` (global samples of the epoch already consumed).
+    """
+
+    def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        if num_samples <= 0:
+            raise ConfigError(f"num_samples must be > 0, got {num_samples}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+        self.num_samples = int(num_samples)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        perm = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
+        return iter(perm[self.start + self.rank :: self.world_size].tolist())
+
+    def __len__(self) -> int:
+        remaining = self.num_samples - self.start - self.rank
+        return max(0, -(-remaining // self.world_size))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if int(sd["num_samples"]) != self.num_samples:
+            raise ConfigError(f"sampler state is for {sd['num_samples']} samples, this dataset has {self.num_samples}")
+        self.epoch, self.start, self.seed = int(sd["epoch"]), int(sd["start"]), int(sd["seed"])
+
+
+class ResumableLoader:
+    """A ``DataLoader`` whose position (epoch, samples consumed) is saved and restored exactly.
+
+    Iterating yields the rest of the current epoch; when an epoch is exhausted the next iteration starts the
+    next epoch. ``state_dict()`` counts only batches the loop received, so worker prefetching never shifts it.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per batch (per rank).
+        shuffle, seed: per-epoch order (see :func:`epoch_permutation`).
+        drop_last: drop the last incomplete batch of each epoch.
+        rank, world_size: shard every epoch across ranks (the global position is shared; resuming at another
+            world size continues the same global order, so no sample of the epoch is repeated or skipped).
+        **loader_kwargs: passed to DataLoader (num_workers, collate_fn, pin_memory, ...). Workers get a base seed
+            derived from ``(seed, epoch)`` so the global torch RNG is never drawn from by the loader.
+    """
+
+    def __init__(self, dataset: Dataset[Any], *, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1, **loader_kwargs: Any) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        for bad in ("sampler", "batch_sampler", "shuffle", "generator"):
+            if bad in loader_kwargs:
+                raise ConfigError(f"ResumableLoader sets {bad!r} itself; remove it from the arguments")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)  # type: ignore[arg-type]
+        self._gen = torch.Generator()
+        self.loader_kwargs = loader_kwargs
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        if len(s) == 0 or (self.drop_last and len(s) < self.batch_size):
+            s.epoch, s.start = s.epoch + 1, 0
+        self._gen.manual_seed((s.seed * 1_000_003 + s.epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=s, drop_last=self.drop_last,
+                            generator=self._gen, **self.loader_kwargs)
+        for batch in loader:
+            s.start = min(s.start + self.batch_size * s.world_size, s.num_samples)
+            yield batch
+        s.epoch, s.start = s.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(sd)

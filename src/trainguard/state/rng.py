@@ -1,0 +1,46 @@
+"""``RNGState``: every random number generator a training step draws from, as one Stateful object."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class RNGState:
+    """Captures and restores Python ``random``, numpy's global RNG, the torch CPU RNG and every CUDA device's RNG.
+
+    ``state_dict()`` returns tensors (uint8 torch states, int64 Mersenne Twister keys) and plain numbers, so the
+    state is stored without pickle. Restoring onto a machine with fewer CUDA devices than were saved restores
+    the devices that exist (and logs nothing: the rest cannot be used there anyway).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        out: dict[str, Any] = {
+            "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+            "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        py = sd["python"]
+        random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        n = sd["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
+                             float(n["cached_gaussian"])))
+        torch.set_rng_state(sd["torch"].to(torch.uint8).cpu())
+        cuda = sd.get("cuda")
+        if cuda and torch.cuda.is_available():
+            for i, st in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(st.to(torch.uint8).cpu(), i)
+
+    def __repr__(self) -> str:
+        return "RNGState()"

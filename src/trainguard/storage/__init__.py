@@ -1,0 +1,5 @@
+"""Byte stores. Only the local POSIX store exists so far; object stores arrive with the tiers issue."""
+
+from .local import atomic_write, fsync_dir, remove_tree
+
+__all__ = ["atomic_write", "fsync_dir", "remove_tree"]
