@@ -6,6 +6,7 @@ import json
 import sys
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -114,8 +115,21 @@ def run_command(
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:
-        print_summary(result, Console(file=sys.stdout))
+        # A log file has no width; do not squeeze the phase columns into 80.
+        print_summary(result, Console(file=sys.stdout, width=None if sys.stdout.isatty() else 132))
     sys.exit(result.exit_code)
+
+
+_PHASE_HEADERS = {
+    "detection_s": "detect",
+    "teardown_s": "kill",
+    "backoff_s": "backoff",
+    "relaunch_s": "launch",
+    "identification_s": "scan",
+    "load_s": "load",
+    "validation_s": "valid",
+    "first_step_s": "1st step",
+}
 
 
 def _fmt(value: float | None) -> str:
@@ -129,7 +143,9 @@ def print_summary(result: RunResult, console: Console) -> None:
         result: what :meth:`Supervisor.run` returned.
         console: where to print.
     """
-    attempts = Table(title=f"trainguard run {result.run_id}: attempts", title_justify="left")
+    attempts = Table(
+        title=f"trainguard run {result.run_id}: attempts", title_justify="left", box=box.SIMPLE_HEAD
+    )
     for col in ("attempt", "pid", "outcome", "exit", "signal", "last step", "runtime s"):
         attempts.add_column(col, justify="right" if col not in ("outcome", "signal") else "left")
     for a in result.attempts:
@@ -144,8 +160,8 @@ def print_summary(result: RunResult, console: Console) -> None:
         )
     console.print(attempts)
     if result.recoveries:
-        rec = Table(title="recoveries (time-to-resume, seconds)", title_justify="left")
-        for col in ("restart", "restored", "lost", "ttr", *(p[:-2].replace("_", " ") for p in PHASES)):
+        rec = Table(title="recoveries (time-to-resume, seconds)", title_justify="left", box=box.SIMPLE_HEAD)
+        for col in ("restart", "restored", "lost", "ttr", *(_PHASE_HEADERS[p] for p in PHASES)):
             rec.add_column(col, justify="right")
         for r in result.recoveries:
             rec.add_row(

@@ -2,7 +2,9 @@
 in place of DCP's pickle for non-tensor entries.
 
 The state handed to DCP is already flat (``{fqn: leaf}``, see :mod:`trainguard.state.flatten`), so both
-planners run with ``flatten_state_dict=False``.
+planners run with ``flatten_state_dict=False``, and with ``flatten_sharded_tensors=False`` (DCP rebuilds
+nested values with str keys there, turning ``{1: "a"}`` into ``{"1": "a"}``; it only serves legacy FSDP1 2D
+ShardedTensors, not DTensor/FSDP2).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class TrainguardSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner whose BYTE_IO items are encoded by :func:`trainguard.state.values.encode_value`."""
 
     def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=True)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
         if write_item.type == WriteItemType.BYTE_IO:
@@ -33,7 +35,7 @@ class TrainguardLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=True)``), never ``weights_only=False``."""
 
     def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=True, allow_partial_load=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

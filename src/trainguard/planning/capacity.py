@@ -33,6 +33,7 @@ from .interval import (
     optimal_interval_s,
     young_interval_s,
 )
+from .units import format_duration
 
 #: Bytes per parameter of the weights in each training precision.
 PRECISION_BYTES: dict[str, float] = {
@@ -133,7 +134,9 @@ class JobSpec:
                 raise ConfigError(f"{name} must be >= 0, got {v!r}; {fix}")
 
         if self.mtbf_s is None and self.gpu_mtbf_s is None:
-            raise ConfigError("no MTBF given; give the job's MTBF (e.g. --mtbf 72h) or the per-GPU one (--gpu-mtbf 8y)")
+            raise ConfigError(
+                "no MTBF given; give the job's MTBF (e.g. --mtbf 72h) or the per-GPU one (--gpu-mtbf 8y)"
+            )
         if self.mtbf_s is not None and self.gpu_mtbf_s is not None:
             raise ConfigError("give either the job's MTBF or the per-GPU MTBF, not both")
         positive("mtbf_s", "give a duration such as 72h")
@@ -150,9 +153,13 @@ class JobSpec:
         positive("run_s", "give a duration such as 30d")
         non_negative("checkpoint_cost_usd", "give a price such as $0.05")
         if self.precision.lower() not in PRECISION_BYTES:
-            raise ConfigError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISION_BYTES)}")
+            raise ConfigError(
+                f"unknown precision {self.precision!r}; use one of {', '.join(PRECISION_BYTES)}"
+            )
         if self.optimizer.lower() not in OPTIMIZER_BYTES:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_BYTES)}")
+            raise ConfigError(
+                f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_BYTES)}"
+            )
         if int(self.gpus) < 1:
             raise ConfigError(f"gpus must be >= 1, got {self.gpus!r}")
         if int(self.keep) < 1:
@@ -251,7 +258,9 @@ class Plan:
         return out
 
 
-def state_bytes_per_param(precision: str, optimizer: str, master_weights: bool | None = None) -> tuple[float, float]:
+def state_bytes_per_param(
+    precision: str, optimizer: str, master_weights: bool | None = None
+) -> tuple[float, float]:
     """Bytes per parameter of the weights and of the full training state.
 
     Args:
@@ -304,7 +313,9 @@ def plan_job(spec: JobSpec) -> Plan:
         ConfigError: on inconsistent inputs.
     """
     gpus = int(spec.gpus)
-    mtbf = float(spec.mtbf_s) if spec.mtbf_s is not None else cluster_mtbf_s(float(spec.gpu_mtbf_s or 0), gpus)
+    mtbf = (
+        float(spec.mtbf_s) if spec.mtbf_s is not None else cluster_mtbf_s(float(spec.gpu_mtbf_s or 0), gpus)
+    )
 
     # Sizes and times of one checkpoint.
     sizes: dict[str, Any] = {}
@@ -353,11 +364,16 @@ def plan_job(spec: JobSpec) -> Plan:
     opt = daly if spec.method == "daly" else young
     interval = optimal_interval_s(c, mtbf, persist_s=persist, method=spec.method)
     if interval <= 0:
-        raise ConfigError("the checkpoint time is 0, so every interval is optimal; give a positive --checkpoint-time")
+        raise ConfigError(
+            "the checkpoint time is 0, so every interval is optimal; give a positive --checkpoint-time"
+        )
     if persist is not None and persist > opt:
-        reason = f"persist latency L = {persist:.4g} s is longer than the {spec.method} optimum {opt:.4g} s"
+        reason = (
+            f"the persist latency L = {format_duration(persist)} is longer than the {spec.method} "
+            f"optimum {format_duration(opt)}"
+        )
     else:
-        reason = f"{spec.method} optimum for C = {c:.4g} s, MTBF = {mtbf:.4g} s"
+        reason = f"{spec.method} optimum for C = {format_duration(c)}, MTBF = {format_duration(mtbf)}"
 
     def waste_at(t: float) -> float:
         return expected_waste_fraction(t, c, mtbf, restart_s=restart, detect_s=detect, persist_s=persist)
@@ -379,7 +395,9 @@ def plan_job(spec: JobSpec) -> Plan:
             "failure_cost_usd": (lost + detect + restart) * usd_per_s,
         }
         if k > 0 and usd_per_s > 0:
-            money["dollar_optimal_interval_s"] = dollar_optimal_interval_s(k, usd_per_s, mtbf, persist_s=persist)
+            money["dollar_optimal_interval_s"] = dollar_optimal_interval_s(
+                k, usd_per_s, mtbf, persist_s=persist
+            )
 
     run: dict[str, Any] = {}
     if spec.run_s is not None:
@@ -437,7 +455,9 @@ def plan_job(spec: JobSpec) -> Plan:
         lost_work_per_failure_s=lost,
         failure_cost_s=lost + detect + restart,
         gpu_mtbf_s=float(spec.gpu_mtbf_s) if spec.gpu_mtbf_s is not None else None,
-        gpus=gpus if (spec.gpu_mtbf_s is not None or spec.gpu_hour_usd is not None or spec.params is not None) else None,
+        gpus=gpus
+        if (spec.gpu_mtbf_s is not None or spec.gpu_hour_usd is not None or spec.params is not None)
+        else None,
         write_s=write_s,
         load_s=load_s,
         stage_s=stage_s,

@@ -124,7 +124,9 @@ def optimal_interval_s(
     return max(t, _persist(persist_s, float(checkpoint_s)))
 
 
-def lost_work_per_failure_s(interval_s: float, checkpoint_s: float = 0.0, *, persist_s: float | None = None) -> float:
+def lost_work_per_failure_s(
+    interval_s: float, checkpoint_s: float = 0.0, *, persist_s: float | None = None
+) -> float:
     """Expected work lost to one failure, first order: ``T/2 + (L - C)``.
 
     A failure strikes at a uniformly random point of an interval and loses the work since the last durable
@@ -284,7 +286,9 @@ def dollar_optimal_interval_s(
         raise ConfigError(f"checkpoint_cost_usd must be > 0, got {checkpoint_cost_usd!r}; give e.g. 1.5")
     c = float(cluster_usd_per_s)
     if not (c > 0) or not math.isfinite(c):
-        raise ConfigError(f"cluster_usd_per_s must be > 0, got {cluster_usd_per_s!r}; give GPUs and a GPU-hour price")
+        raise ConfigError(
+            f"cluster_usd_per_s must be > 0, got {cluster_usd_per_s!r}; give GPUs and a GPU-hour price"
+        )
     m = _positive(mtbf_s, "mtbf_s", "259200 (72 h)")
     t = math.sqrt(2.0 * k * m / c)
     if persist_s is not None:

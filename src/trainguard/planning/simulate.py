@@ -85,9 +85,13 @@ class SimulationConfig:
         if self.persist_s is not None:
             check("persist_s", self.persist_s, zero_ok=True)
         if self.distribution not in ("exponential", "weibull"):
-            raise ConfigError(f"unknown failure distribution {self.distribution!r}; use 'exponential' or 'weibull'")
+            raise ConfigError(
+                f"unknown failure distribution {self.distribution!r}; use 'exponential' or 'weibull'"
+            )
         if not (float(self.weibull_shape) > 0) or not math.isfinite(float(self.weibull_shape)):
-            raise ConfigError(f"weibull_shape must be > 0, got {self.weibull_shape!r}; field studies report ~0.7")
+            raise ConfigError(
+                f"weibull_shape must be > 0, got {self.weibull_shape!r}; field studies report ~0.7"
+            )
         if int(self.trials) < 1:
             raise ConfigError(f"trials must be >= 1, got {self.trials!r}")
 
@@ -225,7 +229,9 @@ def _simulate_walls(config: SimulationConfig, taus: np.ndarray) -> tuple[np.ndar
     while active.size:
         rounds += 1
         if rounds > _MAX_FAILURES_PER_TRIAL:
-            raise ConfigError("simulation did not finish: runs keep failing before any progress; shorten the interval")
+            raise ConfigError(
+                "simulation did not finish: runs keep failing before any progress; shorten the interval"
+            )
         nxt = draw(rng, trials)  # drawn every round for every trial, so sequences match across intervals
         a = active
         ta = tau[a]

@@ -9,7 +9,7 @@ Accepted forms (whitespace between number and unit is allowed, a plain number ta
   after the prefix); a plain number is bytes.
 - bandwidths: a size per second, ``20GB/s``, ``2.5GiB/s``, ``100Gbps`` / ``100Gb/s`` (bits); a plain number
   is bytes per second.
-- money: ``$2.50``, ``2.5``, ``$2.50/h``, ``2.50 USD``, ``$1,200``.
+- money: ``$2.50``, ``2.5``, ``$2.50/h``, ``2.50 USD``, ``$1,200``, ``$1.84M``.
 
 Every parser raises :class:`~trainguard.errors.ConfigError` with a message that names the bad text and shows
 a valid example. The formatters produce text the parsers read back (to 4 significant digits by default).
@@ -112,8 +112,11 @@ def parse_duration_s(text: str | float, *, what: str = "duration", allow_zero: b
         sign = -1.0 if s[0] == "-" else 1.0
         s = s[1:].lstrip()
     parts = list(_DURATION_PART_RE.finditer(s))
-    if not parts or parts[0].start() != 0 or any(a.end() != b.start() for a, b in zip(parts, parts[1:])) or (
-        parts[-1].end() != len(s)
+    if (
+        not parts
+        or parts[0].start() != 0
+        or any(a.end() != b.start() for a, b in zip(parts, parts[1:], strict=False))
+        or (parts[-1].end() != len(s))
     ):
         raise ConfigError(f"cannot read {what} {text!r}: expected a number with a unit, e.g. {example}")
     if len(parts) > 1 and any(not p.group(2) for p in parts):
@@ -125,7 +128,9 @@ def parse_duration_s(text: str | float, *, what: str = "duration", allow_zero: b
         factor = DURATION_UNITS_S.get(unit.lower()) if unit else 1.0
         if factor is None:
             known = "ms, s, min (or m), h, d, w, y"
-            raise ConfigError(f"unknown unit {unit!r} in {what} {text!r}; use one of {known} (e.g. {example})")
+            raise ConfigError(
+                f"unknown unit {unit!r} in {what} {text!r}; use one of {known} (e.g. {example})"
+            )
         total += value * factor
     total *= sign
     if not math.isfinite(total):
@@ -154,7 +159,9 @@ def parse_count(text: str | float, *, what: str = "count") -> float:
         value, rest = _split_number(text, what, example)
         suffix = rest.lower()
         if suffix not in COUNT_SUFFIXES:
-            raise ConfigError(f"unknown suffix {rest!r} in {what} {text!r}; use k, M, B (or G) or T (e.g. {example})")
+            raise ConfigError(
+                f"unknown suffix {rest!r} in {what} {text!r}; use k, M, B (or G) or T (e.g. {example})"
+            )
         value *= COUNT_SUFFIXES[suffix]
     _check_sign(value, str(text), what, example, allow_zero=False)
     return value
@@ -194,7 +201,9 @@ def parse_bytes(text: str | float, *, what: str = "size", allow_zero: bool = Fal
         value, rest = _split_number(text, what, example)
         factor = _size_factor(rest)
         if factor is None:
-            raise ConfigError(f"unknown unit {rest!r} in {what} {text!r}; use B, kB, MB, GB, TB or KiB..TiB (e.g. {example})")
+            raise ConfigError(
+                f"unknown unit {rest!r} in {what} {text!r}; use B, kB, MB, GB, TB or KiB..TiB (e.g. {example})"
+            )
         value *= factor
     _check_sign(value, str(text), what, example, allow_zero=allow_zero)
     return value
@@ -220,13 +229,17 @@ def parse_bandwidth_bytes_per_s(text: str | float, *, what: str = "bandwidth") -
         value, rest = _split_number(text, what, example)
         m = re.match(r"^(?P<size>[A-Za-z]*)\s*(?P<per>/\s*s(?:ec)?|ps)?$", rest)
         if m is None:
-            raise ConfigError(f"unknown unit {rest!r} in {what} {text!r}; use a size per second (e.g. {example})")
+            raise ConfigError(
+                f"unknown unit {rest!r} in {what} {text!r}; use a size per second (e.g. {example})"
+            )
         size, per = m.group("size"), m.group("per")
         if size.endswith("ps") and per is None:  # "GBps", "Gbps"
             size, per = size[:-2], "ps"
         factor = _size_factor(size)
         if factor is None:
-            raise ConfigError(f"unknown unit {rest!r} in {what} {text!r}; use a size per second (e.g. {example})")
+            raise ConfigError(
+                f"unknown unit {rest!r} in {what} {text!r}; use a size per second (e.g. {example})"
+            )
         if size and per is None:
             raise ConfigError(f"{what} {text!r} is a size, not a rate; add '/s' (e.g. {example})")
         value *= factor
@@ -263,8 +276,9 @@ def parse_money_usd(text: str | float, *, what: str = "price", allow_zero: bool 
             s = s[1:].lstrip()
         s = s.removeprefix("$").replace(",", "")
         value, rest = _split_number(s, what, example)
-        if rest:
+        if rest.lower() not in COUNT_SUFFIXES:  # "$1.84M" as the formatter writes large amounts
             raise ConfigError(f"cannot read {what} {text!r}: unexpected {rest!r}; give e.g. {example}")
+        value *= COUNT_SUFFIXES[rest.lower()]
         if neg:
             value = -value
     _check_sign(value, str(text), what, example, allow_zero=allow_zero)

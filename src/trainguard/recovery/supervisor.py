@@ -330,9 +330,8 @@ class Supervisor:
                 progressed=progressed,
             )
             how = f"signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
-            self._echo(
-                f"[trainguard] attempt {attempt} failed ({result.outcome}, {how}) at step {result.last_step}"
-            )
+            at = "no heartbeat" if result.last_step is None else f"at step {result.last_step}"
+            self._echo(f"[trainguard] attempt {attempt} failed ({result.outcome}, {how}), {at}")
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
             limit = cfg.max_no_progress_restarts

@@ -164,7 +164,7 @@ class RecoveryTiming:
             v = self.phases.get(name)
             if v is not None:
                 parts.append(f"{name[:-2].replace('_', ' ')} {v:.2f}")
-        ttr = f"{self.ttr_s:.2f} s" if self.ttr_s is not None else "unknown (no step completed yet)"
+        ttr = f"{self.ttr_s:.2f} s" if self.ttr_s is not None else "unknown (no first step seen)"
         known = [v for v in self.phases.values() if v is not None]
         other = ""
         if self.ttr_s is not None and known:

@@ -48,10 +48,10 @@ def encode_value(value: Any, fqn: str) -> bytes:
     """
     if is_strict_json(value):
         return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    data = buf.getvalue()
     try:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means the value would need unsafe pickle
         raise TrainguardError(
