@@ -9,6 +9,7 @@ result is then handed to ``load_state_dict``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -28,6 +29,24 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+STATEFUL_DATALOADER_WARNING = (
+    "torchdata StatefulDataLoader with a shuffling sampler: resuming mid-epoch continues that epoch correctly, "
+    "but torchdata 0.11 shuffles the FOLLOWING epochs differently from an uninterrupted run (and drifts further "
+    "with every resume). For bit-exact resume across epochs use trainguard.ResumableLoader, or accept the drift."
+)
+_warned_stateful_loader = False
+
+
+def _warn_if_unsafe_loader(obj: Any) -> None:
+    global _warned_stateful_loader
+    if _warned_stateful_loader or not type(obj).__module__.startswith("torchdata.stateful_dataloader"):
+        return
+    sampler = getattr(obj, "sampler", None)
+    if type(sampler).__name__ == "RandomSampler":
+        _warned_stateful_loader = True
+        warnings.warn(STATEFUL_DATALOADER_WARNING, UserWarning, stacklevel=4)
+
+
 def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT], dict[str, dict[str, Any]]]:
     """``state_dict()`` of every Stateful value, then flatten. Returns ``(flat, paths, top_level)``."""
     if not isinstance(state, Mapping):
@@ -36,6 +55,7 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
     top: dict[str, dict[str, Any]] = {}
     for k, v in state.items():
         if is_stateful(v):
+            _warn_if_unsafe_loader(v)
             resolved[k] = v.state_dict()
             top[k] = {"stateful": True, "type": f"{type(v).__module__}.{type(v).__qualname__}"}
         else:

@@ -7,7 +7,13 @@ import math
 import pytest
 
 from trainguard.errors import ConfigError
-from trainguard.planning.capacity import JobSpec, cluster_mtbf_s, p_any_failure, plan_job, state_bytes_per_param
+from trainguard.planning.capacity import (
+    JobSpec,
+    cluster_mtbf_s,
+    p_any_failure,
+    plan_job,
+    state_bytes_per_param,
+)
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -120,7 +126,10 @@ def test_a_direct_charge_per_checkpoint_lengthens_the_dollar_optimum() -> None:
         ({"checkpoint_s": 7, "mtbf_s": -3600}, "mtbf_s must be > 0"),
         ({"checkpoint_s": 7, "mtbf_s": 3600, "gpu_mtbf_s": 3600}, "not both"),
         ({"mtbf_s": 3600}, "--checkpoint-time"),
-        ({"mtbf_s": 3600, "params": 70e9, "write_bandwidth_bytes_per_s": 0}, "write_bandwidth_bytes_per_s must be > 0"),
+        (
+            {"mtbf_s": 3600, "params": 70e9, "write_bandwidth_bytes_per_s": 0},
+            "write_bandwidth_bytes_per_s must be > 0",
+        ),
         ({"checkpoint_s": 7, "mtbf_s": 3600, "precision": "bf17"}, "unknown precision"),
         ({"checkpoint_s": 7, "mtbf_s": 3600, "optimizer": "magic"}, "unknown optimizer"),
         ({"checkpoint_s": 7, "mtbf_s": 3600, "gpus": 0}, "gpus must be >= 1"),

@@ -50,7 +50,9 @@ def test_daly_approaches_young_when_checkpoints_are_cheap() -> None:
     mtbf_s=st.floats(min_value=3600, max_value=1e7),
     factor=st.floats(min_value=0.2, max_value=5.0),
 )
-def test_first_order_waste_is_minimized_at_the_young_interval(checkpoint_s: float, mtbf_s: float, factor: float) -> None:
+def test_first_order_waste_is_minimized_at_the_young_interval(
+    checkpoint_s: float, mtbf_s: float, factor: float
+) -> None:
     t = young_interval_s(checkpoint_s, mtbf_s)
     best = expected_waste_fraction(t, checkpoint_s, mtbf_s, restart_s=600)
     assert best <= expected_waste_fraction(t * factor, checkpoint_s, mtbf_s, restart_s=600) + 1e-12
@@ -82,7 +84,9 @@ def test_first_order_waste_is_close_to_the_exact_model_for_the_daly_example() ->
 
 def test_detection_and_restart_time_add_to_the_waste_per_failure() -> None:
     base = expected_waste_fraction(1800, 10, 86400)
-    assert expected_waste_fraction(1800, 10, 86400, restart_s=600, detect_s=60) == pytest.approx(base + 660 / 86400)
+    assert expected_waste_fraction(1800, 10, 86400, restart_s=600, detect_s=60) == pytest.approx(
+        base + 660 / 86400
+    )
 
 
 def test_async_interval_is_never_shorter_than_the_persist_latency() -> None:
@@ -100,7 +104,9 @@ def test_async_lost_work_per_failure_is_half_the_interval_plus_the_persist_lag()
 def test_dollar_optimum_equals_young_when_a_checkpoint_costs_only_its_blocking_time() -> None:
     cluster_usd_per_s = 1024 * 2.5 / 3600
     k = 49 * cluster_usd_per_s
-    assert dollar_optimal_interval_s(k, cluster_usd_per_s, 72 * HOUR) == pytest.approx(young_interval_s(49, 72 * HOUR))
+    assert dollar_optimal_interval_s(k, cluster_usd_per_s, 72 * HOUR) == pytest.approx(
+        young_interval_s(49, 72 * HOUR)
+    )
 
 
 def test_dollar_optimum_grows_with_direct_charges_per_checkpoint_and_minimizes_cost() -> None:

@@ -66,7 +66,9 @@ def test_without_failures_goodput_is_compute_over_compute_plus_checkpoints() -> 
 
 def test_async_saves_agree_with_the_first_order_waste_with_the_persist_lag() -> None:
     c, lat, m = 10.0, 10 * MIN, 24 * HOUR
-    config = SimulationConfig(work_s=100 * DAY, checkpoint_s=c, persist_s=lat, restart_s=10 * MIN, mtbf_s=m, trials=2000)
+    config = SimulationConfig(
+        work_s=100 * DAY, checkpoint_s=c, persist_s=lat, restart_s=10 * MIN, mtbf_s=m, trials=2000
+    )
     for t in (10 * MIN, 25 * MIN, 50 * MIN):
         waste = expected_waste_fraction(t, c, m, restart_s=10 * MIN, persist_s=lat)
         assert simulate(config, t).waste_mean == pytest.approx(waste, rel=0.05)

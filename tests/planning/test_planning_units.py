@@ -100,8 +100,13 @@ def test_config_error_from_parsing_is_also_a_value_error() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(value=st.floats(min_value=0, max_value=1e6, allow_nan=False), unit=st.sampled_from(sorted(units.DURATION_UNITS_S)))
-def test_a_number_with_any_duration_unit_parses_to_the_number_times_its_factor(value: float, unit: str) -> None:
+@given(
+    value=st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    unit=st.sampled_from(sorted(units.DURATION_UNITS_S)),
+)
+def test_a_number_with_any_duration_unit_parses_to_the_number_times_its_factor(
+    value: float, unit: str
+) -> None:
     assert units.parse_duration_s(f"{value!r}{unit}") == pytest.approx(value * units.DURATION_UNITS_S[unit])
 
 

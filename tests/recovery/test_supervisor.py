@@ -356,3 +356,34 @@ def test_backoff_rejects_bad_values_with_a_config_error(settings):
 def test_an_empty_command_is_a_config_error():
     with pytest.raises(ConfigError, match="no command"):
         Supervisor([])
+
+
+def _stop_when_ready(tmp_path: Path, supervisor: Supervisor, times: int) -> None:
+    def stop() -> None:
+        while not (tmp_path / "grandchild.pid").exists():
+            time.sleep(0.01)
+        for _ in range(times):
+            supervisor.request_stop(signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+
+
+def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_the_grace_period(tmp_path, job):
+    command = job({"end": 1, "then": "hang", "ignore_term": True, "grandchild": True})
+    supervisor = Supervisor(command, fast(tmp_path, grace_period_s=0.3), echo=lambda msg: None)
+    _stop_when_ready(tmp_path, supervisor, times=1)
+    result = supervisor.run()
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert [(a.outcome, a.signal) for a in result.attempts] == [("stopped", "SIGKILL")]
+    assert _dead(int((tmp_path / "grandchild.pid").read_text()))
+
+
+def test_a_second_stop_request_kills_the_job_at_once(tmp_path, job):
+    command = job({"end": 1, "then": "hang", "ignore_term": True, "grandchild": True})
+    supervisor = Supervisor(command, fast(tmp_path, grace_period_s=60.0), echo=lambda msg: None)
+    _stop_when_ready(tmp_path, supervisor, times=2)
+    t0 = time.monotonic()
+    result = supervisor.run()
+    assert time.monotonic() - t0 < 20  # far less than the 60 s grace period
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert [(a.outcome, a.signal) for a in result.attempts] == [("stopped", "SIGKILL")]

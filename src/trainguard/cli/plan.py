@@ -70,7 +70,7 @@ def _pct(x: float) -> str:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(width=max(120, Console().width))
+    return Console(width=max(120, Console().width), highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -329,9 +329,12 @@ class Supervisor:
                 runtime_s=result.t_end - result.t_start,
                 progressed=progressed,
             )
-            how = f"signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
+            how = f"killed by {result.signal}" if result.signal else f"exit code {result.exit_code}"
+            how = {"hang": f"hung, {how}", "preempted": "preempted, checkpoint saved"}.get(
+                result.outcome, how
+            )
             at = "no heartbeat" if result.last_step is None else f"at step {result.last_step}"
-            self._echo(f"[trainguard] attempt {attempt} failed ({result.outcome}, {how}), {at}")
+            self._echo(f"[trainguard] attempt {attempt} failed ({how}), {at}")
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
             limit = cfg.max_no_progress_restarts
@@ -441,7 +444,7 @@ class Supervisor:
                 break
         hung = t_death is not None
         if t_death is None:
-            noticed = time.time()
+            noticed = now  # taken right after the waiter thread woke us
             t_death = job.t_exit or noticed
         observe()  # the beat flushed at exit
         rc = job.returncode if job.returncode is not None else -signal.SIGKILL

@@ -1,0 +1,5 @@
+"""``python -m trainguard`` is the ``trainguard`` command."""
+
+from trainguard.cli.main import main
+
+main()

@@ -1,0 +1,147 @@
+"""Shared helpers of the fault-injection tests: a deterministic training state, on-disk probes and a
+manifest re-signer.
+
+Imported by the test modules and by ``crash_worker.py`` (which runs as a script in another process), so it
+must not import pytest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+from trainguard.format.layout import MANIFEST_NAME, step_dir_name
+from trainguard.format.manifest import _canonical
+
+# One tensor that never changes between steps: a single chunk shared by every checkpoint (dedup under faults).
+_FROZEN_SEED = 7
+FROZEN_NUMEL = 262_144  # exactly 1 MiB of float32: the smallest tensor that gets a chunk of its own
+
+
+def frozen_tensor() -> torch.Tensor:
+    return torch.randn(FROZEN_NUMEL, generator=torch.Generator().manual_seed(_FROZEN_SEED))
+
+
+def make_state(step: int) -> dict[str, Any]:
+    """The training state saved at ``step`` (about 3.5 MB; every entry but ``model.frozen`` differs per step).
+
+    Layout on disk: ``model.big``, ``model.emb`` and ``model.frozen`` (>= 1 MiB) get chunks of their own; the
+    small tensors, the tuple-holding ``optim`` dict (torch codec) and the 20 KB ``trainer`` dict (JSON codec,
+    too large to inline) are packed into one shared chunk; ``epoch`` is inlined in the manifest.
+    """
+    g = torch.Generator().manual_seed(10_000 + step)
+    return {
+        "model": {
+            "big": torch.randn(320_000, generator=g),
+            "emb": torch.randn(288, 1024, generator=g),
+            "frozen": frozen_tensor(),
+            "small": torch.randn(32, 32, generator=g),
+            "bias": torch.arange(64, dtype=torch.int64) * step,
+            "half": torch.randn(100, generator=g).to(torch.bfloat16),
+        },
+        "optim": {"lr": 0.1 / (step + 1), "betas": (0.9, 0.999), "step": step},
+        "trainer": {"step": step, "history": [float(i * step) for i in range(2500)]},
+        "epoch": step // 10,
+    }
+
+
+def blank_state() -> dict[str, Any]:
+    """A restore target whose every tensor and value differs from any saved step."""
+    s = make_state(0)
+    for k, t in s["model"].items():
+        s["model"][k] = torch.full_like(t, -1)
+    s["optim"] = {}
+    s["trainer"] = {}
+    s["epoch"] = -1
+    return s
+
+
+def assert_state_is(state: dict[str, Any], step: int) -> None:
+    """Fail unless ``state`` holds exactly what ``make_state(step)`` saved (bit for bit)."""
+    want = make_state(step)
+    for k, t in want["model"].items():
+        got = state["model"][k]
+        assert got.dtype == t.dtype and got.shape == t.shape, k
+        assert torch.equal(got, t), f"model.{k} does not hold the values of step {step}"
+    assert state["optim"] == want["optim"], "optim"
+    assert state["trainer"] == want["trainer"], "trainer"
+    assert state["epoch"] == want["epoch"], "epoch"
+
+
+# -- on-disk probes ---------------------------------------------------------------------------------------
+def manifest_path(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / step_dir_name(step) / MANIFEST_NAME
+
+
+def read_manifest_json(root: str | os.PathLike[str], step: int) -> dict[str, Any]:
+    return json.loads(manifest_path(root, step).read_bytes())
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def chunk_files(root: str | os.PathLike[str]) -> set[str]:
+    """Relative paths of every file under ``chunks/``."""
+    base = Path(root)
+    d = base / "chunks"
+    if not d.is_dir():
+        return set()
+    return {p.relative_to(base).as_posix() for p in d.rglob("*") if p.is_file()}
+
+
+def referenced_chunks(root: str | os.PathLike[str], steps: list[int]) -> set[str]:
+    out: set[str] = set()
+    for s in steps:
+        out |= {c["path"] for c in read_manifest_json(root, s)["chunks"].values()}
+    return out
+
+
+def partial_dirs(root: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(root).glob("step-*.partial-*"))
+
+
+def chunks_only_in(root: str | os.PathLike[str], step: int, others: list[int]) -> dict[str, dict[str, Any]]:
+    """Chunk records of ``step`` that no checkpoint in ``others`` references, by hash."""
+    shared = referenced_chunks(root, others)
+    return {h: c for h, c in read_manifest_json(root, step)["chunks"].items() if c["path"] not in shared}
+
+
+def owners_of(root: str | os.PathLike[str], step: int, chunk_hash: str) -> list[str]:
+    """FQNs of the entries with bytes in chunk ``chunk_hash`` of ``step`` (from the manifest)."""
+    out = []
+    for fqn, e in read_manifest_json(root, step)["entries"].items():
+        segs = [s for sh in e.get("shards", []) for s in sh["segments"]] + list(e.get("segments") or [])
+        if any(s[0] == chunk_hash for s in segs):
+            out.append(fqn)
+    return out
+
+
+def flip_bit(path: str | os.PathLike[str], byte: int, bit: int = 0) -> tuple[int, int]:
+    """Flip one bit of a file in place; returns the byte's (old, new) values."""
+    p = Path(path)
+    data = bytearray(p.read_bytes())
+    old = data[byte]
+    data[byte] ^= 1 << bit
+    p.write_bytes(bytes(data))
+    return old, data[byte]
+
+
+# -- crafted manifests ------------------------------------------------------------------------------------
+def sign(body: dict[str, Any]) -> bytes:
+    """Manifest bytes for ``body`` with a correct ``crc32c`` field (as ``manifest_to_json`` computes it), so
+    that a crafted manifest passes the CRC check and reaches the other checks."""
+    body = dict(body)
+    body.pop("crc32c", None)
+    body["crc32c"] = crc32c.crc32c(_canonical(body))
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_manifest(root: str | os.PathLike[str], step: int, body: dict[str, Any]) -> None:
+    manifest_path(root, step).write_bytes(sign(body))

@@ -1,0 +1,77 @@
+"""``trainguard ls / info / verify``: JSON interfaces and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import trainguard as tg
+
+from .conftest import run_env
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainguard", *args], capture_output=True, text=True,
+                          env=run_env(), timeout=120)
+
+
+def make_run(root, steps=(1, 2, 10)):
+    with tg.CheckpointManager(root) as mgr:
+        for s in steps:
+            mgr.save(s, {"model": {"w": torch.full((1 << 18,), float(s)), "b": torch.ones(3)}})
+
+
+def test_ls_json_lists_steps_in_numeric_order_with_status_bytes_and_iso_time(tmp_path):
+    make_run(tmp_path)
+    r = cli("ls", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [x["step"] for x in rows] == [1, 2, 10]
+    for x in rows:
+        assert x["status"] == "valid" and x["bytes"] > (1 << 20)
+        assert x["time"].startswith("20") and "T" in x["time"]
+
+
+def test_verify_all_json_reports_ok_and_exit_0(tmp_path):
+    make_run(tmp_path)
+    r = cli("verify", str(tmp_path), "--all", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] is True and out["checked"] == [1, 2, 10] and out["corrupt"] == []
+
+
+def test_verify_names_the_corrupt_chunk_and_its_tensors_and_exits_1(tmp_path):
+    make_run(tmp_path)
+    from trainguard.catalog import read_manifest
+
+    m = read_manifest(tmp_path, 10)
+    big = max(m.chunks.values(), key=lambda c: c.length)
+    p = tmp_path / big.path
+    data = bytearray(p.read_bytes())
+    data[1000] ^= 0x10
+    p.write_bytes(bytes(data))
+    r = cli("verify", str(tmp_path), "--all", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["ok"] is False
+    assert out["corrupt"] == [{"step": 10, "chunk": big.path, "tensors": ["model.w"], "problem": out["corrupt"][0]["problem"]}]
+    text = cli("verify", str(tmp_path), "--step", "10")
+    assert text.returncode == 1 and "CORRUPT" in text.stdout and "model.w" in text.stdout
+
+
+def test_info_json_describes_entries(tmp_path):
+    make_run(tmp_path)
+    r = cli("info", str(tmp_path), "2", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["step"] == 2
+    entries = {e["fqn"]: e for e in out["entries"]}
+    assert entries["model.w"]["shape"] == [1 << 18] and entries["model.w"]["dtype"] == "float32"
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert cli("ls", str(tmp_path / "missing")).returncode == 2
+    make_run(tmp_path, steps=(1,))
+    assert cli("verify", str(tmp_path), "--step", "7").returncode == 2
+    assert cli("verify", str(tmp_path), "--step", "1", "--all").returncode == 2
+    assert cli("nonsense").returncode == 2
