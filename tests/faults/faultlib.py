@@ -145,3 +145,70 @@ def sign(body: dict[str, Any]) -> bytes:
 
 def write_manifest(root: str | os.PathLike[str], step: int, body: dict[str, Any]) -> None:
     manifest_path(root, step).write_bytes(sign(body))
+
+
+# -- victim processes -------------------------------------------------------------------------------------
+WORKER = Path(__file__).with_name("crash_worker.py")
+
+
+class ForkServer:
+    """Client of ``crash_worker.py serve`` (see its docstring): forks victim processes in milliseconds."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(WORKER.parent),
+        )
+
+    def _call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fork server died (exit {self.proc.poll()})")
+        return json.loads(line)
+
+    def spawn(self, **args: Any) -> int:
+        """Fork a victim running ``crash_worker.victim(args)``; returns its pid."""
+        return int(self._call(op="spawn", args=args)["pid"])
+
+    def wait(self, pid: int) -> dict[str, Any]:
+        """Reap a victim: ``{"signal": N or None, "exit": code or None}``."""
+        return self._call(op="wait", pid=pid)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """A victim's JSON-lines log (a torn last line from the kill is skipped)."""
+    out = []
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def wait_until(pred: Any, timeout_s: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.002)

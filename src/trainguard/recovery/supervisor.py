@@ -10,9 +10,10 @@ it spawned (``torchrun`` and its workers, a shell and its children). Each attemp
 
 Failures: a non-zero exit (cause ``"exit"``), death by a signal (``"signal"``), no heartbeat for
 ``heartbeat_timeout_s`` (``"hang"``: the group gets SIGTERM, then SIGKILL after ``grace_period_s``), or exit
-code 75 after a preemption save that the supervisor did not ask for (``"preempted"``). After a failure the
-supervisor relaunches COMMAND (the training script's own ``restore_latest`` finds the newest valid
-checkpoint), after a backoff that doubles while restarts make no progress and resets when one does.
+code 75 after a preemption save that the supervisor did not ask for (``"preempted"``; it counts as a restart
+like the others). After a failure the supervisor relaunches COMMAND (the training script's own
+``restore_latest`` finds the newest valid checkpoint), after a backoff that doubles while restarts make no
+progress and resets when one does.
 
 Progress is the heartbeat step: a restart made progress when its attempt reported a step above every earlier
 attempt's. An attempt that never beats makes no progress; the no-progress limit only applies once some
@@ -41,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -564,7 +565,8 @@ def _signal_name(returncode: int | None) -> str | None:
 
 
 def _config_fields(cfg: SupervisorConfig) -> dict[str, Any]:
-    fields = asdict(cfg)
-    fields["root"] = str(cfg.root) if cfg.root is not None else None
-    fields["env"] = sorted(cfg.env)  # names only: values may be secrets
-    return fields
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    out["backoff"] = asdict(cfg.backoff)
+    out["root"] = str(cfg.root) if cfg.root is not None else None
+    out["env"] = sorted(cfg.env)  # names only: values may be secrets
+    return out

@@ -1,0 +1,218 @@
+"""Victim process of the crash and lock tests: a writer that saves checkpoints until it is SIGKILLed.
+
+``python crash_worker.py serve`` starts a fork server: it imports torch and trainguard once (about 2 s) and
+then forks one victim per JSON command read on stdin, so that dozens of kill trials cost milliseconds each.
+The server never runs a torch op itself, so forking it is safe. Protocol (one JSON line each way)::
+
+    {"op": "spawn", "args": {...}}  ->  {"pid": 1234}
+    {"op": "wait", "pid": 1234}     ->  {"signal": 9, "exit": null}
+
+A victim appends JSON lines to ``args["log"]`` (``ready``, ``begin`` before each save, ``done`` with the
+manifest's SHA-256 after ``save`` returned), so the parent knows exactly which steps were committed before it
+killed the victim. ``args["hook"]`` = ``{"point", "at", "marker"}`` makes the victim stop at the ``at``-th
+occurrence of a kill point: it writes ``marker`` (proof that the point was reached) and sleeps until killed.
+
+Kill points (see ``install_hook``): ``mid_chunk_write`` (half of a chunk's temporary file written),
+``chunk_published`` (a chunk renamed into ``chunks/``, the save not committed), ``before_publish`` (every chunk
+durable, no step directory yet), ``step_dir_created`` (step directory made, no manifest), ``manifest_tmp_written``
+(the manifest's temporary file written, not yet renamed) and ``after_commit`` (manifest published, ``save``
+not yet returned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+_real_replace = os.replace
+MAX_STEPS = 500  # a victim that was never killed stops by itself
+
+
+def emit(log_fd: int, **rec: Any) -> None:
+    os.write(log_fd, (json.dumps(rec) + "\n").encode())
+
+
+def install_hook(point: str, at: int, marker: str) -> None:
+    """Monkeypatch this process so that it stops at the ``at``-th occurrence of ``point``."""
+    import trainguard.incremental.chunkstore as chunkstore
+    import trainguard.manager as manager
+
+    lock = threading.Lock()
+    seen = [0]
+
+    def hit() -> bool:
+        with lock:
+            seen[0] += 1
+            return seen[0] == at
+
+    def fire(**detail: Any) -> None:
+        tmp = marker + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"point": point, "pid": os.getpid(), **detail}, f)
+        _real_replace(tmp, marker)
+        while True:  # the parent SIGKILLs us now
+            time.sleep(60)
+
+    if point == "mid_chunk_write":
+        real_write_file = chunkstore.write_file
+
+        def write_file(path: Path, buf: Any, *, fsync: bool = True) -> None:
+            if hit():
+                view = memoryview(buf).cast("B")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.write(fd, view[: len(view) // 2])
+                os.fsync(fd)
+                os.close(fd)
+                fire(path=str(path), written=len(view) // 2, length=len(view))
+            real_write_file(path, buf, fsync=fsync)
+
+        chunkstore.write_file = write_file
+    elif point in ("chunk_published", "manifest_tmp_written"):
+
+        def replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+            name = Path(dst).name
+            if point == "manifest_tmp_written" and name == "manifest.json" and hit():
+                fire(tmp=str(src), dst=str(dst))
+            _real_replace(src, dst, *a, **k)
+            if point == "chunk_published" and Path(dst).parent.parent.name == "chunks" and hit():
+                fire(chunk=str(dst))
+
+        os.replace = replace
+    elif point == "before_publish":
+        real_publish = manager.CheckpointManager._publish
+
+        def _publish(self: Any, m: Any) -> None:
+            if hit():
+                fire(step=m.step)
+            real_publish(self, m)
+
+        manager.CheckpointManager._publish = _publish
+    elif point == "step_dir_created":
+        real_atomic_write = manager.atomic_write
+
+        def atomic_write(path: Any, data: bytes, *, fsync: bool = True) -> None:
+            if Path(path).name == "manifest.json" and hit():
+                fire(step_dir=str(Path(path).parent), exists=Path(path).parent.is_dir())
+            real_atomic_write(path, data, fsync=fsync)
+
+        manager.atomic_write = atomic_write
+    elif point == "after_commit":
+        real_retention = manager.CheckpointManager._apply_retention
+
+        def _apply_retention(self: Any) -> None:
+            if hit():
+                fire(steps=sorted(self._manifest_chunks))
+            real_retention(self)
+
+        manager.CheckpointManager._apply_retention = _apply_retention
+    else:
+        raise ValueError(f"unknown kill point {point!r}")
+
+
+def victim(args: dict[str, Any]) -> None:
+    """What a forked victim runs; ``args["mode"]`` picks the role."""
+    import torch
+
+    import trainguard as tg
+    from faultlib import make_state, manifest_path, sha256_file
+
+    torch.set_num_threads(1)
+    root = args["root"]
+    log_fd = os.open(args["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    mode = args.get("mode", "save_loop")
+    if mode == "try_open":
+        try:
+            mgr = tg.CheckpointManager(root)
+        except tg.TrainguardError as e:
+            emit(log_fd, ev="refused", error=type(e).__name__, message=str(e))
+            return
+        emit(log_fd, ev="opened")
+        mgr.close()
+        return
+    hook = args.get("hook")
+    if hook:
+        install_hook(hook["point"], hook["at"], hook["marker"])
+    mgr = tg.CheckpointManager(root, fsync=True)
+    emit(log_fd, ev="ready")
+    step = args["start"]
+    if mode in ("hold", "hold_fork"):
+        mgr.save(step, make_state(step))
+        helper = None
+        if mode == "hold_fork":  # like a DataLoader worker started with fork after the manager opened
+            helper = os.fork()
+            if helper == 0:
+                time.sleep(args.get("helper_s", 30))
+                os._exit(0)
+        emit(log_fd, ev="holding", step=step, helper_pid=helper)
+        time.sleep(120)
+        return
+    for step in range(args["start"], args["start"] + MAX_STEPS):
+        state = make_state(step)
+        emit(log_fd, ev="begin", step=step)
+        mgr.save(step, state)
+        emit(log_fd, ev="done", step=step, sha256=sha256_file(manifest_path(root, step)))
+
+
+def serve() -> None:
+    import torch.distributed.checkpoint  # noqa: F401 - the slow imports, once, before any fork
+
+    import faultlib  # noqa: F401
+    import trainguard.manager  # noqa: F401
+
+    children: set[int] = set()
+    out = sys.stdout
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        if cmd["op"] == "spawn":
+            out.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    err = os.open(cmd["args"]["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(err, 1)
+                    os.dup2(err, 2)
+                    victim(cmd["args"])
+                except BaseException:  # noqa: BLE001 - reported through the exit code and the stderr file
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stderr.flush()
+                    os._exit(code)
+            children.add(pid)
+            reply: dict[str, Any] = {"pid": pid}
+        elif cmd["op"] == "wait":
+            _, status = os.waitpid(cmd["pid"], 0)
+            children.discard(cmd["pid"])
+            reply = {
+                "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            }
+        else:
+            reply = {"error": f"unknown op {cmd['op']!r}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    for pid in children:  # the test ended without killing them
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        sys.exit("usage: crash_worker.py serve")
