@@ -53,7 +53,7 @@ def test_views_and_non_contiguous_tensors_store_only_their_elements(tmp_path):
     strided = base.view(1000, 1000)[::100, ::250]
     transposed = torch.arange(12.0).view(3, 4).t()
     with tg.CheckpointManager(tmp_path / "run") as mgr:
-        res = mgr.save(1, {"s": {"view": view, "strided": strided, "t": transposed}})
+        res = mgr.save(1, {"s": {"view": view, "strided": strided, "t": transposed}}).wait()
         assert res.bytes < 4096, "a view must not drag its whole base storage into the checkpoint"
         fresh: dict = {"s": {}}
         mgr.restore(1, fresh)
@@ -123,7 +123,7 @@ def test_a_value_that_would_need_pickle_is_refused_at_save_with_a_clear_error(tm
 def test_large_tensors_are_split_into_bounded_chunks(tmp_path):
     t = torch.randn(3 * (1 << 20) // 4 * 3)  # 9 MiB
     with tg.CheckpointManager(tmp_path / "run", chunk_size_bytes=1 << 20) as mgr:
-        mgr.save(1, {"w": {"t": t}})
+        mgr.save(1, {"w": {"t": t}}).wait()
         from trainguard.catalog import read_manifest
 
         m = read_manifest(tmp_path / "run", 1)
@@ -136,8 +136,8 @@ def test_large_tensors_are_split_into_bounded_chunks(tmp_path):
 def test_unchanged_tensors_are_not_written_again(tmp_path):
     frozen = torch.randn(1 << 19)  # 2 MiB: own chunk
     with tg.CheckpointManager(tmp_path / "run") as mgr:
-        first = mgr.save(1, {"m": {"frozen": frozen, "live": torch.randn(1 << 18)}})
-        second = mgr.save(2, {"m": {"frozen": frozen, "live": torch.randn(1 << 18)}})
+        first = mgr.save(1, {"m": {"frozen": frozen, "live": torch.randn(1 << 18)}}).wait()
+        second = mgr.save(2, {"m": {"frozen": frozen, "live": torch.randn(1 << 18)}}).wait()
     assert first.bytes_written == first.bytes
     assert second.bytes_written == second.bytes - frozen.numel() * 4
 

@@ -81,11 +81,13 @@ def test_a_job_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, reference, 
     train(tmp_path, "--die-at-step", str(kill_at), expect_kill=True)
     before = losses(tmp_path)
     assert before[-1]["step"] == kill_at
+    # saves persist in the background: the newest committed checkpoint may trail the last policy step
+    newest = tg.CheckpointManager(tmp_path, read_only=True).latest_step()
+    assert newest is not None and kill_at - 3 * SAVE_EVERY <= newest <= kill_at and newest % SAVE_EVERY == 0
     train(tmp_path)
     log = losses(tmp_path)
     resumed = log[len(before):]
-    resume_step = (kill_at // SAVE_EVERY) * SAVE_EVERY
-    assert resumed[0]["step"] == resume_step + 1, "resumed from the newest checkpoint before the kill"
+    assert resumed[0]["step"] == newest + 1, "resumed from the newest checkpoint valid at the kill"
     by_step = {r["step"]: r for r in ref_losses}
     for r in resumed:  # loss, LR and data order of every step after the resume point
         assert r == by_step[r["step"]], f"step {r['step']} diverged"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
 import warnings
 import os
 import secrets
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _statefn
@@ -44,24 +46,15 @@ from .errors import (
     StorageFullError,
     TrainguardError,
 )
-from .format import (
-    ChunkRecord,
-    Manifest,
-    Segment,
-    ShardRecord,
-    TensorEntry,
-    ValueEntry,
-    chunk_relpath,
-    manifest_to_json,
-    step_dir_name,
-)
+from .commit import build_manifest, publish
+from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME, partial_dir_name
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
 from .retention import RetentionPolicy, as_retention
-from .state.dtypes import dtype_name
-from .storage.local import atomic_write, fsync_dir, remove_tree
+from .staging import PendingSave, Stager
+from .storage.local import atomic_write, remove_tree
 
 log = logging.getLogger("trainguard")
 
@@ -108,6 +101,12 @@ class CheckpointManager:
         fsync: make every save durable (default True).
         chunk_size_bytes: largest chunk, in bytes (default 64 MiB).
         save_on_preemption: on SIGTERM, save at the next ``maybe_save`` and exit cleanly.
+        async_save: persist in a background thread; the caller blocks only for the copy into staging buffers
+            (default True).
+        staging_buffers: staging buffer sets (2: double-buffered; host memory up to 2x the state's tensors).
+        when_busy: what ``maybe_save`` does when every buffer set is still persisting earlier saves:
+            ``"wait"`` (block until one is free, default) or ``"skip"`` (skip this save, logging a
+            ``save_skipped`` event). ``save`` always waits.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -126,6 +125,9 @@ class CheckpointManager:
         fsync: bool = True,
         chunk_size_bytes: int = 64 << 20,
         save_on_preemption: bool = False,
+        async_save: bool = True,
+        staging_buffers: int = 2,
+        when_busy: str = "wait",
     ) -> None:
         from .policies import EveryNSteps
 
@@ -140,8 +142,19 @@ class CheckpointManager:
         self.options = WriterOptions(chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes))
         self.store = ChunkStore(self.root, fsync=fsync)
         self.fsync = fsync
+        if when_busy not in ("wait", "skip"):
+            raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if staging_buffers < 1:
+            raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
+        self.async_save = bool(async_save)
+        self.when_busy = when_busy
+        self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._pending: list[PendingSave] = []
+        self._in_flight: set[int] = set()
         self.last_restore = RestoreTimings()
-        self.saves: list[SaveResult] = []
+        self.saves: list[SaveResult] = []  # every committed save of this manager, in commit order
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
@@ -175,14 +188,28 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Flush pending work and release the write lock. Idempotent."""
+        """Wait for pending saves, stop the background worker and release the write lock. Idempotent.
+
+        Raises:
+            SaveError: a background save failed and nobody has seen its error yet (the lock is released first).
+        """
         if self._closed:
             return
+        err: BaseException | None = None
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+            err = e
         self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
             self._lock.release()
+        if err is not None:
+            raise err
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -195,10 +222,11 @@ class CheckpointManager:
             self._events.write(name, **fields)
 
     # -- saving -------------------------------------------------------------------------------------------
-    def maybe_save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
+    def maybe_save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None) -> PendingSave | None:
         """Beat the heartbeat and save if the save policy says so (or a preemption was requested).
 
-        Returns the SaveResult, or None when no save was due.
+        Returns the PendingSave, or None when no save was due. Raises what ``save`` raises, including the
+        error of an earlier background save.
         """
         from .recovery.heartbeat import heartbeat, preemption_requested
 
@@ -210,12 +238,14 @@ class CheckpointManager:
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
 
-            if not (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+            if step not in self._in_flight and not (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
                 self.save(step, state, metrics=metrics)
             self.close()
             exit_after_preemption_save()
+        self._raise_background_error()
         if self.save_policy.should_save(step, now_s=time.monotonic()):
-            return self.save(step, state, metrics=metrics)
+            return self._save(step, state, metrics=metrics, metadata=None, overwrite=False,
+                              block=self.when_busy == "wait")
         return None
 
     def save(
@@ -226,8 +256,12 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
-    ) -> SaveResult:
-        """Save ``state`` as the checkpoint of ``step`` and commit it.
+    ) -> PendingSave:
+        """Save ``state`` as the checkpoint of ``step``.
+
+        With ``async_save=True`` (the default) this blocks only while the state is copied into a free staging
+        buffer set (waiting for one if every set is busy) and returns a :class:`PendingSave`; CRC32C, chunking,
+        writing and the commit run in the background. With ``async_save=False`` it returns once committed.
 
         Args:
             step: the training step (int >= 0).
@@ -238,29 +272,100 @@ class CheckpointManager:
             overwrite: replace an existing checkpoint of this step.
 
         Returns:
-            SaveResult with sizes and timings.
+            A PendingSave; ``wait()`` returns the SaveResult or raises the background error.
 
         Raises:
-            CheckpointExistsError: the step is already committed and ``overwrite`` is False.
-            StorageFullError: the disk filled up; nothing committed, earlier checkpoints intact.
-            SaveError: any other failure; nothing committed, earlier checkpoints intact.
+            CheckpointExistsError: the step is already committed (or being saved) and ``overwrite`` is False.
+            SaveError: an earlier background save failed (raised once, here or from wait/close), or, for
+                synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full.
+                Nothing is committed by a failed save and earlier checkpoints are intact.
         """
+        return self._save(step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True)
+
+    def _save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None,
+              metadata: Mapping[str, Any] | None, overwrite: bool, block: bool) -> PendingSave:
         self._check_writable()
+        self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        if (self.root / step_dir_name(step) / MANIFEST_NAME).exists() and not overwrite:
+        if not overwrite and (step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()):
             raise CheckpointExistsError(
                 f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to replace it"
             )
         t0 = time.perf_counter()
         now0 = time.monotonic()
-        flat, paths, top = _statefn.collect(state)
+        if not self.async_save:
+            flat, paths, top = _statefn.collect(state)
+            handle = PendingSave(step)
+            try:
+                result = self._persist(step, flat, paths, top, metrics, metadata, t0, blocking=True)
+            except SaveError as e:
+                handle._set_error(e)
+                handle._error_seen = True
+                raise
+            handle.staging_s = result.block_s
+            handle._set_result(result)
+            self.save_policy.record_save(step, now_s=now0, block_s=result.block_s, persist_s=None)
+            self.save_policy.record_save(step, now_s=time.monotonic(), block_s=result.block_s,
+                                         persist_s=result.persist_s)
+            return handle
+        bufset = self._stager.acquire(block=block)
+        if bufset is None:
+            self._event("save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves")
+            log.warning("skipping the save of step %d: earlier saves are still persisting", step)
+            return PendingSave(step, time.perf_counter() - t0, skipped=True)
+        try:
+            flat, paths, top = _statefn.collect(state)
+            staged = bufset.stage(flat)
+        except BaseException:
+            self._stager.release(bufset)
+            raise
+        staging_s = time.perf_counter() - t0
+        handle = PendingSave(step, staging_s)
+        self._in_flight.add(step)
+        self._pending.append(handle)
+        self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
+        self._ensure_worker()
+        self._queue.put((handle, bufset, staged, paths, top, metrics, metadata, t0))
+        return handle
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="trainguard-persist", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        """Background persist loop: one save at a time, in order. Survives a failed save and reports it."""
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            handle, bufset, staged, paths, top, metrics, metadata, t0 = job
+            try:
+                result = self._persist(handle.step, staged, paths, top, metrics, metadata, t0, blocking=False,
+                                       staging_s=handle.staging_s)
+                handle._set_result(result)
+                self.save_policy.record_save(handle.step, now_s=time.monotonic(), block_s=handle.staging_s,
+                                             persist_s=result.persist_s)
+            except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
+                handle._set_error(e if isinstance(e, SaveError) else SaveError(
+                    f"background save of step {handle.step} failed: {type(e).__name__}: {e}", step=handle.step,
+                    rank_errors={0: e}))
+            finally:
+                del staged
+                self._stager.release(bufset)
+                self._in_flight.discard(handle.step)
+
+    def _persist(self, step: int, flat: dict[str, Any], paths: Mapping[str, Any], top: dict[str, dict[str, Any]],
+                 metrics: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None, t0: float, *,
+                 blocking: bool, staging_s: float | None = None) -> SaveResult:
+        """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
         partial = self.root / partial_dir_name(step, secrets.token_hex(4))
         partial.mkdir()
         manifest_box: list[Manifest] = []
 
         def commit(md: Metadata, results: list[list[WriteResult]]) -> None:
-            m = self._build_manifest(step, md, results, paths, top, metrics, metadata)
+            m = build_manifest(step, md, results, paths, top, metrics, metadata)
             self._publish(m)
             manifest_box.append(m)
 
@@ -271,11 +376,9 @@ class CheckpointManager:
         except BaseException as e:
             err = _unwrap(e)
             self._event("save_failed", step=step, error=f"{type(err).__name__}: {err}")
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
                 raise err from None
-            if isinstance(err, TrainguardError) and not isinstance(err, SaveError) and not isinstance(err, OSError):
-                raise err from None
-            if isinstance(err, SaveError):
+            if isinstance(err, TrainguardError) and not isinstance(err, OSError):
                 raise err from None
             raise SaveError(
                 f"saving step {step} failed: {type(err).__name__}: {err}; nothing was committed and earlier "
@@ -287,60 +390,53 @@ class CheckpointManager:
         m = manifest_box[0]
         self._manifest_chunks[step] = set(m.chunks)
         elapsed = time.perf_counter() - t0
-        result = SaveResult(step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=elapsed,
+        block_s = elapsed if blocking else float(staging_s or 0.0)
+        result = SaveResult(step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s,
                             persist_s=elapsed)
         self.saves.append(result)
         self._event("save", step=step, bytes=result.bytes, bytes_written=result.bytes_written,
-                    block_s=result.block_s, persist_s=result.persist_s, chunks=len(m.chunks))
-        self.save_policy.record_save(step, now_s=now0, block_s=elapsed, persist_s=None)
-        self.save_policy.record_save(step, now_s=time.monotonic(), block_s=elapsed, persist_s=elapsed)
+                    block_s=result.block_s, persist_s=result.persist_s, chunks=len(m.chunks),
+                    staging_bytes=self.staging_bytes, async_save=not blocking)
         self._apply_retention()
         return result
 
-    def _build_manifest(self, step: int, md: Metadata, results: list[list[WriteResult]], paths: Mapping[str, Any],
-                        top: dict[str, dict[str, Any]], metrics: Mapping[str, Any] | None,
-                        metadata: Mapping[str, Any] | None) -> Manifest:
-        by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
-        chunks: dict[str, ChunkRecord] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                sd = wr.storage_data
-                by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
-                for h, info in sd.get("chunks", {}).items():
-                    chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
-        entries: dict[str, TensorEntry | ValueEntry] = {}
-        for fqn, smd in md.state_dict_metadata.items():
-            path = tuple(paths[fqn])
-            if isinstance(smd, TensorStorageMetadata):
-                shards = []
-                for c in smd.chunks:
-                    sd = by_index[(fqn, tuple(c.offsets))]
-                    segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                    shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
-                entries[fqn] = TensorEntry(fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards))
-            elif isinstance(smd, BytesStorageMetadata):
-                sd = by_index[(fqn, ())]
-                if "value" in sd:
-                    entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None)
-                else:
-                    segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                    entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs)
-        t = time.time()
-        return Manifest(step=step, t=t, time=iso(t), world_size=len(results), entries=entries, chunks=chunks,
-                        metrics=dict(metrics or {}), metadata=dict(metadata or {}), top_level=top)
-
     def _publish(self, m: Manifest) -> None:
-        """The commit: chunks are durable already; create the step directory and publish the manifest last."""
-        d = self.root / step_dir_name(m.step)
-        created = not d.exists()
-        d.mkdir(exist_ok=True)
-        if created and self.fsync:
-            fsync_dir(self.root)
-        try:
-            (d / CORRUPT_MARKER).unlink()
-        except FileNotFoundError:
-            pass
-        atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=self.fsync)
+        publish(self.root, m, fsync=self.fsync)
+
+    def _raise_background_error(self) -> None:
+        """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
+        err = None
+        keep = []
+        for h in self._pending:
+            if not h.done():
+                keep.append(h)
+            elif h.error is not None and not h._error_seen and err is None:
+                h._error_seen = True
+                err = h.error
+            elif h.error is not None and not h._error_seen:
+                keep.append(h)
+        self._pending = keep
+        if err is not None:
+            raise err
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by staging buffers, in bytes (bounded by ``staging_buffers`` x the state size)."""
+        return self._stager.nbytes if self._stager is not None else 0
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is committed or failed.
+
+        Raises:
+            SaveError: a background save failed (raised once).
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in list(self._pending):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h._event.wait(left):
+                raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
+        self._raise_background_error()
 
     # -- retention ----------------------------------------------------------------------------------------
     def _chunks_of(self, step: int) -> set[str] | None:
@@ -352,7 +448,7 @@ class CheckpointManager:
         return self._manifest_chunks[step]
 
     def _apply_retention(self) -> None:
-        infos = [i for i in self.checkpoints() if i.status == "valid"]
+        infos = [i for i in scan(self.root, self.store) if i.status == "valid"]
         valid = [i.step for i in infos]
         if not valid:
             return
@@ -399,7 +495,9 @@ class CheckpointManager:
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint under the root with status (valid / corrupt / incomplete), bytes and time,
-        ascending by step. Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
+        ascending by step. Waits for this manager's pending saves first, so a save just made is listed.
+        Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
+        self.wait()
         return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
@@ -419,6 +517,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
+        self.wait()
         t0 = time.perf_counter()
         self._load(step, state)
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
@@ -468,6 +567,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
+        self.wait()
         t0 = time.perf_counter()
         steps, partials = step_dirs(self.root)
         timings = RestoreTimings()

@@ -42,6 +42,7 @@ def install_hook(point: str, at: int, marker: str) -> None:
     """Monkeypatch this process so that it stops at the ``at``-th occurrence of ``point``."""
     import trainguard.incremental.chunkstore as chunkstore
     import trainguard.manager as manager
+    import trainguard.storage.local as local
 
     lock = threading.Lock()
     seen = [0]
@@ -94,14 +95,14 @@ def install_hook(point: str, at: int, marker: str) -> None:
 
         manager.CheckpointManager._publish = _publish
     elif point == "step_dir_created":
-        real_atomic_write = manager.atomic_write
+        real_write_file = local.write_file  # what atomic_write calls for the manifest's temporary file
 
-        def atomic_write(path: Any, data: bytes, *, fsync: bool = True) -> None:
-            if Path(path).name == "manifest.json" and hit():
-                fire(step_dir=str(Path(path).parent), exists=Path(path).parent.is_dir())
-            real_atomic_write(path, data, fsync=fsync)
+        def write_file_(path: Path, buf: Any, *, fsync: bool = True) -> None:
+            if Path(path).name.startswith(".manifest.json.tmp") and hit():
+                fire(step_dir=str(Path(path).parent))
+            real_write_file(path, buf, fsync=fsync)
 
-        manager.atomic_write = atomic_write
+        local.write_file = write_file_
     elif point == "after_commit":
         real_retention = manager.CheckpointManager._apply_retention
 
@@ -120,7 +121,7 @@ def victim(args: dict[str, Any]) -> None:
     import torch
 
     import trainguard as tg
-    from faultlib import make_state, manifest_path, sha256_file
+    from faultlib import commit_save, make_state, manifest_path, sha256_file
 
     torch.set_num_threads(1)
     root = args["root"]
@@ -138,11 +139,11 @@ def victim(args: dict[str, Any]) -> None:
     hook = args.get("hook")
     if hook:
         install_hook(hook["point"], hook["at"], hook["marker"])
-    mgr = tg.CheckpointManager(root, fsync=True)
+    mgr = tg.CheckpointManager(root, fsync=True, **args.get("manager_kwargs", {}))
     emit(log_fd, ev="ready")
     step = args["start"]
     if mode in ("hold", "hold_fork"):
-        mgr.save(step, make_state(step))
+        commit_save(mgr, step, make_state(step))
         helper = None
         if mode == "hold_fork":  # like a DataLoader worker started with fork after the manager opened
             helper = os.fork()
@@ -155,7 +156,7 @@ def victim(args: dict[str, Any]) -> None:
     for step in range(args["start"], args["start"] + MAX_STEPS):
         state = make_state(step)
         emit(log_fd, ev="begin", step=step)
-        mgr.save(step, state)
+        commit_save(mgr, step, state)
         emit(log_fd, ev="done", step=step, sha256=sha256_file(manifest_path(root, step)))
 
 

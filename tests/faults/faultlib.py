@@ -74,6 +74,29 @@ def assert_state_is(state: dict[str, Any], step: int) -> None:
     assert state["epoch"] == want["epoch"], "epoch"
 
 
+def save_modes() -> list[dict[str, Any]]:
+    """Manager keyword sets to run a test under: background and synchronous saves where both exist."""
+    import inspect
+
+    import trainguard as tg
+
+    if "async_save" in inspect.signature(tg.CheckpointManager).parameters:
+        return [{"async_save": True}, {"async_save": False}]
+    return [{}]
+
+
+def mode_id(kw: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+
+
+def commit_save(mgr: Any, step: int, state: dict[str, Any], **kw: Any) -> Any:
+    """``mgr.save`` and, when it returns a handle of a background save, wait for the commit (so that a
+    failure of this save is raised here, whichever save mode the manager uses). Returns the SaveResult."""
+    out = mgr.save(step, state, **kw)
+    wait = getattr(out, "wait", None)
+    return wait() if callable(wait) else out
+
+
 # -- on-disk probes ---------------------------------------------------------------------------------------
 def manifest_path(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / step_dir_name(step) / MANIFEST_NAME

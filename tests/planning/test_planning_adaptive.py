@@ -182,3 +182,16 @@ def test_only_notable_changes_of_the_interval_are_logged(tmp_path) -> None:
 def test_bad_arguments_raise_config_error(kwargs, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         AdaptivePolicy(**kwargs)
+
+
+def test_failures_are_dated_at_their_death_and_checkpointed_preemptions_are_not_failures(tmp_path) -> None:
+    start = 1_700_000_000.0
+    supervisor = EventLog(tmp_path, "supervisor")
+    supervisor.write("run_start", t=start)
+    supervisor.write("failure", t=start + HOUR, t_death=start - HOUR, cause="crash")
+    supervisor.write("failure", t=start + 2 * HOUR, cause="preempted")
+    policy = AdaptivePolicy(prior_mtbf_s=72 * HOUR, wall_clock=FakeClock(start + 3 * HOUR))
+    policy.bind(str(tmp_path), EventLog(tmp_path, "manager"))
+    assert policy.decision.failures == 1
+    assert policy.decision.exposure_s == pytest.approx(4 * HOUR)  # counted from the earlier death
+    supervisor.close()

@@ -40,6 +40,9 @@ from trainguard.recovery.heartbeat import exit_after_preemption_save, flush_hear
 """
 
 
+NO_MMAP = "import mmap\ndef _no_mmap(*a, **k):\n    raise OSError('no mmap')\nmmap.mmap = _no_mmap  # the pwrite path\n"
+
+
 def run_snippet(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", PRELUDE + code],
@@ -75,7 +78,22 @@ def test_a_heartbeat_records_the_step_the_wall_time_and_the_pid(channel):
     assert channel.stat().st_size == RECORD_SIZE_BYTES
 
 
-def test_writes_are_rate_limited_and_the_held_back_step_is_flushed(channel):
+def test_a_new_step_is_recorded_at_once_and_same_step_beats_are_rate_limited(channel):
+    for step in range(1, 1001):
+        heartbeat(step)
+        assert read_heartbeat(channel)[0] == step
+    t_written = read_heartbeat(channel)[1]
+    heartbeat(1000)
+    assert read_heartbeat(channel)[1] == t_written  # the same step again within 0.1 s: held back
+    flush_heartbeat()
+    assert read_heartbeat(channel)[1] > t_written
+
+
+def test_without_mmap_writes_are_rate_limited_and_the_held_back_step_is_flushed(channel, monkeypatch):
+    def no_mmap(*args, **kwargs):
+        raise OSError("mmap not supported here")
+
+    monkeypatch.setattr(hb.mmap, "mmap", no_mmap)
     heartbeat(1)
     for step in range(2, 1002):
         heartbeat(step)
@@ -134,18 +152,26 @@ def test_every_local_rank_beats_into_its_own_slot_and_the_reader_takes_the_newes
     assert read_heartbeat(path)[0] == 6  # rank 3 beat last
 
 
+def test_the_last_step_survives_a_sigkill_right_after_the_beat(tmp_path):
+    path = tmp_path / "heartbeat"
+    code = "import os, signal\nfor s in range(1, 1001): heartbeat(s)\nos.kill(os.getpid(), signal.SIGKILL)"
+    done = run_snippet(code, **{HEARTBEAT_FILE_ENV: str(path)})
+    assert done.returncode == -signal.SIGKILL
+    assert read_heartbeat(path)[0] == 1000
+
+
 def test_a_held_back_beat_is_flushed_when_the_job_exits(tmp_path):
     path = tmp_path / "heartbeat"
-    done = run_snippet("heartbeat(1); heartbeat(2); sys.exit(1)", **{HEARTBEAT_FILE_ENV: str(path)})
+    code = NO_MMAP + "heartbeat(1); heartbeat(2); sys.exit(1)"
+    done = run_snippet(code, **{HEARTBEAT_FILE_ENV: str(path)})
     assert done.returncode == 1
     assert read_heartbeat(path)[0] == 2
 
 
 def test_exit_after_preemption_save_flushes_and_exits_with_the_preempted_code(tmp_path):
     path = tmp_path / "heartbeat"
-    done = run_snippet(
-        "heartbeat(1); heartbeat(2); exit_after_preemption_save()", **{HEARTBEAT_FILE_ENV: str(path)}
-    )
+    code = NO_MMAP + "heartbeat(1); heartbeat(2); exit_after_preemption_save()"
+    done = run_snippet(code, **{HEARTBEAT_FILE_ENV: str(path)})
     assert done.returncode == EXIT_PREEMPTED == 75
     assert read_heartbeat(path)[0] == 2
 

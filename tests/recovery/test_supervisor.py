@@ -387,3 +387,39 @@ def test_a_second_stop_request_kills_the_job_at_once(tmp_path, job):
     assert time.monotonic() - t0 < 20  # far less than the 60 s grace period
     assert result.exit_code == 128 + signal.SIGTERM
     assert [(a.outcome, a.signal) for a in result.attempts] == [("stopped", "SIGKILL")]
+
+
+REAL_TRAINER = """
+import os, sys, torch
+import trainguard as tg
+
+root, crash_at = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(10), async_save=False)
+state = {"model": model, "optim": optim}
+start = mgr.restore_latest(state)
+for step in range((start or 0) + 1, 41):
+    loss = model(torch.randn(2, 4)).pow(2).mean()
+    optim.zero_grad(); loss.backward(); optim.step()
+    mgr.maybe_save(step, state, metrics={"loss": loss.item()})
+    if os.environ["TRAINGUARD_RESTART_COUNT"] == "0" and step == crash_at:
+        os.kill(os.getpid(), 9)
+mgr.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_real_manager_job_killed_mid_run_resumes_and_reports_every_phase(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(REAL_TRAINER)
+    root = tmp_path / "ckpts"
+    config = fast(tmp_path, root=root, max_restarts=1)
+    result = supervise([sys.executable, str(script), str(root), "25"], config)
+    assert result.exit_code == 0
+    assert (result.failures[0].signal, result.failures[0].last_step) == ("SIGKILL", 25)
+    [rec] = result.recoveries
+    assert (rec.restored_step, rec.steps_lost, rec.first_step_source) == (20, 5, "manager")
+    assert all(rec.phases[p] is not None and rec.phases[p] >= 0 for p in PHASES)
+    assert rec.ttr_s >= sum(rec.phases.values())

@@ -290,7 +290,7 @@ def _print_plan(p: dict[str, Any]) -> None:
     "--sweep/--no-sweep", "do_sweep", default=True, show_default=True, help="Sweep T around the optimum."
 )
 @click.option(
-    "--points", type=click.IntRange(min=3), default=25, show_default=True, help="Intervals in the sweep."
+    "--points", type=click.IntRange(min=3), default=24, show_default=True, help="Intervals in the sweep."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate_cmd(**kw: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
-from ..state.values import decode_value, encode_value
+from ..state.values import EncodedValue, decode_value, encode_value
 
 
 class TrainguardSavePlanner(DefaultSavePlanner):
@@ -26,6 +26,8 @@ class TrainguardSavePlanner(DefaultSavePlanner):
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
         if write_item.type == WriteItemType.BYTE_IO:
+            if isinstance(object, EncodedValue):
+                return io.BytesIO(object.payload)
             return io.BytesIO(encode_value(object, write_item.index.fqn))
         return object
 

@@ -10,11 +10,13 @@ Failure rate: failures are a Poisson process with rate ``lambda = 1 / M``. The c
 distribution; with ``a0`` pseudo-failures seen in ``b0`` pseudo-seconds (``b0 = a0 * prior_mtbf_s``) and
 ``n`` failures observed in ``t`` seconds of the run, the posterior is ``Gamma(a0 + n, b0 + t)`` and the
 policy uses ``M = 1 / E[lambda] = (b0 + t) / (a0 + n)`` (Gelman et al., Bayesian Data Analysis, 3rd ed.,
-section 2.6). The prior dominates early in a run and fades as the run's own history accumulates; a larger
+section 2.6). ``n`` counts the ``failure`` events of the log (at their ``t_death`` when recorded), except
+preemptions that saved a checkpoint first (``cause == "preempted"``), which lose no work; ``t`` runs from the
+earliest event in the log to now. The prior dominates early in a run and fades as the run's own history accumulates; a larger
 ``prior_failures`` makes it fade more slowly.
 
-Every notable change of the interval is written to the event log as an ``adaptive_interval`` event (and to
-the ``trainguard.planning.adaptive`` logger) with the measured C, L, the MTBF estimate, the failure count and
+Every notable change of the interval, and the first decision based on a measured save, is written to the
+event log as an ``adaptive_interval`` event (and to the ``trainguard.planning.adaptive`` logger) with the measured C, L, the MTBF estimate, the failure count and
 the reason.
 """
 
@@ -36,6 +38,10 @@ from .interval import Method, daly_interval_s, young_interval_s
 from .units import format_duration
 
 log = logging.getLogger(__name__)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def posterior_mtbf_s(
@@ -184,6 +190,7 @@ class AdaptivePolicy:
         self._next_recompute_s = -math.inf
         self._next_log_read_s = -math.inf
         self._logged_interval_s: float | None = None
+        self._logged_measured = False
         self._decision = self._decide()
 
     # -- wiring -----------------------------------------------------------------------------------------
@@ -251,15 +258,19 @@ class AdaptivePolicy:
         except OSError as e:  # pragma: no cover - depends on the file system
             log.warning("adaptive policy could not read the event log under %s: %s", self._root, e)
             return
-        times = [float(r["t"]) for r in records if isinstance(r.get("t"), (int, float))]
+        times = [float(r["t"]) for r in records if _is_number(r.get("t"))]
+        failures = []
+        for r in records:
+            # A preemption that saved a checkpoint first ("preempted") loses no work: not a failure here.
+            if r.get("event") != "failure" or r.get("cause") == "preempted":
+                continue
+            t: Any = r.get("t_death") if _is_number(r.get("t_death")) else r.get("t")
+            if _is_number(t):
+                failures.append(float(t))
         with self._lock:
             if times:
                 self._log_start_s = min(times)
-            self._log_failures = [
-                float(r["t"])
-                for r in records
-                if r.get("event") == "failure" and isinstance(r.get("t"), (int, float))
-            ]
+            self._log_failures = failures
 
     def _counts(self) -> tuple[int, float]:
         """Failures and the seconds they were counted over."""
@@ -311,9 +322,16 @@ class AdaptivePolicy:
     def _update(self, *, force_log: bool = False) -> None:
         self._decision = d = self._decide()
         prev = self._logged_interval_s
-        if not force_log and prev is not None and abs(d.interval_s - prev) <= self.change_ratio * prev:
+        first_measurement = d.block_s is not None and not self._logged_measured
+        if (
+            not force_log
+            and not first_measurement
+            and prev is not None
+            and abs(d.interval_s - prev) <= self.change_ratio * prev
+        ):
             return
         self._logged_interval_s = d.interval_s
+        self._logged_measured = d.block_s is not None
         log.info("adaptive checkpoint interval %s: %s", format_duration(d.interval_s), d.reason)
         if self._events is not None:
             try:

@@ -301,8 +301,11 @@ def simulate(config: SimulationConfig, interval_s: float) -> SimulationResult:
     return _results(config, _check_intervals(config, [interval_s]))[0]
 
 
-def default_intervals_s(config: SimulationConfig, *, points: int = 25, span: float = 3.0) -> np.ndarray:
+def default_intervals_s(config: SimulationConfig, *, points: int = 24, span: float = 3.0) -> np.ndarray:
     """A geometric grid of intervals around Daly's optimum, from ``T*/span`` to ``T* * span``.
+
+    With an even number of points (the default) the grid straddles T* without containing it, so the best
+    swept interval is found by the simulation, not handed to it.
 
     Intervals below the persist latency L are dropped (the grid then starts at L).
 
@@ -345,7 +348,7 @@ def sweep(
     config: SimulationConfig,
     intervals_s: Sequence[float] | np.ndarray | None = None,
     *,
-    points: int = 25,
+    points: int = 24,
     span: float = 3.0,
     batch: int = 5,
     progress: Callable[[int, int], None] | None = None,

@@ -3,8 +3,8 @@
 The channel is one small local file whose path the supervisor passes in ``TRAINGUARD_HEARTBEAT_FILE`` (a new
 file for every attempt, so a straggler of an earlier attempt can never look alive). The file is an array of
 fixed-size slots of :data:`RECORD_SIZE_BYTES` bytes, one per local rank (``LOCAL_RANK``, else 0); each process
-overwrites its own slot in place with ``os.pwrite``, so every rank of a ``torchrun`` job can beat into the same
-file without locking and the file never grows. A slot holds one ASCII line::
+overwrites its own slot in place, so every rank of a ``torchrun`` job can beat into the same file without
+locking and the file never grows. A slot holds one ASCII line::
 
     tg1 <step> <t> <pid> <first_step> <first_t> <crc32 of the text before it, 8 hex>
 
@@ -12,11 +12,13 @@ file without locking and the file never grows. A slot holds one ASCII line::
 reader that races a writer may see a torn slot; the CRC rejects it and the reader uses the other slots or
 the previous reading. The supervisor takes the newest slot.
 
-Cost: :func:`heartbeat` is one environment lookup when ``TRAINGUARD_HEARTBEAT_FILE`` is unset; when set it
-writes at most once per :data:`MIN_WRITE_INTERVAL_S` (about 1 us per call otherwise). A call inside that
-interval is remembered and written by the next call after it, at interpreter exit, or by
-:func:`exit_after_preemption_save`, so the recorded step lags the loop by at most 0.1 s while it runs. I/O
-errors are swallowed: a heartbeat never raises into the training loop.
+Cost: :func:`heartbeat` is one environment lookup (~0.3 us) when ``TRAINGUARD_HEARTBEAT_FILE`` is unset.
+When set, the slot is memory-mapped (``MAP_SHARED``): a new step is a ~1 us memory store, recorded at once
+and kept even if the process is SIGKILLed a microsecond later (so ``steps_lost`` is exact); repeated beats
+of the same step refresh the time at most once per :data:`MIN_WRITE_INTERVAL_S`. Without mmap, writes are
+``pwrite`` calls rate-limited to 10 per second, and a held-back beat is written by the next call after the
+interval, at interpreter exit, or by :func:`exit_after_preemption_save`. I/O errors are swallowed: a
+heartbeat never raises into the training loop.
 
 Preemption: :func:`install_preemption_handler` turns SIGTERM into a flag (:func:`preemption_requested`) that
 the ``CheckpointManager`` polls at each step boundary; after saving it calls
@@ -27,6 +29,7 @@ early, checkpoint saved, run me again").
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import signal
 import threading
@@ -48,7 +51,7 @@ MAX_SLOTS = 4096
 """Slots beyond this local rank wrap around (two processes sharing a slot only lose the older beat)."""
 
 MIN_WRITE_INTERVAL_S = 0.1
-"""Minimum time between two writes by one process (at most 10 writes per second)."""
+"""Minimum time between two writes by one process, except a new step through the memory map (seconds)."""
 
 EXIT_PREEMPTED = 75
 """Exit code of a job that stopped on a preemption request after saving a checkpoint (``EX_TEMPFAIL``).
@@ -118,16 +121,25 @@ def _local_slot() -> int:
 
 
 class _Beater:
-    """The per-process writer behind :func:`heartbeat`. Thread-safe; re-created in a forked child."""
+    """The per-process writer behind :func:`heartbeat`. Thread-safe; re-created in a forked child.
+
+    The first write of a process ``pwrite``s its slot (which extends the file and never shrinks it, so ranks
+    cannot truncate each other's slots), then maps the slot's page with ``MAP_SHARED``: later beats are
+    memory stores into the page cache, visible to the supervisor at once and kept when the process is
+    SIGKILLed. Without mmap (an exotic filesystem) every write is a ``pwrite``, rate-limited.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._path: str | None = None
         self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._map_offset = 0
         self._slot = 0
         self._retry_open_after = 0.0  # monotonic seconds
         self._last_write = float("-inf")  # monotonic seconds
+        self._written_step: int | None = None
         self._first: tuple[int, float] | None = None
         self._pending: tuple[int, float] | None = None
 
@@ -139,7 +151,9 @@ class _Beater:
                 self._switch(path)
             if self._first is None:
                 self._first = (step, t)
-            if now - self._last_write < MIN_WRITE_INTERVAL_S:
+            # A new step is recorded at once when that is a memory store; anything else at most 10 times a second.
+            due = now - self._last_write >= MIN_WRITE_INTERVAL_S
+            if not due and not (self._map is not None and step != self._written_step):
                 self._pending = (step, t)
                 return
             self._write(step, t, now)
@@ -155,10 +169,17 @@ class _Beater:
         self._slot = _local_slot()
         self._retry_open_after = 0.0
         self._last_write = float("-inf")
+        self._written_step = None
         self._first = None
         self._pending = None
 
     def _close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except (OSError, ValueError, BufferError):
+                pass
+        self._map = None
         if self._fd >= 0:
             try:
                 os.close(self._fd)
@@ -171,22 +192,38 @@ class _Beater:
         self._last_write = now
         if self._path is None or self._first is None:
             return
+        record = _encode(step, t, self._pid, self._first[0], self._first[1])
+        if record is None:
+            return
+        if self._map is not None:
+            try:
+                self._map[self._map_offset : self._map_offset + RECORD_SIZE_BYTES] = record
+                self._written_step = step
+                return
+            except (ValueError, IndexError, OSError):
+                self._map = None  # fall back to pwrite below
         if self._fd < 0:
             if now < self._retry_open_after:
                 return
             try:
-                self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError:
                 self._retry_open_after = now + 1.0  # a missing directory must not cost a syscall per step
                 return
-        record = _encode(step, t, self._pid, self._first[0], self._first[1])
-        if record is None:
-            return
+        offset = self._slot * RECORD_SIZE_BYTES
         try:
-            os.pwrite(self._fd, record, self._slot * RECORD_SIZE_BYTES)
+            os.pwrite(self._fd, record, offset)
         except OSError:
             self._close()
             self._retry_open_after = now + 1.0
+            return
+        self._written_step = step
+        page = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            self._map = mmap.mmap(self._fd, offset - page + RECORD_SIZE_BYTES, mmap.MAP_SHARED, offset=page)
+            self._map_offset = offset - page
+        except (OSError, ValueError):
+            self._map = None  # keep the rate-limited pwrite path
 
 
 _beater = _Beater()

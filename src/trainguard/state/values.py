@@ -22,6 +22,15 @@ TAG_JSON = b"J"
 TAG_TORCH = b"T"
 
 
+class EncodedValue:
+    """A value already encoded by :func:`encode_value` (staging snapshots values this way)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
 def is_strict_json(x: Any, depth: int = 0) -> bool:
     """True if ``json.loads(json.dumps(x)) == x`` with the same types (no tuples, no non-str keys)."""
     if depth > 200:

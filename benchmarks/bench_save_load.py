@@ -1,0 +1,333 @@
+"""Durable save and load of a ~2 GiB state dict: trainguard beside the raw disk, torch.save, safetensors, DCP.
+
+Run (a few minutes; needs ~5x the state size free on the scratch filesystem, and root to drop the page cache)::
+
+    .venv/bin/python benchmarks/bench_save_load.py                 # 2 GiB, best of 2
+    .venv/bin/python benchmarks/bench_save_load.py --size-gib 0.25 --repeat 1 --json
+
+The state imitates a transformer's state_dict: a few large fp32/bf16 matrices (64-256 MiB), many medium ones
+(1-16 MiB, fp32 and bf16 layers), many small ones (<1 MiB: norms, biases, 0-d tensors). Every method writes
+durably, with the fsync inside the timed region: torch.save and safetensors are followed by an fsync of the file
+and its directory, dcp.save uses FileSystemWriter's defaults (sync_files=True), trainguard saves with
+fsync=True (CRC32C per chunk) into a fresh run root per repetition (a second save of unchanged tensors into the
+same root writes nothing: that case is its own row). Before each load the page cache is dropped when allowed
+(the output says which); each load is then checked bitwise against the saved state, outside the timed region.
+Each figure is the best (shortest) of ``--repeat`` repetitions; methods alternate within a repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+
+import trainguard
+
+from _common import (
+    COMPARE_COLUMNS,
+    compare_rows,
+    default_scratch_parent,
+    drop_caches,
+    dump_json,
+    filesystem_of,
+    format_table,
+    fsync_path,
+    log,
+    machine_info,
+    raw_read_floor,
+    raw_write_floor,
+    timed,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+TARGET_OF_RAW = 0.85
+
+
+# -- the state ------------------------------------------------------------------------------------------------
+def make_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformer-like state dict of about ``total_bytes`` (never more), random content.
+
+    ~28% of the bytes in four large matrices (64-256 MiB at 2 GiB, scaled with the size), the rest in layers
+    of d=1024 alternating fp32 and bf16: 4 attention matrices (4/2 MiB), 3 MLP matrices (16/8 MiB), and 14 small
+    tensors (0-d to 512 KiB) per layer.
+    """
+    g = torch.Generator().manual_seed(seed)
+    scale = total_bytes / (2 << 30)
+    sd: dict[str, torch.Tensor] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if dtype.is_floating_point:
+            sd[name] = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+        else:
+            sd[name] = torch.randint(0, 1 << 30, shape, generator=g, dtype=dtype)
+
+    def rows(n: int) -> int:
+        return max(1, int(n * scale))
+
+    add("tok_embeddings.weight", (rows(32768), 2048), torch.float32)  # 256 MiB
+    add("output.weight", (rows(32768), 2048), torch.bfloat16)  # 128 MiB
+    add("vision_proj.weight", (rows(16384), 4096), torch.bfloat16)  # 128 MiB
+    add("pos_embeddings.weight", (rows(8192), 2048), torch.float32)  # 64 MiB
+    d, ffn = 1024, 4096
+    layer = [
+        ("attention.wq.weight", (d, d)), ("attention.wk.weight", (d, d)), ("attention.wv.weight", (d, d)),
+        ("attention.wo.weight", (d, d)), ("feed_forward.w1.weight", (ffn, d)),
+        ("feed_forward.w2.weight", (d, ffn)), ("feed_forward.w3.weight", (ffn, d)),
+        ("attention.wq.bias", (d,)), ("attention.wk.bias", (d,)), ("attention.wv.bias", (d,)),
+        ("attention.wo.bias", (d,)), ("feed_forward.w1.bias", (ffn,)), ("feed_forward.w2.bias", (d,)),
+        ("attention_norm.weight", (d,)), ("ffn_norm.weight", (d,)), ("attention.freqs", (512, 64)),
+        ("attention.rel_pos_bias", (32, d)), ("moe.router.weight", (8, d)), ("adapter.down.weight", (128, d)),
+        ("attention.logit_scale", ()),
+    ]
+    i = 0
+    while True:
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        size = sum(dtype.itemsize * (torch.Size(s).numel()) for _, s in layer) + 8
+        if state_bytes(sd) + size > total_bytes:
+            break
+        for name, shape in layer:
+            add(f"layers.{i}.{name}", shape, dtype)
+        add(f"layers.{i}.num_batches_tracked", (), torch.int64)
+        i += 1
+    return sd
+
+
+def state_bytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def byte_views(sd: dict[str, torch.Tensor]) -> list[memoryview]:
+    return [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in sd.values() if t.numel()]
+
+
+def check_equal(method: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Bitwise check of every tensor (a benchmark of a broken load path is worthless)."""
+    if got.keys() != want.keys():
+        raise AssertionError(f"{method}: loaded keys differ from the saved ones")
+    for k, w in want.items():
+        t = got[k]
+        if t.dtype != w.dtype or t.shape != w.shape or not torch.equal(t.reshape(-1).view(torch.uint8),
+                                                                        w.reshape(-1).view(torch.uint8)):
+            raise AssertionError(f"{method}: {k} differs from the saved tensor")
+
+
+def perturb(sd: dict[str, torch.Tensor], delta: int) -> None:
+    """Add ``delta`` (mod 256) to one byte in every 4 KiB of every tensor, in place: every chunk of any
+    chunking changes, as after an optimizer step. ``perturb(sd, -delta)`` restores the bytes exactly."""
+    for t in sd.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].add_(delta)
+
+
+# -- the methods ----------------------------------------------------------------------------------------------
+def save_torch(sd: dict[str, torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(path.parent)
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
+    safetensors.torch.save_file(sd, str(path))
+    fsync_path(path)
+    fsync_path(path.parent)
+
+
+def save_dcp(sd: dict[str, torch.Tensor], path: Path) -> None:
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def save_trainguard(mgr: trainguard.CheckpointManager, step: int, sd: dict[str, torch.Tensor]) -> tuple[float, Any]:
+    """Save and wait for the commit. Returns (seconds the call blocked the caller, SaveResult); the caller
+    times the whole call. With ``async_save`` the save returns a handle after staging and persists in the
+    background; ``wait()`` returns once it is durable."""
+    t0 = time.perf_counter()
+    handle = mgr.save(step, {"model": sd})
+    blocked = time.perf_counter() - t0
+    result = handle.wait() if hasattr(handle, "wait") else handle
+    return blocked, result
+
+
+def load_dcp(path: Path, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return target
+
+
+def load_trainguard(root: Path, step: int, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {"model": target}
+    trainguard.CheckpointManager(root, read_only=True).restore(step, state)
+    return state["model"]
+
+
+SAVES = ["raw write + fsync", "torch.save + fsync", "safetensors save_file + fsync", "dcp.save",
+         "trainguard save (fresh manager)", "trainguard save (2nd save, all changed)"]
+LOADS = ["raw read", "torch.load", "safetensors load_file", "dcp.load (in place)", "trainguard restore (in place)"]
+BLOCKED = "  of which the caller was blocked"  # async_save: staging only
+DEDUP = "trainguard save, unchanged state (dedup)"
+
+
+def run_once(sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor], raw_buf: torch.Tensor, work: Path,
+             rep: int, dedup: bool) -> tuple[dict[str, float], dict[str, float], bool]:
+    """One repetition: every save, then every load (cold when allowed). Returns (save s, load s, cold)."""
+    work.mkdir()
+    p = {"raw": work / "raw.bin", "torch": work / "model.pt", "st": work / "model.safetensors",
+         "dcp": work / "dcp", "tg": work / "tg"}
+    saves: dict[str, float] = {}
+    loads: dict[str, float] = {}
+    try:
+        saves[SAVES[0]] = raw_write_floor(byte_views(sd), p["raw"])
+        log(f"  rep {rep}: {SAVES[0]:<34} {saves[SAVES[0]]:6.2f} s")
+        for name, fn in [(SAVES[1], lambda: save_torch(sd, p["torch"])),
+                         (SAVES[2], lambda: save_safetensors(sd, p["st"])),
+                         (SAVES[3], lambda: save_dcp(sd, p["dcp"]))]:
+            os.sync()
+            saves[name], _ = timed(fn)
+            log(f"  rep {rep}: {name:<34} {saves[name]:6.2f} s")
+        with trainguard.CheckpointManager(p["tg"], fsync=True) as mgr:
+            # step 1: the first save of a fresh manager into an empty root (like the one-shot saves above);
+            # step 2: every tensor changed (a training job's steady state: staging buffers exist already);
+            # step 3: nothing changed since step 2 (every chunk deduplicated, only hashed).
+            for step, name in [(1, SAVES[4]), (2, SAVES[5]), (3, DEDUP)]:
+                if step == 3 and not dedup:
+                    break
+                if step == 2:
+                    perturb(sd, 1)
+                os.sync()
+                saves[name], (blocked, res) = timed(save_trainguard, mgr, step, sd)
+                log(f"  rep {rep}: {name:<34} {saves[name]:6.2f} s (blocked {blocked:.2f} s, "
+                    f"{res.bytes_written} B written)")
+                if step == 2:
+                    saves[BLOCKED] = blocked
+        perturb(sd, -1)  # back to the bytes every other method saved (and trainguard's step 1)
+
+        cold = True
+        loaders: list[tuple[str, Any]] = [
+            (LOADS[1], lambda: torch.load(p["torch"], weights_only=True, mmap=False)),
+            (LOADS[2], lambda: safetensors.torch.load_file(str(p["st"]))),
+            (LOADS[3], lambda: load_dcp(p["dcp"], target)),
+            (LOADS[4], lambda: load_trainguard(p["tg"], 1, target)),
+        ]
+        cold &= drop_caches()
+        loads[LOADS[0]] = raw_read_floor(p["raw"], memoryview(raw_buf.numpy()))
+        log(f"  rep {rep}: {LOADS[0]:<34} {loads[LOADS[0]]:6.2f} s")
+        off = 0
+        for k, t in sd.items():
+            if not torch.equal(raw_buf[off : off + t.nbytes], t.reshape(-1).view(torch.uint8)):
+                raise AssertionError(f"raw read: the bytes of {k} differ from the written ones")
+            off += t.nbytes
+        for name, fn in loaders:
+            for t in target.values():
+                t.zero_()  # a load that does nothing must fail the check below
+            cold &= drop_caches()
+            loads[name], got = timed(fn)
+            log(f"  rep {rep}: {name:<34} {loads[name]:6.2f} s")
+            check_equal(name, got, sd)
+            del got
+        return saves, loads, cold
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gib", type=float, default=2.0, help="state size in GiB (default 2)")
+    ap.add_argument("--repeat", type=int, default=2, help="repetitions; the best (shortest) time is reported")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="scratch parent directory (default: the temp dir if on the repository's filesystem)")
+    ap.add_argument("--json", action="store_true", help="print machine-readable results instead of the tables")
+    args = ap.parse_args(argv)
+    if args.repeat < 1 or args.size_gib <= 0:
+        ap.error("--repeat must be >= 1 and --size-gib > 0")
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    parent = args.dir or default_scratch_parent(REPO)
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_save_load-", dir=parent))
+    log(f"scratch: {scratch} ({filesystem_of(scratch)}); free {shutil.disk_usage(scratch).free / (1 << 30):.0f} GiB")
+
+    sd = make_state(int(args.size_gib * (1 << 30)))
+    nbytes = state_bytes(sd)
+    sizes = [t.nbytes for t in sd.values()]
+    shape = {"tensors": len(sd), "large >=64MiB": sum(s >= 64 * MiB for s in sizes),
+             "medium 1-64MiB": sum(MiB <= s < 64 * MiB for s in sizes), "small <1MiB": sum(s < MiB for s in sizes)}
+    log(f"state: {nbytes / (1 << 30):.2f} GiB, {shape}")
+    if shutil.disk_usage(scratch).free < 6 * nbytes:
+        log("warning: less than 6x the state size is free on the scratch filesystem")
+    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    raw_buf = torch.zeros(nbytes, dtype=torch.uint8)  # touched: the raw read must not pay first-touch faults
+
+    all_saves: list[dict[str, float]] = []
+    all_loads: list[dict[str, float]] = []
+    cold = True
+    try:
+        for rep in range(args.repeat):
+            s, ld, c = run_once(sd, target, raw_buf, scratch / f"rep{rep}", rep, dedup=rep == args.repeat - 1)
+            all_saves.append(s)
+            all_loads.append(ld)
+            cold &= c
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    best_save = {m: min(r[m] for r in all_saves if m in r) for m in [*SAVES, BLOCKED, DEDUP]}
+    best_load = {m: min(r[m] for r in all_loads) for m in LOADS}
+    save_rows = compare_rows(best_save, nbytes, SAVES[0])
+    load_rows = compare_rows(best_load, nbytes, LOADS[0])
+    raw_s, tg_l = best_save[SAVES[0]], best_load[LOADS[4]]
+    verdicts = []
+    for which, tg_s in [("fresh manager", best_save[SAVES[4]]), ("2nd save", best_save[SAVES[5]])]:
+        verdicts += [
+            (f"save ({which}) >= 85% of raw write", raw_s / tg_s >= TARGET_OF_RAW, f"{raw_s / tg_s:.0%}"),
+            (f"save ({which}) faster than torch.save", tg_s < best_save[SAVES[1]],
+             f"{tg_s:.2f} s vs {best_save[SAVES[1]]:.2f} s"),
+            (f"save ({which}) faster than dcp.save", tg_s < best_save[SAVES[3]],
+             f"{tg_s:.2f} s vs {best_save[SAVES[3]]:.2f} s"),
+        ]
+    verdicts += [
+        ("load >= 85% of raw read", best_load[LOADS[0]] / tg_l >= TARGET_OF_RAW, f"{best_load[LOADS[0]] / tg_l:.0%}"),
+        ("load faster than torch.load", tg_l < best_load[LOADS[1]], f"{tg_l:.2f} s vs {best_load[LOADS[1]]:.2f} s"),
+        ("load faster than dcp.load", tg_l < best_load[LOADS[3]], f"{tg_l:.2f} s vs {best_load[LOADS[3]]:.2f} s"),
+    ]
+    caching = "page cache dropped before each load (cold, from disk)" if cold else \
+        "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
+
+    if args.json:
+        dump_json({"machine": machine_info(), "scratch_fs": filesystem_of(parent), "state_bytes": nbytes,
+                   "state": shape, "repeat": args.repeat, "statistic": "best", "loads_cold": cold,
+                   "save": save_rows, "load": load_rows, "runs": {"save": all_saves, "load": all_loads},
+                   "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts}})
+        return 0
+    info = machine_info()
+    print(f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, {info.get('mem_gib', '?')} GiB, "
+          f"torch {torch.__version__}, python {info['python']}, scratch on {filesystem_of(parent)}")
+    print(f"# state: {nbytes / (1 << 30):.2f} GiB ({nbytes} B), {shape}")
+    print(f"# best of {args.repeat}; GB/s = 10^9 bytes of tensor data per second; 'of raw' = raw seconds / seconds")
+    print(f"# {caching}\n")
+    print("SAVE (durable: fsync in the timed region)")
+    print(format_table(save_rows, COMPARE_COLUMNS))
+    print(f"  ('{BLOCKED.strip()}': the part of the 2nd save before save() returned (async_save stages, then"
+          " persists in the background);\n   dedup: a 3rd save of unchanged tensors into the same root, no chunk"
+          " rewritten; these GB/s are logical, not disk)\n")
+    print("LOAD (bitwise checked)")
+    print(format_table(load_rows, COMPARE_COLUMNS))
+    print("\nTARGETS (trainguard)")
+    for name, ok, det in verdicts:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {det}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

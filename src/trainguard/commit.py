@@ -1,0 +1,94 @@
+"""The commit protocol (docs/FORMAT.md "Commit protocol").
+
+1. Every rank writes its chunks (temporary file in the save's partial directory, fsync, rename into
+   ``chunks/``) and fsyncs the chunk directories; ``write_data`` returns only then.
+2. DCP gathers every rank's results to the coordinator; only if no rank failed does it call ``finish``.
+3. The coordinator builds the manifest, creates ``step-N/`` (fsync of the root), and publishes
+   ``step-N/manifest.json`` with tmp + fsync + rename + directory fsync. Its presence is the commit.
+
+A failure anywhere before step 3 completes leaves no manifest, so no reader ever sees the step as valid, and
+nothing earlier was modified (chunks are immutable and content-addressed; manifests of other steps are never
+touched).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ._time import iso
+from .catalog import CORRUPT_MARKER
+from .format import (
+    MANIFEST_NAME,
+    ChunkRecord,
+    Manifest,
+    Segment,
+    ShardRecord,
+    TensorEntry,
+    ValueEntry,
+    chunk_relpath,
+    manifest_to_json,
+    step_dir_name,
+)
+from .state.dtypes import dtype_name
+from .storage.local import atomic_write, fsync_dir
+
+
+def build_manifest(
+    step: int,
+    md: Metadata,
+    results: list[list[WriteResult]],
+    paths: Mapping[str, Any],
+    top: dict[str, dict[str, Any]],
+    metrics: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+) -> Manifest:
+    """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
+    (where the bytes are) into our manifest."""
+    by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    chunks: dict[str, ChunkRecord] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            sd = wr.storage_data
+            by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
+            for h, info in sd.get("chunks", {}).items():
+                chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
+    entries: dict[str, TensorEntry | ValueEntry] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        path = tuple(paths[fqn])
+        if isinstance(smd, TensorStorageMetadata):
+            shards = []
+            for c in smd.chunks:
+                sd = by_index[(fqn, tuple(c.offsets))]
+                segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
+                shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
+            entries[fqn] = TensorEntry(fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards))
+        elif isinstance(smd, BytesStorageMetadata):
+            sd = by_index[(fqn, ())]
+            if "value" in sd:
+                entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None)
+            else:
+                segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
+                entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs)
+    t = time.time()
+    return Manifest(step=step, t=t, time=iso(t), world_size=len(results), entries=entries, chunks=chunks,
+                    metrics=dict(metrics or {}), metadata=dict(metadata or {}), top_level=top)
+
+
+def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
+    """Step 3 of the protocol: create the step directory and publish the manifest last, atomically."""
+    d = root / step_dir_name(m.step)
+    created = not d.exists()
+    d.mkdir(exist_ok=True)
+    if created and fsync:
+        fsync_dir(root)
+    try:
+        (d / CORRUPT_MARKER).unlink()
+    except FileNotFoundError:
+        pass
+    atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)

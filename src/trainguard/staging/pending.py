@@ -1,0 +1,79 @@
+"""``PendingSave``: the handle ``save`` returns; the background persist resolves it."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..manager import SaveResult
+
+
+class PendingSave:
+    """A save that may still be persisting in the background.
+
+    Attributes:
+        step: the step being saved.
+        staging_s: seconds the caller was blocked (waiting for a free buffer set, state_dict(), copying).
+        skipped: True when the save was skipped because every buffer set was busy (``when_busy="skip"``).
+    """
+
+    def __init__(self, step: int, staging_s: float = 0.0, *, skipped: bool = False) -> None:
+        self.step = step
+        self.staging_s = staging_s
+        self.skipped = skipped
+        self._event = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._error_seen = False
+        if skipped:
+            self._event.set()
+
+    # -- resolution (background thread) -------------------------------------------------------------------
+    def _set_result(self, result: SaveResult) -> None:
+        self._result = result
+        self._event.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    # -- caller side --------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the save committed, failed or was skipped."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Block until the save is durable and return its SaveResult (None if skipped).
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            SaveError: the background persist failed (nothing was committed for this step).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} still persisting after {timeout} s")
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error
+        return self._result
+
+    @property
+    def persist_s(self) -> float | None:
+        """Seconds from the start of the save to its commit (None until done)."""
+        return self._result.persist_s if self._result else None
+
+    @property
+    def bytes(self) -> int | None:
+        return self._result.bytes if self._result else None
+
+    @property
+    def result(self) -> SaveResult | None:
+        return self._result
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("failed" if self._error else ("done" if self.done() else "persisting"))
+        return f"PendingSave(step={self.step}, {state}, staging_s={self.staging_s:.4f})"
