@@ -4,9 +4,14 @@ The public surface is small; everything else is internal::
 
     import trainguard as tg
     mgr = tg.CheckpointManager("ckpts/run1", save_policy=tg.EveryNSteps(100), keep=3)
+
+Names are imported lazily, so ``trainguard ls``/``verify``/``plan`` start without importing torch.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .errors import (
     CheckpointExistsError,
@@ -19,26 +24,38 @@ from .errors import (
     StorageFullError,
     TrainguardError,
 )
-from .manager import CheckpointManager, SaveResult
-from .policies import AnyOf, EveryNSteps, EveryTSeconds
-from .retention import AnyOfRetention, KeepEvery, KeepLatest
-from .state.data import ResumableLoader, ResumableSampler
-from .state.rng import RNGState
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "CheckpointManager": ".manager",
+    "SaveResult": ".manager",
+    "PendingSave": ".staging.pending",
+    "AnyOf": ".policies",
+    "EveryNSteps": ".policies",
+    "EveryTSeconds": ".policies",
+    "AdaptivePolicy": ".planning.adaptive",
+    "AnyOfRetention": ".retention",
+    "KeepEvery": ".retention",
+    "KeepLatest": ".retention",
+    "ResumableLoader": ".state.data",
+    "ResumableSampler": ".state.data",
+    "RNGState": ".state.rng",
+    "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
+}
 
 
-def heartbeat(step: int) -> None:
-    """Tell the supervisor (``trainguard run``) the job is alive at ``step``; a no-op outside it."""
-    from .recovery.heartbeat import heartbeat as _hb
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
 
-    _hb(step)
 
-
-def __getattr__(name: str):  # lazy: planning is not needed by most jobs
-    if name == "AdaptivePolicy":
-        from .planning.adaptive import AdaptivePolicy
-
-        return AdaptivePolicy
-    raise AttributeError(name)
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 __all__ = [
@@ -54,6 +71,7 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "NoValidCheckpointError",
+    "PendingSave",
     "RNGState",
     "ResumableLoader",
     "ResumableSampler",

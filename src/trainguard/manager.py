@@ -477,8 +477,12 @@ class CheckpointManager:
     def _cleanup_after_crash(self) -> None:
         """With the lock held: remove partial directories of dead writers and the orphan chunks they left."""
         steps, partials = step_dirs(self.root)
-        if not partials:
+        # a step directory without a manifest is a commit that was killed before the manifest's rename
+        dead = [s for s, d in steps.items() if not (d / MANIFEST_NAME).exists()]
+        if not partials and not dead:
             return
+        for s in dead:
+            remove_tree(steps.pop(s))
         for ps in partials.values():
             for p in ps:
                 remove_tree(p)
@@ -490,7 +494,8 @@ class CheckpointManager:
                 return
             referenced |= chunks or set()
         freed = self.store.collect(self.store.all_hashes(), referenced)
-        self._event("cleanup", partials=sum(len(v) for v in partials.values()), orphan_bytes_freed=freed)
+        self._event("cleanup", partials=sum(len(v) for v in partials.values()), uncommitted_steps=dead,
+                    orphan_bytes_freed=freed)
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -572,6 +577,10 @@ class CheckpointManager:
         steps, partials = step_dirs(self.root)
         timings = RestoreTimings()
         problems: list[str] = []
+        uncommitted = sorted(s for s, d in steps.items() if not (d / MANIFEST_NAME).exists())
+        if uncommitted:
+            log.warning("ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted)
+        steps = {s: d for s, d in steps.items() if s not in uncommitted}
         for step in sorted(steps, reverse=True):
             info, _ = inspect_step(self.root, step, steps[step], self.store)
             if info.status != "valid":

@@ -97,6 +97,15 @@ def commit_save(mgr: Any, step: int, state: dict[str, Any], **kw: Any) -> Any:
     return wait() if callable(wait) else out
 
 
+def require(cond: object, what: str) -> None:
+    """A precondition of a test (the fault fired, the premise holds): fails the test as an error of the test
+    itself, never as the AssertionError that an ``xfail(raises=AssertionError)`` would absorb."""
+    if not cond:
+        import pytest
+
+        pytest.fail(f"precondition failed: {what}", pytrace=False)
+
+
 # -- on-disk probes ---------------------------------------------------------------------------------------
 def manifest_path(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / step_dir_name(step) / MANIFEST_NAME

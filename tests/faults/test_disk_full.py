@@ -14,6 +14,7 @@ import errno
 import hashlib
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from faultlib import (
     mode_id,
     partial_dirs,
     referenced_chunks,
+    require,
     save_modes,
 )
 
@@ -50,16 +52,23 @@ class DiskFull:
         self.err = err
         self.written = 0
         self.injected = 0
+        self.renamed: list[str] = []  # files renamed into place (chunks and manifests that made it)
+        self._lock = threading.Lock()  # chunk writer threads share the disk
+
+    def replace(self, src: Any, dst: Any) -> None:
+        os.replace(src, dst)
+        self.renamed.append(str(dst))
 
     def write(self, fd: int, data: Any) -> int:
-        room = self.budget - self.written
-        if room <= 0:
-            self.injected += 1
-            raise OSError(self.err, os.strerror(self.err))
-        view = memoryview(data)
-        n = os.write(fd, view[: int(min(room, len(view)))])
-        self.written += n
-        return n
+        with self._lock:
+            room = self.budget - self.written
+            if room <= 0:
+                self.injected += 1
+                raise OSError(self.err, os.strerror(self.err))
+            view = memoryview(data)
+            n = os.write(fd, view[: int(min(room, len(view)))])
+            self.written += n
+            return n
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -295,12 +304,14 @@ def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(
 ))
 def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     root, before = run
-    disk = DiskFull(save_bytes[0] // 2)
+    total, manifest = save_bytes
+    disk = DiskFull(total - manifest - 1000)  # every chunk but the last one makes it
     monkeypatch.setattr(local, "os", disk)
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError):
             commit_save(mgr, 3, make_state(3))
-    assert disk.injected >= 1
+    require(disk.injected >= 1, "the disk filled up")
+    require(any("/chunks/" in p for p in disk.renamed), "the failed save had renamed a chunk into chunks/")
     monkeypatch.undo()
     with tg.CheckpointManager(root):  # a restarted job does not collect them either
         pass
@@ -320,7 +331,7 @@ def test_no_space_for_the_manifest_leaves_no_step_directory(run, monkeypatch):
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError):
             commit_save(mgr, 3, make_state(3))
-    assert inject.injected == 1
+    require(inject.injected == 1, "the manifest write failed")
     for args in (["verify", str(root), "--all"], ["verify", str(root)]):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 0, (args, result.output)
@@ -353,5 +364,5 @@ def test_storage_full_at_the_manifest_names_the_step(run, monkeypatch):
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
             commit_save(mgr, 3, make_state(3))
-    assert inject.injected == 1
+    require(inject.injected == 1, "the manifest write failed")
     assert ei.value.step == 3
