@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,14 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Delete a file or a directory tree; missing is fine."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def drop_caches() -> bool:
@@ -160,8 +169,10 @@ def compare_rows(seconds: dict[str, float], nbytes: int, floor: str) -> list[dic
     """One row per method: seconds, GB/s of ``nbytes`` and the fraction of the floor's bandwidth
     (``floor seconds / method seconds``: 1.0 = as fast as the raw disk)."""
     base = seconds[floor]
-    return [{"method": m, "seconds": s, "gb_s": gbps(nbytes, s), "of_raw": base / s if s > 0 else float("inf")}
-            for m, s in seconds.items()]
+    return [
+        {"method": m, "seconds": s, "gb_s": gbps(nbytes, s), "of_raw": base / s if s > 0 else float("inf")}
+        for m, s in seconds.items()
+    ]
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
@@ -172,14 +183,22 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = []
     for n, c in enumerate(cells):
-        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths, strict=True))
+            )
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-COMPARE_COLUMNS = [("method", "method", ""), ("seconds", "seconds", ".2f"), ("gb_s", "GB/s", ".3f"),
-                   ("of_raw", "of raw", ".0%")]
+COMPARE_COLUMNS = [
+    ("method", "method", ""),
+    ("seconds", "seconds", ".2f"),
+    ("gb_s", "GB/s", ".3f"),
+    ("of_raw", "of raw", ".0%"),
+]
 
 
 def dump_json(obj: Any, file: Any = None) -> None:

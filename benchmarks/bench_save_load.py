@@ -30,9 +30,6 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-
-import trainguard
-
 from _common import (
     COMPARE_COLUMNS,
     compare_rows,
@@ -46,8 +43,11 @@ from _common import (
     machine_info,
     raw_read_floor,
     raw_write_floor,
+    remove_path,
     timed,
 )
+
+import trainguard
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -81,13 +81,25 @@ def make_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     add("pos_embeddings.weight", (rows(8192), 2048), torch.float32)  # 64 MiB
     d, ffn = 1024, 4096
     layer = [
-        ("attention.wq.weight", (d, d)), ("attention.wk.weight", (d, d)), ("attention.wv.weight", (d, d)),
-        ("attention.wo.weight", (d, d)), ("feed_forward.w1.weight", (ffn, d)),
-        ("feed_forward.w2.weight", (d, ffn)), ("feed_forward.w3.weight", (ffn, d)),
-        ("attention.wq.bias", (d,)), ("attention.wk.bias", (d,)), ("attention.wv.bias", (d,)),
-        ("attention.wo.bias", (d,)), ("feed_forward.w1.bias", (ffn,)), ("feed_forward.w2.bias", (d,)),
-        ("attention_norm.weight", (d,)), ("ffn_norm.weight", (d,)), ("attention.freqs", (512, 64)),
-        ("attention.rel_pos_bias", (32, d)), ("moe.router.weight", (8, d)), ("adapter.down.weight", (128, d)),
+        ("attention.wq.weight", (d, d)),
+        ("attention.wk.weight", (d, d)),
+        ("attention.wv.weight", (d, d)),
+        ("attention.wo.weight", (d, d)),
+        ("feed_forward.w1.weight", (ffn, d)),
+        ("feed_forward.w2.weight", (d, ffn)),
+        ("feed_forward.w3.weight", (ffn, d)),
+        ("attention.wq.bias", (d,)),
+        ("attention.wk.bias", (d,)),
+        ("attention.wv.bias", (d,)),
+        ("attention.wo.bias", (d,)),
+        ("feed_forward.w1.bias", (ffn,)),
+        ("feed_forward.w2.bias", (d,)),
+        ("attention_norm.weight", (d,)),
+        ("ffn_norm.weight", (d,)),
+        ("attention.freqs", (512, 64)),
+        ("attention.rel_pos_bias", (32, d)),
+        ("moe.router.weight", (8, d)),
+        ("adapter.down.weight", (128, d)),
         ("attention.logit_scale", ()),
     ]
     i = 0
@@ -117,8 +129,11 @@ def check_equal(method: str, got: dict[str, torch.Tensor], want: dict[str, torch
         raise AssertionError(f"{method}: loaded keys differ from the saved ones")
     for k, w in want.items():
         t = got[k]
-        if t.dtype != w.dtype or t.shape != w.shape or not torch.equal(t.reshape(-1).view(torch.uint8),
-                                                                        w.reshape(-1).view(torch.uint8)):
+        if (
+            t.dtype != w.dtype
+            or t.shape != w.shape
+            or not torch.equal(t.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+        ):
             raise AssertionError(f"{method}: {k} differs from the saved tensor")
 
 
@@ -149,7 +164,9 @@ def save_dcp(sd: dict[str, torch.Tensor], path: Path) -> None:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
 
 
-def save_trainguard(mgr: trainguard.CheckpointManager, step: int, sd: dict[str, torch.Tensor]) -> tuple[float, Any]:
+def save_trainguard(
+    mgr: trainguard.CheckpointManager, step: int, sd: dict[str, torch.Tensor]
+) -> tuple[float, Any]:
     """Save and wait for the commit. Returns (seconds the call blocked the caller, SaveResult); the caller
     times the whole call. With ``async_save`` the save returns a handle after staging and persists in the
     background; ``wait()`` returns once it is durable."""
@@ -171,70 +188,138 @@ def load_trainguard(root: Path, step: int, target: dict[str, torch.Tensor]) -> d
     return state["model"]
 
 
-SAVES = ["raw write + fsync", "torch.save + fsync", "safetensors save_file + fsync", "dcp.save",
-         "trainguard save (fresh manager)", "trainguard save (2nd save, all changed)"]
-LOADS = ["raw read", "torch.load", "safetensors load_file", "dcp.load (in place)", "trainguard restore (in place)"]
+SAVES = [
+    "raw write + fsync",
+    "torch.save + fsync",
+    "safetensors save_file + fsync",
+    "dcp.save",
+    "trainguard save (fresh manager)",
+    "trainguard save (2nd save, all changed)",
+]
+LOADS = [
+    "raw read",
+    "torch.load",
+    "safetensors load_file",
+    "dcp.load (in place)",
+    "trainguard restore (in place)",
+]
 BLOCKED = "  of which the caller was blocked"  # async_save: staging only
 DEDUP = "trainguard save, unchanged state (dedup)"
 
 
-def run_once(sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor], raw_buf: torch.Tensor, work: Path,
-             rep: int, dedup: bool) -> tuple[dict[str, float], dict[str, float], bool]:
-    """One repetition: every save, then every load (cold when allowed). Returns (save s, load s, cold)."""
+def run_once(
+    sd: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    raw_buf: torch.Tensor,
+    work: Path,
+    rep: int,
+    dedup: bool,
+) -> tuple[dict[str, float], dict[str, float], bool]:
+    """One repetition; returns (save seconds, load seconds, whether every load was cold).
+
+    Methods run one after the other in an order rotated by ``rep``. Each one frees the previous method's
+    files (the same amount of data), saves (timed, durable), drops the page cache, loads (timed) and checks
+    the result bitwise. On this VM a write right after a deletion can run several times faster than one
+    into other free space (ext4 with ``discard`` on a virtio disk), so every timed save starts right after
+    freeing ~state-size bytes: the first one after an untimed primer file, trainguard's second save after an
+    untimed ballast file.
+    """
     work.mkdir()
-    p = {"raw": work / "raw.bin", "torch": work / "model.pt", "st": work / "model.safetensors",
-         "dcp": work / "dcp", "tg": work / "tg"}
     saves: dict[str, float] = {}
     loads: dict[str, float] = {}
-    try:
-        saves[SAVES[0]] = raw_write_floor(byte_views(sd), p["raw"])
-        log(f"  rep {rep}: {SAVES[0]:<34} {saves[SAVES[0]]:6.2f} s")
-        for name, fn in [(SAVES[1], lambda: save_torch(sd, p["torch"])),
-                         (SAVES[2], lambda: save_safetensors(sd, p["st"])),
-                         (SAVES[3], lambda: save_dcp(sd, p["dcp"]))]:
-            os.sync()
-            saves[name], _ = timed(fn)
-            log(f"  rep {rep}: {name:<34} {saves[name]:6.2f} s")
-        with trainguard.CheckpointManager(p["tg"], fsync=True) as mgr:
-            # step 1: the first save of a fresh manager into an empty root (like the one-shot saves above);
+    cold = True
+    prev = [work / "primer.bin"]
+    raw_write_floor(byte_views(sd), prev[0])
+
+    def free_previous() -> None:
+        for q in prev:
+            remove_path(q)
+        os.sync()
+
+    def save(name: str, fn: Any) -> None:
+        free_previous()
+        saves[name], _ = timed(fn)
+        log(f"  rep {rep}: {name:<40} {saves[name]:6.2f} s")
+
+    def load(name: str, fn: Any, check: Any = None) -> None:
+        nonlocal cold
+        for t in target.values():
+            t.zero_()  # a load that does nothing must fail the check
+        cold &= drop_caches()
+        loads[name], got = timed(fn)
+        log(f"  rep {rep}: {name:<40} {loads[name]:6.2f} s")
+        if check is None:
+            check_equal(name, got, sd)
+        else:
+            check(got)
+
+    def raw() -> list[Path]:
+        path = work / "raw.bin"
+        free_previous()
+        saves[SAVES[0]] = raw_write_floor(byte_views(sd), path)
+        log(f"  rep {rep}: {SAVES[0]:<40} {saves[SAVES[0]]:6.2f} s")
+
+        def check(_: Any) -> None:
+            off = 0
+            for k, t in sd.items():
+                if not torch.equal(raw_buf[off : off + t.nbytes], t.reshape(-1).view(torch.uint8)):
+                    raise AssertionError(f"raw read: the bytes of {k} differ from the written ones")
+                off += t.nbytes
+
+        load(LOADS[0], lambda: raw_read_floor(path, memoryview(raw_buf.numpy())), check)
+        return [path]
+
+    def torch_() -> list[Path]:
+        path = work / "model.pt"
+        save(SAVES[1], lambda: save_torch(sd, path))
+        load(LOADS[1], lambda: torch.load(path, weights_only=True, mmap=False))
+        return [path]
+
+    def safetensors_() -> list[Path]:
+        path = work / "model.safetensors"
+        save(SAVES[2], lambda: save_safetensors(sd, path))
+        load(LOADS[2], lambda: safetensors.torch.load_file(str(path)))
+        return [path]
+
+    def dcp_() -> list[Path]:
+        path = work / "dcp"
+        save(SAVES[3], lambda: save_dcp(sd, path))
+        load(LOADS[3], lambda: load_dcp(path, target))
+        return [path]
+
+    def trainguard_() -> list[Path]:
+        root, ballast = work / "tg", work / "ballast.bin"
+        raw_write_floor(byte_views(sd), ballast)
+        with trainguard.CheckpointManager(root, fsync=True) as mgr:
+            # step 1: the first save of a fresh manager into an empty root (like the one-shot saves);
             # step 2: every tensor changed (a training job's steady state: staging buffers exist already);
             # step 3: nothing changed since step 2 (every chunk deduplicated, only hashed).
-            for step, name in [(1, SAVES[4]), (2, SAVES[5]), (3, DEDUP)]:
-                if step == 3 and not dedup:
-                    break
-                if step == 2:
-                    perturb(sd, 1)
-                os.sync()
-                saves[name], (blocked, res) = timed(save_trainguard, mgr, step, sd)
-                log(f"  rep {rep}: {name:<34} {saves[name]:6.2f} s (blocked {blocked:.2f} s, "
-                    f"{res.bytes_written} B written)")
-                if step == 2:
-                    saves[BLOCKED] = blocked
-        perturb(sd, -1)  # back to the bytes every other method saved (and trainguard's step 1)
+            free_previous()
+            saves[SAVES[4]], (_, res) = timed(save_trainguard, mgr, 1, sd)
+            log(f"  rep {rep}: {SAVES[4]:<40} {saves[SAVES[4]]:6.2f} s ({res.bytes_written} B written)")
+            load(LOADS[4], lambda: load_trainguard(root, 1, target))
+            prev[:] = [ballast]
+            free_previous()
+            perturb(sd, 1)
+            try:
+                saves[SAVES[5]], (saves[BLOCKED], res) = timed(save_trainguard, mgr, 2, sd)
+                log(
+                    f"  rep {rep}: {SAVES[5]:<40} {saves[SAVES[5]]:6.2f} s (blocked {saves[BLOCKED]:.2f} s, "
+                    f"{res.bytes_written} B written)"
+                )
+                if dedup:
+                    os.sync()
+                    saves[DEDUP], (_, res) = timed(save_trainguard, mgr, 3, sd)
+                    log(f"  rep {rep}: {DEDUP:<40} {saves[DEDUP]:6.2f} s ({res.bytes_written} B written)")
+            finally:
+                perturb(sd, -1)  # back to the bytes every other method saved
+        return [root]
 
-        cold = True
-        loaders: list[tuple[str, Any]] = [
-            (LOADS[1], lambda: torch.load(p["torch"], weights_only=True, mmap=False)),
-            (LOADS[2], lambda: safetensors.torch.load_file(str(p["st"]))),
-            (LOADS[3], lambda: load_dcp(p["dcp"], target)),
-            (LOADS[4], lambda: load_trainguard(p["tg"], 1, target)),
-        ]
-        cold &= drop_caches()
-        loads[LOADS[0]] = raw_read_floor(p["raw"], memoryview(raw_buf.numpy()))
-        log(f"  rep {rep}: {LOADS[0]:<34} {loads[LOADS[0]]:6.2f} s")
-        off = 0
-        for k, t in sd.items():
-            if not torch.equal(raw_buf[off : off + t.nbytes], t.reshape(-1).view(torch.uint8)):
-                raise AssertionError(f"raw read: the bytes of {k} differ from the written ones")
-            off += t.nbytes
-        for name, fn in loaders:
-            for t in target.values():
-                t.zero_()  # a load that does nothing must fail the check below
-            cold &= drop_caches()
-            loads[name], got = timed(fn)
-            log(f"  rep {rep}: {name:<34} {loads[name]:6.2f} s")
-            check_equal(name, got, sd)
-            del got
+    methods = [raw, torch_, safetensors_, dcp_, trainguard_]
+    k = rep % len(methods)
+    try:
+        for method in methods[k:] + methods[:k]:
+            prev[:] = method()
         return saves, loads, cold
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -243,10 +328,21 @@ def run_once(sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor], raw_b
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size in GiB (default 2)")
-    ap.add_argument("--repeat", type=int, default=2, help="repetitions; the best (shortest) time is reported")
-    ap.add_argument("--dir", type=Path, default=None,
-                    help="scratch parent directory (default: the temp dir if on the repository's filesystem)")
-    ap.add_argument("--json", action="store_true", help="print machine-readable results instead of the tables")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="repetitions (method order rotated each time); the best (shortest) time is reported",
+    )
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="scratch parent directory (default: the temp dir if on the repository's filesystem)",
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="print machine-readable results instead of the tables"
+    )
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.size_gib <= 0:
         ap.error("--repeat must be >= 1 and --size-gib > 0")
@@ -257,13 +353,19 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.dir or default_scratch_parent(REPO)
     parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="bench_save_load-", dir=parent))
-    log(f"scratch: {scratch} ({filesystem_of(scratch)}); free {shutil.disk_usage(scratch).free / (1 << 30):.0f} GiB")
+    log(
+        f"scratch: {scratch} ({filesystem_of(scratch)}); free {shutil.disk_usage(scratch).free / (1 << 30):.0f} GiB"
+    )
 
     sd = make_state(int(args.size_gib * (1 << 30)))
     nbytes = state_bytes(sd)
     sizes = [t.nbytes for t in sd.values()]
-    shape = {"tensors": len(sd), "large >=64MiB": sum(s >= 64 * MiB for s in sizes),
-             "medium 1-64MiB": sum(MiB <= s < 64 * MiB for s in sizes), "small <1MiB": sum(s < MiB for s in sizes)}
+    shape = {
+        "tensors": len(sd),
+        "large >=64MiB": sum(s >= 64 * MiB for s in sizes),
+        "medium 1-64MiB": sum(MiB <= s < 64 * MiB for s in sizes),
+        "small <1MiB": sum(s < MiB for s in sizes),
+    }
     log(f"state: {nbytes / (1 << 30):.2f} GiB, {shape}")
     if shutil.disk_usage(scratch).free < 6 * nbytes:
         log("warning: less than 6x the state size is free on the scratch filesystem")
@@ -285,42 +387,83 @@ def main(argv: list[str] | None = None) -> int:
     best_save = {m: min(r[m] for r in all_saves if m in r) for m in [*SAVES, BLOCKED, DEDUP]}
     best_load = {m: min(r[m] for r in all_loads) for m in LOADS}
     save_rows = compare_rows(best_save, nbytes, SAVES[0])
+    for row in save_rows:
+        if row["method"] in (BLOCKED, DEDUP):
+            row["of_raw"] = None  # not disk work: a ratio to the raw write would mislead
     load_rows = compare_rows(best_load, nbytes, LOADS[0])
     raw_s, tg_l = best_save[SAVES[0]], best_load[LOADS[4]]
     verdicts = []
     for which, tg_s in [("fresh manager", best_save[SAVES[4]]), ("2nd save", best_save[SAVES[5]])]:
         verdicts += [
             (f"save ({which}) >= 85% of raw write", raw_s / tg_s >= TARGET_OF_RAW, f"{raw_s / tg_s:.0%}"),
-            (f"save ({which}) faster than torch.save", tg_s < best_save[SAVES[1]],
-             f"{tg_s:.2f} s vs {best_save[SAVES[1]]:.2f} s"),
-            (f"save ({which}) faster than dcp.save", tg_s < best_save[SAVES[3]],
-             f"{tg_s:.2f} s vs {best_save[SAVES[3]]:.2f} s"),
+            (
+                f"save ({which}) faster than torch.save",
+                tg_s < best_save[SAVES[1]],
+                f"{tg_s:.2f} s vs {best_save[SAVES[1]]:.2f} s",
+            ),
+            (
+                f"save ({which}) faster than dcp.save",
+                tg_s < best_save[SAVES[3]],
+                f"{tg_s:.2f} s vs {best_save[SAVES[3]]:.2f} s",
+            ),
         ]
     verdicts += [
-        ("load >= 85% of raw read", best_load[LOADS[0]] / tg_l >= TARGET_OF_RAW, f"{best_load[LOADS[0]] / tg_l:.0%}"),
-        ("load faster than torch.load", tg_l < best_load[LOADS[1]], f"{tg_l:.2f} s vs {best_load[LOADS[1]]:.2f} s"),
-        ("load faster than dcp.load", tg_l < best_load[LOADS[3]], f"{tg_l:.2f} s vs {best_load[LOADS[3]]:.2f} s"),
+        (
+            "load >= 85% of raw read",
+            best_load[LOADS[0]] / tg_l >= TARGET_OF_RAW,
+            f"{best_load[LOADS[0]] / tg_l:.0%}",
+        ),
+        (
+            "load faster than torch.load",
+            tg_l < best_load[LOADS[1]],
+            f"{tg_l:.2f} s vs {best_load[LOADS[1]]:.2f} s",
+        ),
+        (
+            "load faster than dcp.load",
+            tg_l < best_load[LOADS[3]],
+            f"{tg_l:.2f} s vs {best_load[LOADS[3]]:.2f} s",
+        ),
     ]
-    caching = "page cache dropped before each load (cold, from disk)" if cold else \
-        "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
+    caching = (
+        "page cache dropped before each load (cold, from disk)"
+        if cold
+        else "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
+    )
 
     if args.json:
-        dump_json({"machine": machine_info(), "scratch_fs": filesystem_of(parent), "state_bytes": nbytes,
-                   "state": shape, "repeat": args.repeat, "statistic": "best", "loads_cold": cold,
-                   "save": save_rows, "load": load_rows, "runs": {"save": all_saves, "load": all_loads},
-                   "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts}})
+        dump_json(
+            {
+                "machine": machine_info(),
+                "scratch_fs": filesystem_of(parent),
+                "state_bytes": nbytes,
+                "state": shape,
+                "repeat": args.repeat,
+                "statistic": "best",
+                "loads_cold": cold,
+                "save": save_rows,
+                "load": load_rows,
+                "runs": {"save": all_saves, "load": all_loads},
+                "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts},
+            }
+        )
         return 0
     info = machine_info()
-    print(f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, {info.get('mem_gib', '?')} GiB, "
-          f"torch {torch.__version__}, python {info['python']}, scratch on {filesystem_of(parent)}")
+    print(
+        f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, {info.get('mem_gib', '?')} GiB, "
+        f"torch {torch.__version__}, python {info['python']}, scratch on {filesystem_of(parent)}"
+    )
     print(f"# state: {nbytes / (1 << 30):.2f} GiB ({nbytes} B), {shape}")
-    print(f"# best of {args.repeat}; GB/s = 10^9 bytes of tensor data per second; 'of raw' = raw seconds / seconds")
+    print(
+        f"# best of {args.repeat}; GB/s = 10^9 bytes of tensor data per second; 'of raw' = raw seconds / seconds"
+    )
     print(f"# {caching}\n")
     print("SAVE (durable: fsync in the timed region)")
     print(format_table(save_rows, COMPARE_COLUMNS))
-    print(f"  ('{BLOCKED.strip()}': the part of the 2nd save before save() returned (async_save stages, then"
-          " persists in the background);\n   dedup: a 3rd save of unchanged tensors into the same root, no chunk"
-          " rewritten; these GB/s are logical, not disk)\n")
+    print(
+        f"  ('{BLOCKED.strip()}': the part of the 2nd save before save() returned (async_save stages, then"
+        " persists in the background);\n   dedup: a 3rd save of unchanged tensors into the same root, no chunk"
+        " rewritten; these GB/s are logical, not disk)\n"
+    )
     print("LOAD (bitwise checked)")
     print(format_table(load_rows, COMPARE_COLUMNS))
     print("\nTARGETS (trainguard)")

@@ -289,9 +289,17 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
         if not overwrite and (step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()):
-            raise CheckpointExistsError(
-                f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to replace it"
-            )
+            d = self.root / step_dir_name(step)
+            info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
+            if info is None or info.status == "valid":
+                raise CheckpointExistsError(
+                    f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
+                    "replace it"
+                )
+            # A corrupt checkpoint of this step (typically the one restore_latest just skipped) holds nothing
+            # usable: replace it rather than stop the training loop.
+            log.warning("replacing the corrupt checkpoint of step %d (%s)", step, info.problem)
+            self._event("replace_corrupt", step=step, problem=info.problem)
         t0 = time.perf_counter()
         now0 = time.monotonic()
         if not self.async_save:
@@ -549,6 +557,10 @@ class CheckpointManager:
         import json
 
         d = self.root / step_dir_name(step)
+        if err.chunk:
+            moved = self.store.quarantine(err.chunk)
+            if moved:
+                log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
         if d.is_dir():
             try:
                 atomic_write(d / CORRUPT_MARKER, json.dumps({"problem": str(err), "chunk": err.chunk,

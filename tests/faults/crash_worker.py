@@ -119,9 +119,9 @@ def install_hook(point: str, at: int, marker: str) -> None:
 def victim(args: dict[str, Any]) -> None:
     """What a forked victim runs; ``args["mode"]`` picks the role."""
     import torch
+    from faultlib import commit_save, make_state, manifest_path, sha256_file
 
     import trainguard as tg
-    from faultlib import commit_save, make_state, manifest_path, sha256_file
 
     torch.set_num_threads(1)
     root = args["root"]
@@ -161,9 +161,9 @@ def victim(args: dict[str, Any]) -> None:
 
 
 def serve() -> None:
+    import faultlib  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401 - the slow imports, once, before any fork
 
-    import faultlib  # noqa: F401
     import trainguard.manager  # noqa: F401
 
     children: set[int] = set()

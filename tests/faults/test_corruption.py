@@ -35,7 +35,6 @@ from faultlib import (
     manifest_path,
     owners_of,
     read_manifest_json,
-    require,
     sha256_file,
 )
 from hypothesis import HealthCheck, given, settings
@@ -89,16 +88,20 @@ def verify_cli(root: Path) -> dict[str, Any]:
     return report
 
 
-def assert_falls_back(root: Path, caplog: pytest.LogCaptureFixture, chunk: str | None,
-                      tensors: list[str] | None) -> None:
+def assert_falls_back(
+    root: Path, caplog: pytest.LogCaptureFixture, chunk: str | None, tensors: list[str] | None
+) -> None:
     """restore_latest skips step 3 for step 2 (values, warning, event), then lists step 3 as corrupt."""
     with tg.CheckpointManager(root) as mgr:
         state = blank_state()
         with caplog.at_level(logging.WARNING, logger="trainguard"):
             assert mgr.restore_latest(state) == 2
         assert_state_is(state, 2)
-        warned = [r.getMessage() for r in caplog.records
-                  if r.name == "trainguard" and r.levelno == logging.WARNING and "step 3" in r.getMessage()]
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "trainguard" and r.levelno == logging.WARNING and "step 3" in r.getMessage()
+        ]
         assert warned, caplog.text
         skipped = read_events(root, event="restore_skipped")
         assert [e["step"] for e in skipped] == [3]
@@ -124,7 +127,11 @@ def test_a_flipped_bit_in_a_chunk_is_reported_and_restore_falls_back(run, caplog
     before = path.read_bytes()
     old, new = flip_bit(path, byte, bit=byte % 8)
     after = path.read_bytes()
-    assert old != new and len(after) == len(before) and sum(a != b for a, b in zip(before, after)) == 1
+    assert (
+        old != new
+        and len(after) == len(before)
+        and sum(a != b for a, b in zip(before, after, strict=True)) == 1
+    )
 
     owners = owners_of(run, 3, h)
     assert holding in owners and (holding == "model.big") == (owners == ["model.big"])
@@ -168,7 +175,9 @@ def test_a_truncated_or_deleted_chunk_is_reported_and_restore_falls_back(run, ca
         path.unlink()
     assert not path.exists() or path.stat().st_size < rec["length"]
     report = verify_cli(run)
-    assert [(c["step"], c["chunk"], c["tensors"]) for c in report["corrupt"]] == [(3, rec["path"], ["model.emb"])]
+    assert [(c["step"], c["chunk"], c["tensors"]) for c in report["corrupt"]] == [
+        (3, rec["path"], ["model.emb"])
+    ]
     assert ("missing" if damage == "deleted" else "length") in report["corrupt"][0]["problem"]
     assert_falls_back(run, caplog, rec["path"], None)
 
@@ -188,7 +197,9 @@ def _manifest_positions(root: Path) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("where", ["first-byte", "last-byte", "middle", "stored-crc", "chunk-hash", "step-number"])
+@pytest.mark.parametrize(
+    "where", ["first-byte", "last-byte", "middle", "stored-crc", "chunk-hash", "step-number"]
+)
 def test_a_flipped_bit_in_the_manifest_is_reported_and_restore_falls_back(run, caplog, where):
     byte = _manifest_positions(run)[where]
     digest = sha256_file(manifest_path(run, 3))
@@ -215,13 +226,19 @@ def test_the_verify_command_reports_a_flipped_bit_with_exit_code_1(run):
     """The real console entry point, in its own process (JSON on stdout, exit code 1)."""
     h, rec = newest_chunk(run, "model.big")
     flip_bit(run / rec["path"], 12345, 3)
-    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", str(run), "--all", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard", "verify", str(run), "--all", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] is False
-    assert [(c["step"], c["chunk"], c["tensors"]) for c in report["corrupt"]] == [(3, rec["path"], ["model.big"])]
+    assert [(c["step"], c["chunk"], c["tensors"]) for c in report["corrupt"]] == [
+        (3, rec["path"], ["model.big"])
+    ]
 
 
 # -- nothing valid ----------------------------------------------------------------------------------------
@@ -260,12 +277,43 @@ def test_restore_latest_of_a_root_with_only_an_uncommitted_save_returns_none(tmp
     assert [(i.step, i.status) for i in ro.checkpoints()] == [(5, "incomplete")]
 
 
+# -- resuming after a corrupt checkpoint -----------------------------------------------------------------
+def test_a_resumed_run_can_save_again_the_step_it_skipped_as_corrupt(run, caplog):
+    h, rec = newest_chunk(run, "model.big")
+    flip_bit(run / rec["path"], 0, 0)
+    with tg.CheckpointManager(run, save_policy=tg.EveryNSteps(1)) as mgr:
+        assert mgr.restore_latest(blank_state()) == 2
+        out = mgr.maybe_save(3, make_state(3))  # the resumed loop reaches step 3 again
+        if hasattr(out, "wait"):
+            out.wait()
+        state = blank_state()
+        assert mgr.restore_latest(state) == 3
+        assert_state_is(state, 3)
+    assert verify(run).ok
+
+
+def test_re_saving_the_same_values_over_a_corrupt_chunk_writes_a_good_chunk(run, caplog):
+    h, rec = newest_chunk(run, "model.big")
+    flip_bit(run / rec["path"], 0, 0)
+    with tg.CheckpointManager(run) as mgr:
+        assert mgr.restore_latest(blank_state()) == 2  # detects the bad chunk and marks step 3 corrupt
+        commit_save(mgr, 3, make_state(3), overwrite=True)  # deterministic training: the same values again
+        state = blank_state()
+        assert mgr.restore_latest(state) == 3, "step 3 was re-saved but does not restore"
+        assert_state_is(state, 3)
+    assert verify(run).ok
+
+
 # -- known bugs -------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=OSError, reason=(
-    "BUG: ChunkStore.verify/readinto turn only FileNotFoundError into CorruptCheckpointError; an unreadable chunk "
-    "(EIO from a bad sector, a directory in its place) escapes verify (traceback instead of a report) and "
-    "restore_latest (no fall back to the previous checkpoint)"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=OSError,
+    reason=(
+        "BUG: ChunkStore.verify/readinto turn only FileNotFoundError into CorruptCheckpointError; an unreadable chunk "
+        "(EIO from a bad sector, a directory in its place) escapes verify (traceback instead of a report) and "
+        "restore_latest (no fall back to the previous checkpoint)"
+    ),
+)
 @pytest.mark.parametrize("fault", ["EIO", "directory"])
 def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, monkeypatch, fault):
     import trainguard.incremental.chunkstore as chunkstore
@@ -274,6 +322,7 @@ def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, mon
     path = run / rec["path"]
     injected = []
     if fault == "EIO":
+
         def failing_open(file: Any, *a: Any, **k: Any) -> Any:
             if Path(file) == path:
                 injected.append(file)
@@ -289,37 +338,6 @@ def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, mon
     assert injected, "the fault never fired"
     assert [(c["step"], c["chunk"]) for c in report.corrupt] == [(3, rec["path"])]
     assert_falls_back(run, caplog, rec["path"], None)
-
-
-@pytest.mark.xfail(strict=True, raises=tg.CheckpointExistsError, reason=(
-    "BUG: after restore_latest skipped a corrupt step N, the resumed loop's maybe_save(N) raises "
-    "CheckpointExistsError (the corrupt manifest counts as committed): a crash loop under a supervisor"
-))
-def test_a_resumed_run_can_save_again_the_step_it_skipped_as_corrupt(run, caplog):
-    h, rec = newest_chunk(run, "model.big")
-    flip_bit(run / rec["path"], 0, 0)
-    with tg.CheckpointManager(run, save_policy=tg.EveryNSteps(1)) as mgr:
-        assert mgr.restore_latest(blank_state()) == 2
-        out = mgr.maybe_save(3, make_state(3))
-        if hasattr(out, "wait"):
-            out.wait()
-    assert verify(run, [3]).ok
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: ChunkStore.put skips a chunk that exists with the right length, so re-saving the same tensor values "
-    "over a chunk with a flipped bit commits a new checkpoint on the corrupt chunk, and publish() deletes the "
-    "corrupt.json marker: the step lists as valid but fails its CRC32C"
-))
-def test_re_saving_the_same_values_over_a_corrupt_chunk_writes_a_good_chunk(run, caplog):
-    h, rec = newest_chunk(run, "model.big")
-    flip_bit(run / rec["path"], 0, 0)
-    with tg.CheckpointManager(run) as mgr:
-        require(mgr.restore_latest(blank_state()) == 2, "restore detects the bad chunk and marks step 3 corrupt")
-        commit_save(mgr, 3, make_state(3), overwrite=True)  # deterministic training: the same values again
-        state = blank_state()
-        assert mgr.restore_latest(state) == 3, "step 3 was re-saved but does not restore"
-    assert verify(run, [3]).ok
 
 
 def test_fixture_roots_do_not_share_chunks_between_steps_except_frozen(run):

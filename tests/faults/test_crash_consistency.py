@@ -83,14 +83,24 @@ def new_ledger(root: Path, manager_kwargs: dict[str, Any] | None = None) -> Ledg
 
 
 def kill_victim(
-    fs: ForkServer, ledger: Ledger, work: Path, name: str, *, delay_s: float | None = None,
+    fs: ForkServer,
+    ledger: Ledger,
+    work: Path,
+    name: str,
+    *,
+    delay_s: float | None = None,
     hook: tuple[str, int] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Fork a victim saving from ``ledger.next_step`` on, SIGKILL it after ``delay_s`` or when it reaches
     the kill point ``hook``, and return its log and the hook's marker."""
     log, err, marker = work / f"{name}.log", work / f"{name}.stderr", work / f"{name}.marker"
-    args: dict[str, Any] = {"root": str(ledger.root), "log": str(log), "stderr": str(err), "start": ledger.next_step,
-                            "manager_kwargs": ledger.manager_kwargs}
+    args: dict[str, Any] = {
+        "root": str(ledger.root),
+        "log": str(log),
+        "stderr": str(err),
+        "start": ledger.next_step,
+        "manager_kwargs": ledger.manager_kwargs,
+    }
     if hook is not None:
         args["hook"] = {"point": hook[0], "at": hook[1], "marker": str(marker)}
     pid = fs.spawn(**args)
@@ -114,8 +124,9 @@ def _text(p: Path) -> str:
         return ""
 
 
-def check_after_kill(ledger: Ledger, log: list[dict[str, Any]], marker: dict[str, Any] | None,
-                     inflight_committed: bool | None) -> Trial:
+def check_after_kill(
+    ledger: Ledger, log: list[dict[str, Any]], marker: dict[str, Any] | None, inflight_committed: bool | None
+) -> Trial:
     """Every assertion after one kill; ``inflight_committed`` True/False when the kill point decides whether
     the step in flight was committed, None for a random kill."""
     root = ledger.root
@@ -131,7 +142,9 @@ def check_after_kill(ledger: Ledger, log: list[dict[str, Any]], marker: dict[str
     lost = sorted(set(ledger.committed) - set(valid))
     assert not lost, f"committed steps {lost} no longer valid: {[infos.get(s) for s in lost]}"
     extra = set(valid) - set(ledger.committed)
-    assert extra <= {inflight}, f"steps {sorted(extra)} list as valid but were never committed (in flight: {inflight})"
+    assert extra <= {inflight}, (
+        f"steps {sorted(extra)} list as valid but were never committed (in flight: {inflight})"
+    )
     if inflight_committed is True:
         assert extra == {inflight}, "the kill came after the manifest was published: the step must be valid"
     elif inflight_committed is False:
@@ -152,6 +165,8 @@ def check_after_kill(ledger: Ledger, log: list[dict[str, Any]], marker: dict[str
     # 3. A writable manager cleans up, restores the newest committed step exactly and saves the next one.
     with tg.CheckpointManager(root, fsync=True) as mgr:
         assert partial_dirs(root) == [], "partial directories survived the cleanup"
+        dead = [d.name for d in root.glob("step-*") if d.is_dir() and not (d / "manifest.json").exists()]
+        assert dead == [], f"step directories without a manifest survived the cleanup: {dead}"
         assert chunk_files(root) == referenced_chunks(root, valid), "orphan chunks survived the cleanup"
         state = blank_state()
         newest = mgr.restore_latest(state)
@@ -183,7 +198,9 @@ def test_random_sigkills_never_lose_or_damage_a_committed_checkpoint(forkserver,
             r = n // TRIALS_PER_ROOT
             ledger = new_ledger(tmp_path / f"root{r}", save_modes()[r % len(save_modes())])  # alternate modes
         assert ledger is not None
-        log, _ = kill_victim(forkserver, ledger, tmp_path, f"random{n}", delay_s=rng.uniform(0.0, MAX_DELAY_S))
+        log, _ = kill_victim(
+            forkserver, ledger, tmp_path, f"random{n}", delay_s=rng.uniform(0.0, MAX_DELAY_S)
+        )
         trials.append(check_after_kill(ledger, log, None, None))
     assert ledger is not None
     final_check(ledger)
@@ -192,7 +209,9 @@ def test_random_sigkills_never_lose_or_damage_a_committed_checkpoint(forkserver,
     mid_save = [t for t in trials if t.inflight is not None]
     assert len(mid_save) >= RANDOM_TRIALS // 2, [t.inflight for t in trials]
     assert sum(1 for t in trials if t.committed_by_victim) >= RANDOM_TRIALS // 3
-    assert any(t.orphans_at_kill for t in trials), "no kill left an uncommitted chunk behind: kills too early?"
+    assert any(t.orphans_at_kill for t in trials), (
+        "no kill left an uncommitted chunk behind: kills too early?"
+    )
 
 
 # (kill point, occurrence, was the step in flight committed?) The occurrence counts within one victim: the
@@ -224,7 +243,10 @@ def test_sigkill_at_each_point_of_the_commit_protocol_is_recovered(forkserver, t
         # Evidence that the fault left what it should, before the checks (which clean it up) run.
         if point == "mid_chunk_write":
             tmp = Path(marker["path"])
-            assert tmp.parent.name.startswith(step_dir_name(ledger.next_step)[:5]) and ".partial-" in tmp.parent.name
+            assert (
+                tmp.parent.name.startswith(step_dir_name(ledger.next_step)[:5])
+                and ".partial-" in tmp.parent.name
+            )
             assert tmp.stat().st_size == marker["written"] < marker["length"]
         elif point == "chunk_published":
             assert Path(marker["chunk"]).is_file()
@@ -246,23 +268,29 @@ def test_sigkill_at_each_point_of_the_commit_protocol_is_recovered(forkserver, t
     assert fired == [(p, a) for p, a, _ in KILL_POINTS]
 
 
-@pytest.mark.xfail(strict=True, raises=tg.NoValidCheckpointError, reason=(
-    "BUG: a writer killed between creating step-N/ and publishing its manifest leaves an empty step directory "
-    "that cleanup never removes; restore_latest then counts it as a checkpoint and raises "
-    "NoValidCheckpointError instead of returning None, so a job killed during its first save never restarts"
-))
 def test_a_job_killed_during_its_first_publish_restarts_from_scratch(forkserver, tmp_path):
     ledger = Ledger(tmp_path / "root")
     log, marker = kill_victim(forkserver, ledger, tmp_path, "first", hook=("step_dir_created", 1))
     assert marker is not None and [e["step"] for e in log if e["ev"] == "begin"] == [1]
+    step_dir = ledger.root / step_dir_name(1)
+    assert step_dir.is_dir() and not (step_dir / "manifest.json").exists()
+    ro = tg.CheckpointManager(ledger.root, read_only=True)
+    assert ro.restore_latest(blank_state()) is None  # the uncommitted step directory is no checkpoint
     with tg.CheckpointManager(ledger.root) as mgr:
+        assert not step_dir.exists(), "the writable manager's cleanup removes the dead step directory"
         assert mgr.restore_latest(blank_state()) is None
+        commit_save(mgr, 1, make_state(1))
+    assert verify(ledger.root).ok
 
 
-@pytest.mark.xfail(strict=True, raises=tg.CheckpointNotFoundError, reason=(
-    "BUG: verify(root) with steps=None treats a step directory without a manifest (left by a kill or an ENOSPC "
-    "during publish) as committed and raises CheckpointNotFoundError instead of checking the others"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=tg.CheckpointNotFoundError,
+    reason=(
+        "BUG: verify(root) with steps=None treats a step directory without a manifest (left by a kill or an ENOSPC "
+        "during publish) as committed and raises CheckpointNotFoundError instead of checking the others"
+    ),
+)
 def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manifest(forkserver, tmp_path):
     ledger = new_ledger(tmp_path / "root")
     _, marker = kill_victim(forkserver, ledger, tmp_path, "publish", hook=("step_dir_created", 1))
@@ -271,11 +299,15 @@ def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manif
     assert report.ok and report.checked == [1]
 
 
-@pytest.mark.xfail(strict=True, raises=tg.SaveError, reason=(
-    "BUG: ChunkStore.put gives every writer of the same content the same temporary name <hash>.tmp; a second "
-    "thread writing an identical chunk unlinks the first one's file or collides with it (O_EXCL), and the save "
-    "fails with SaveError (FileNotFoundError from os.replace or FileExistsError)"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=tg.SaveError,
+    reason=(
+        "BUG: ChunkStore.put gives every writer of the same content the same temporary name <hash>.tmp; a second "
+        "thread writing an identical chunk unlinks the first one's file or collides with it (O_EXCL), and the save "
+        "fails with SaveError (FileNotFoundError from os.replace or FileExistsError)"
+    ),
+)
 def test_identical_large_tensors_in_one_save_are_written_safely(tmp_path, monkeypatch):
     import trainguard.incremental.chunkstore as chunkstore
 

@@ -52,12 +52,7 @@ class DiskFull:
         self.err = err
         self.written = 0
         self.injected = 0
-        self.renamed: list[str] = []  # files renamed into place (chunks and manifests that made it)
         self._lock = threading.Lock()  # chunk writer threads share the disk
-
-    def replace(self, src: Any, dst: Any) -> None:
-        os.replace(src, dst)
-        self.renamed.append(str(dst))
 
     def write(self, fd: int, data: Any) -> int:
         with self._lock:
@@ -135,7 +130,10 @@ def assert_storage_full(err: BaseException, step: int) -> None:
     msg = str(err)
     assert "no space left" in msg and "free space" in msg and "keep=" in msg, msg
     assert "earlier checkpoints are intact" in msg
-    assert err.step in (step, None)  # None at the manifest: see test_storage_full_at_the_manifest_names_the_step
+    assert err.step in (
+        step,
+        None,
+    )  # None at the manifest: see test_storage_full_at_the_manifest_names_the_step
 
 
 # -- ENOSPC -----------------------------------------------------------------------------------------------
@@ -166,7 +164,9 @@ FILL_POINTS = {
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 @pytest.mark.parametrize("where", list(FILL_POINTS))
-def test_a_disk_that_fills_up_during_a_save_commits_nothing_and_recovers(run, monkeypatch, save_bytes, mode, where):
+def test_a_disk_that_fills_up_during_a_save_commits_nothing_and_recovers(
+    run, monkeypatch, save_bytes, mode, where
+):
     root, before = run
     budget = FILL_POINTS[where](*save_bytes)
     disk = DiskFull(budget)
@@ -186,7 +186,9 @@ def test_a_disk_that_fills_up_during_a_save_commits_nothing_and_recovers(run, mo
 @pytest.mark.parametrize("from_call", [1, 2, 3])
 def test_a_chunk_write_failing_for_lack_of_space_raises_storage_full(run, monkeypatch, mode, code, from_call):
     root, before = run
-    inject = FailingWriteFile(chunkstore.write_file, lambda p, n: n >= from_call, OSError(code, os.strerror(code)))
+    inject = FailingWriteFile(
+        chunkstore.write_file, lambda p, n: n >= from_call, OSError(code, os.strerror(code))
+    )
     monkeypatch.setattr(chunkstore, "write_file", inject)
     with tg.CheckpointManager(root, **mode) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
@@ -205,7 +207,9 @@ def _manifest_tmp(p: Path, n: int) -> bool:
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_no_space_for_the_manifest_commits_nothing_and_recovers(run, monkeypatch, mode):
     root, before = run
-    inject = FailingWriteFile(local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device"))
+    inject = FailingWriteFile(
+        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
+    )
     monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root, **mode) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
@@ -237,6 +241,7 @@ def test_any_other_failure_in_a_save_raises_save_error_and_commits_nothing(run, 
         monkeypatch.setattr(chunkstore.ChunkStore, "put", put)
         cause: type[BaseException] = RuntimeError
     elif where == "chunk-write-EIO":  # an I/O error that is not a full disk
+
         def write_file(path: Path, buf: Any, *, fsync: bool = True) -> None:
             fired.append(path)
             raise OSError(errno.EIO, "injected I/O error")
@@ -244,6 +249,7 @@ def test_any_other_failure_in_a_save_raises_save_error_and_commits_nothing(run, 
         monkeypatch.setattr(chunkstore, "write_file", write_file)
         cause = OSError
     else:  # a failure in the commit itself
+
         def publish(self: Any, m: Any) -> None:
             fired.append(m.step)
             raise RuntimeError("injected failure in the commit")
@@ -265,12 +271,17 @@ def test_any_other_failure_in_a_save_raises_save_error_and_commits_nothing(run, 
 
 
 # -- retention --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("steps,keep", [
-    ((1, 2, 3), 1),
-    ((9, 10, 100), 2),  # as text: "10" < "100" < "9"
-    ((999_999_999, 1_000_000_000, 1_000_000_001), 1),  # "step-1000000000" < "step-999999999" as text
-])
-def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(tmp_path, monkeypatch, steps, keep):
+@pytest.mark.parametrize(
+    "steps,keep",
+    [
+        ((1, 2, 3), 1),
+        ((9, 10, 100), 2),  # as text: "10" < "100" < "9"
+        ((999_999_999, 1_000_000_000, 1_000_000_001), 1),  # "step-1000000000" < "step-999999999" as text
+    ],
+)
+def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(
+    tmp_path, monkeypatch, steps, keep
+):
     root = tmp_path / "root"
     *good, failing = steps
     with tg.CheckpointManager(root, keep=keep) as mgr:
@@ -297,21 +308,36 @@ def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(
 
 
 # -- known bugs -------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: a failed save leaves the chunks it already renamed into chunks/ behind (only the partial directory "
-    "is removed; orphans are collected only when a later manager finds a partial directory), so every "
-    "failed save on a full disk leaks the space it managed to write"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: a failed save leaves the chunks it already renamed into chunks/ behind (only the partial directory "
+        "is removed; orphans are collected only when a later manager finds a partial directory), so every "
+        "failed save on a full disk leaks the space it managed to write"
+    ),
+)
 def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     root, before = run
     total, manifest = save_bytes
     disk = DiskFull(total - manifest - 1000)  # every chunk but the last one makes it
     monkeypatch.setattr(local, "os", disk)
+    renamed: list[str] = []
+
+    class RecordingOs:  # chunkstore's os: records the chunks renamed into chunks/
+        def replace(self, src: Any, dst: Any) -> None:
+            os.replace(src, dst)
+            renamed.append(str(dst))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+    monkeypatch.setattr(chunkstore, "os", RecordingOs())
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError):
             commit_save(mgr, 3, make_state(3))
     require(disk.injected >= 1, "the disk filled up")
-    require(any("/chunks/" in p for p in disk.renamed), "the failed save had renamed a chunk into chunks/")
+    require(renamed, "the failed save had renamed a chunk into chunks/")
     monkeypatch.undo()
     with tg.CheckpointManager(root):  # a restarted job does not collect them either
         pass
@@ -319,14 +345,20 @@ def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     assert not orphans, f"{len(orphans)} orphan chunk(s) left: {sorted(orphans)}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: ENOSPC at the manifest leaves an empty step-N/ (publish() made it before the manifest failed) that "
-    "nothing removes; `trainguard verify ROOT` and `--all` then exit 2 (CheckpointNotFoundError for step N) "
-    "and checkpoints() lists step N as incomplete forever"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: ENOSPC at the manifest leaves an empty step-N/ (publish() made it before the manifest failed) that "
+        "only the cleanup of the next writable manager removes; until then `trainguard verify ROOT` and `--all` "
+        "exit 2 (CheckpointNotFoundError for step N) and checkpoints() lists step N as incomplete"
+    ),
+)
 def test_no_space_for_the_manifest_leaves_no_step_directory(run, monkeypatch):
     root, _ = run
-    inject = FailingWriteFile(local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device"))
+    inject = FailingWriteFile(
+        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
+    )
     monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError):
@@ -338,11 +370,15 @@ def test_no_space_for_the_manifest_leaves_no_step_directory(run, monkeypatch):
     assert not (root / "step-000000003").exists()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: StorageFullError is built from a message only, so as an OSError its errno is None, and save() "
-    "re-raises it with `raise err from None`, which drops the original OSError from __cause__: "
-    "`except OSError as e: if e.errno == errno.ENOSPC` does not recognise it and the errno is lost"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: StorageFullError is built from a message only, so as an OSError its errno is None, and save() "
+        "re-raises it with `raise err from None`, which drops the original OSError from __cause__: "
+        "`except OSError as e: if e.errno == errno.ENOSPC` does not recognise it and the errno is lost"
+    ),
+)
 def test_storage_full_error_carries_errno_enospc(run, monkeypatch):
     root, _ = run
     monkeypatch.setattr(local, "os", DiskFull(0))
@@ -353,13 +389,19 @@ def test_storage_full_error_carries_errno_enospc(run, monkeypatch):
     assert ei.value.errno == errno.ENOSPC
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: atomic_write calls raise_if_full(e, path) without the step, and save() re-raises that "
-    "StorageFullError as is, so ENOSPC at the manifest gives a SaveError whose .step is None"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: atomic_write calls raise_if_full(e, path) without the step, and save() re-raises that "
+        "StorageFullError as is, so ENOSPC at the manifest gives a SaveError whose .step is None"
+    ),
+)
 def test_storage_full_at_the_manifest_names_the_step(run, monkeypatch):
     root, _ = run
-    inject = FailingWriteFile(local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device"))
+    inject = FailingWriteFile(
+        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
+    )
     monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 import xxhash
@@ -36,7 +37,6 @@ from faultlib import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import crc32c
 import trainguard as tg
 from trainguard.cli.main import main as cli
 from trainguard.errors import CorruptCheckpointError, TrainguardError, UnsafeCheckpointError
@@ -145,8 +145,14 @@ def own_chunk_of(body: dict[str, Any], fqn: str) -> str:
     return body["entries"][fqn]["shards"][0]["segments"][0][0]
 
 
-def assert_refused(root: Path, tmp_path: Path, error: type[CorruptCheckpointError], words: list[str], *,
-                   verify_detects: bool = True) -> str:
+def assert_refused(
+    root: Path,
+    tmp_path: Path,
+    error: type[CorruptCheckpointError],
+    words: list[str],
+    *,
+    verify_detects: bool = True,
+) -> str:
     """restore(2) raises ``error`` naming ``words``; restore_latest falls back; verify and ls do not crash
     (and verify reports step 2 unless ``verify_detects`` is False); no pickle ran; nothing outside the root
     changed. Returns the error message."""
@@ -161,8 +167,12 @@ def assert_refused(root: Path, tmp_path: Path, error: type[CorruptCheckpointErro
         assert mgr.restore_latest(state) == 1
         assert_state_is(state, 1)
         assert {i.step: i.status for i in mgr.checkpoints()} == {1: "valid", 2: "corrupt"}
-    for args in (["verify", str(root), "--all", "--json"], ["verify", str(root)], ["ls", str(root)],
-                 ["info", str(root), "2"]):
+    for args in (
+        ["verify", str(root), "--all", "--json"],
+        ["verify", str(root)],
+        ["ls", str(root)],
+        ["info", str(root), "2"],
+    ):
         result = CliRunner().invoke(cli, args)
         assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.output)
         if args[0] == "verify" and verify_detects:
@@ -217,14 +227,17 @@ def test_a_chunk_path_leaving_the_root_is_refused(root, tmp_path, case):
     assert_refused(root, tmp_path, UnsafeCheckpointError, words)
 
 
-@pytest.mark.parametrize("bad_hash", [
-    "ABCDEF0123456789ABCDEF0123456789",  # upper case
-    "0123456789abcdef0123456789abcde",  # 31 digits
-    "0123456789abcdef0123456789abcdef0",  # 33 digits
-    "0123456789abcdef0123456789abcdeg",  # not hex
-    "",
-    "0123456789abcdef/123456789abcdef",
-])
+@pytest.mark.parametrize(
+    "bad_hash",
+    [
+        "ABCDEF0123456789ABCDEF0123456789",  # upper case
+        "0123456789abcdef0123456789abcde",  # 31 digits
+        "0123456789abcdef0123456789abcdef0",  # 33 digits
+        "0123456789abcdef0123456789abcdeg",  # not hex
+        "",
+        "0123456789abcdef/123456789abcdef",
+    ],
+)
 def test_a_chunk_hash_that_is_not_32_lowercase_hex_digits_is_refused(root, tmp_path, bad_hash):
     body = read_manifest_json(root, 2)
     rename_chunk(body, own_chunk_of(body, "model.big"), bad_hash, f"chunks/{bad_hash[:2]}/{bad_hash}")
@@ -232,10 +245,14 @@ def test_a_chunk_hash_that_is_not_32_lowercase_hex_digits_is_refused(root, tmp_p
     assert_refused(root, tmp_path, UnsafeCheckpointError, ["invalid chunk hash"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: layout._HASH_RE is ^[0-9a-f]{32}$ used with re.match; '$' also matches before a trailing newline, so "
-    "a hash (and path) ending in '\\n' is accepted (use re.fullmatch or \\Z; _STEP_RE has the same flaw)"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: layout._HASH_RE is ^[0-9a-f]{32}$ used with re.match; '$' also matches before a trailing newline, so "
+        "a hash (and path) ending in '\\n' is accepted (use re.fullmatch or \\Z; _STEP_RE has the same flaw)"
+    ),
+)
 def test_a_chunk_hash_with_a_trailing_newline_is_refused(root):
     body = read_manifest_json(root, 2)
     h = own_chunk_of(body, "model.big")
@@ -318,15 +335,21 @@ def test_a_value_whose_payload_would_run_code_is_refused_and_never_runs(root, tm
     write_manifest(root, 2, body)
     # verify checks bytes (the CRC32C of the payload's chunk is right), not what a payload decodes to: see
     # test_verify_reports_a_value_that_restore_refuses
-    msg = assert_refused(root, tmp_path, UnsafeCheckpointError, ["optim", "weights_only"], verify_detects=False)
+    msg = assert_refused(
+        root, tmp_path, UnsafeCheckpointError, ["optim", "weights_only"], verify_detects=False
+    )
     assert not sentinel.exists()
     assert "weights only load failed" in msg.lower(), msg
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "GAP: verify re-reads chunk bytes and CRC32C only, so a checkpoint whose value payload restore refuses "
-    "(UnsafeCheckpointError) verifies as ok, even after restore marked it corrupt (verify ignores corrupt.json)"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "GAP: verify re-reads chunk bytes and CRC32C only, so a checkpoint whose value payload restore refuses "
+        "(UnsafeCheckpointError) verifies as ok, even after restore marked it corrupt (verify ignores corrupt.json)"
+    ),
+)
 def test_verify_reports_a_value_that_restore_refuses(root, tmp_path):
     h, rec = add_chunk(root, pickle_payload(tmp_path / "SENTINEL", "pickle"))
     body = read_manifest_json(root, 2)
@@ -345,12 +368,16 @@ def test_an_inline_value_with_the_torch_codec_is_refused(root, tmp_path):
     assert_refused(root, tmp_path, CorruptCheckpointError, ["inline value must use the json codec"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: the dtype name is first resolved inside DCP (reader.read_metadata), which turns the "
-    "CorruptCheckpointError into 'AssertionError: metadata is None; ...'; restore and restore_latest raise that "
-    "AssertionError (no fall back), and the step still lists as valid. Also what a checkpoint with a dtype of "
-    "a newer torch does on an older one"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: the dtype name is first resolved inside DCP (reader.read_metadata), which turns the "
+        "CorruptCheckpointError into 'AssertionError: metadata is None; ...'; restore and restore_latest raise that "
+        "AssertionError (no fall back), and the step still lists as valid. Also what a checkpoint with a dtype of "
+        "a newer torch does on an older one"
+    ),
+)
 def test_an_unknown_dtype_name_is_refused(root, tmp_path):
     body = read_manifest_json(root, 2)
     body["entries"]["model.big"]["dtype"] = "__import__('os').system"
@@ -367,7 +394,9 @@ def test_a_chunk_length_of_2_to_the_50_is_refused_without_allocating(root, tmp_p
     assert max(guard_allocations, default=0) <= GUARD_BYTES
 
 
-def test_a_shape_of_2_to_the_40_for_a_live_tensor_is_refused_without_allocating(root, tmp_path, guard_allocations):
+def test_a_shape_of_2_to_the_40_for_a_live_tensor_is_refused_without_allocating(
+    root, tmp_path, guard_allocations
+):
     body = read_manifest_json(root, 2)
     e = body["entries"]["model.big"]
     e["shape"] = [2**40]
@@ -385,12 +414,18 @@ def _pack_chunk(body: dict[str, Any]) -> str:
     return body["entries"]["model.small"]["shards"][0]["segments"][0][0]
 
 
-@pytest.mark.xfail(strict=True, raises=HugeAllocation, reason=(
-    "BUG: the manifest parser accepts any shape up to 2**48 per dimension without checking it against the "
-    "bytes of its shards; build_template then calls torch.empty(shape) for a saved entry the live state lacks "
-    "(4 TiB here: RuntimeError, or a huge allocation where memory overcommits)"
-))
-def test_a_shape_of_2_to_the_40_for_a_new_entry_is_refused_without_allocating(root, tmp_path, guard_allocations):
+@pytest.mark.xfail(
+    strict=True,
+    raises=HugeAllocation,
+    reason=(
+        "BUG: the manifest parser accepts any shape up to 2**48 per dimension without checking it against the "
+        "bytes of its shards; build_template then calls torch.empty(shape) for a saved entry the live state lacks "
+        "(4 TiB here: RuntimeError, or a huge allocation where memory overcommits)"
+    ),
+)
+def test_a_shape_of_2_to_the_40_for_a_new_entry_is_refused_without_allocating(
+    root, tmp_path, guard_allocations
+):
     body = read_manifest_json(root, 2)
     e = json.loads(json.dumps(body["entries"]["model.big"]))
     e["path"] = [["s", "model"], ["s", "evil"]]
@@ -403,11 +438,17 @@ def test_a_shape_of_2_to_the_40_for_a_new_entry_is_refused_without_allocating(ro
             mgr.restore(2, blank_state())
 
 
-@pytest.mark.xfail(strict=True, raises=HugeAllocation, reason=(
-    "BUG: restore(step) skips the cheap chunk check restore_latest does, and ChunkStore.read allocates "
-    "bytearray(rec.length) from the manifest before looking at the file (a length of 2**40 passes the parser)"
-))
-def test_a_chunk_length_of_2_to_the_40_is_refused_by_restore_without_allocating(root, tmp_path, guard_allocations):
+@pytest.mark.xfail(
+    strict=True,
+    raises=HugeAllocation,
+    reason=(
+        "BUG: restore(step) skips the cheap chunk check restore_latest does, and ChunkStore.read allocates "
+        "bytearray(rec.length) from the manifest before looking at the file (a length of 2**40 passes the parser)"
+    ),
+)
+def test_a_chunk_length_of_2_to_the_40_is_refused_by_restore_without_allocating(
+    root, tmp_path, guard_allocations
+):
     body = read_manifest_json(root, 2)
     body["chunks"][_pack_chunk(body)]["length"] = 2**40
     write_manifest(root, 2, body)
@@ -418,10 +459,14 @@ def test_a_chunk_length_of_2_to_the_40_is_refused_by_restore_without_allocating(
             mgr.restore(2, blank_state())
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: neither the parser nor the reader checks that a tensor's shards cover its shape; a tensor entry with "
-    "no shards (or half of them) restores 'successfully' and leaves the live tensor with its old values"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG: neither the parser nor the reader checks that a tensor's shards cover its shape; a tensor entry with "
+        "no shards (or half of them) restores 'successfully' and leaves the live tensor with its old values"
+    ),
+)
 @pytest.mark.parametrize("shards", ["none", "half"])
 def test_a_tensor_whose_shards_do_not_cover_its_shape_is_refused(root, shards):
     body = read_manifest_json(root, 2)
@@ -458,8 +503,13 @@ _MUTATION = st.one_of(
     st.tuples(st.just("set"), st.integers(0, 1 << 20), st.binary(min_size=1, max_size=1)),
     st.tuples(st.just("delete"), st.integers(0, 1 << 20), st.integers(1, 64)),
     st.tuples(st.just("insert"), st.integers(0, 1 << 20), st.binary(min_size=1, max_size=16)),
-    st.tuples(st.just("insert"), st.integers(0, 1 << 20), st.sampled_from(
-        [b"{", b"}", b"[", b"]", b",", b":", b'"', b"null", b"-1", b"1e999", b"NaN", b"\\u0000", b'"../"'])),
+    st.tuples(
+        st.just("insert"),
+        st.integers(0, 1 << 20),
+        st.sampled_from(
+            [b"{", b"}", b"[", b"]", b",", b":", b'"', b"null", b"-1", b"1e999", b"NaN", b"\\u0000", b'"../"']
+        ),
+    ),
     st.tuples(st.just("truncate"), st.integers(0, 1 << 20), st.just(0)),
     st.tuples(st.just("duplicate"), st.integers(0, 1 << 20), st.integers(1, 200)),
 )
@@ -508,8 +558,12 @@ def test_random_mutations_of_a_manifest_raise_only_trainguard_errors(manifest_by
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=40) | st.sampled_from(["../x", "/etc/passwd", "chunks/00/" + "0" * 32, "float32", "torch"]),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40)
+    | st.sampled_from(["../x", "/etc/passwd", "chunks/00/" + "0" * 32, "float32", "torch"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -543,11 +597,15 @@ def test_re_signed_structural_mutations_of_a_manifest_raise_only_trainguard_erro
     _parse(sign(body))
 
 
-@pytest.mark.xfail(strict=True, raises=(RecursionError, OverflowError, ValueError), reason=(
-    "BUG: manifest_from_json lets RecursionError (deeply nested JSON), ValueError (an integer of more than "
-    "4300 digits, from json.loads) and OverflowError (float(t) of a huge int) escape instead of "
-    "CorruptCheckpointError"
-))
+@pytest.mark.xfail(
+    strict=True,
+    raises=(RecursionError, OverflowError, ValueError),
+    reason=(
+        "BUG: manifest_from_json lets RecursionError (deeply nested JSON), ValueError (an integer of more than "
+        "4300 digits, from json.loads) and OverflowError (float(t) of a huge int) escape instead of "
+        "CorruptCheckpointError"
+    ),
+)
 @pytest.mark.parametrize("case", ["deep-nesting", "long-integer", "huge-t"])
 def test_crafted_manifests_raise_only_trainguard_errors(manifest_bytes, case):
     if case == "deep-nesting":

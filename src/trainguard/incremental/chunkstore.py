@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -183,6 +184,17 @@ class ChunkStore:
             f"chunk {rec.path}{where} {what}" + (f"; it holds {names}" if names else ""),
             step=step, chunk=rec.path, tensors=owners,
         )
+
+    def quarantine(self, rel: str) -> str | None:
+        """Move a chunk found corrupt aside (``<hash>.corrupt-<time>``) so the next save that needs the same
+        content writes it anew instead of deduplicating against damaged bytes. Returns the new path."""
+        src = self.root / rel
+        dst = src.with_name(f"{src.name}.corrupt-{int(time.time())}")
+        try:
+            os.replace(src, dst)
+        except FileNotFoundError:
+            return None
+        return str(dst.relative_to(self.root))
 
     # -- garbage collection -------------------------------------------------------------------------------
     def all_hashes(self) -> set[str]:
