@@ -111,8 +111,13 @@ class Windows(torch.utils.data.Dataset):
         return chunk[:-1], chunk[1:]
 
 
-loader = tg.ResumableLoader(Windows(train_data, args.block_size), batch_size=args.batch_size, shuffle=True,
-                            seed=args.seed, drop_last=True)
+loader = tg.ResumableLoader(
+    Windows(train_data, args.block_size),
+    batch_size=args.batch_size,
+    shuffle=True,
+    seed=args.seed,
+    drop_last=True,
+)
 
 
 # -- model: nanoGPT ---------------------------------------------------------------------------------------------
@@ -127,7 +132,9 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, args.n_head, C // args.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=args.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=args.dropout if self.training else 0.0
+        )
         return self.drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
@@ -136,8 +143,12 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(args.n_embd), nn.LayerNorm(args.n_embd)
         self.attn = CausalSelfAttention()
-        self.mlp = nn.Sequential(nn.Linear(args.n_embd, 4 * args.n_embd), nn.GELU(),
-                                 nn.Linear(4 * args.n_embd, args.n_embd), nn.Dropout(args.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(args.n_embd, 4 * args.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * args.n_embd, args.n_embd),
+            nn.Dropout(args.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -174,8 +185,11 @@ class GPT(nn.Module):
 model = GPT()
 decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2]
 no_decay = [p_ for n, p_ in model.named_parameters() if p_.dim() < 2]
-optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+optim = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    lr=args.lr,
+    betas=(0.9, 0.95),
+)
 
 
 def lr_at(step: int) -> float:  # linear warmup, then cosine down to min_lr (nanoGPT)
@@ -238,14 +252,18 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
 
 
 # -- checkpointing: the four lines ---------------------------------------------------------------------------
-mgr = tg.CheckpointManager(args.root, save_policy=tg.EveryNSteps(args.save_every), keep=args.keep,
-                           async_save=not args.sync)
+mgr = tg.CheckpointManager(
+    args.root, save_policy=tg.EveryNSteps(args.save_every), keep=args.keep, async_save=not args.sync
+)
 state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "rng": tg.RNGState()}
 start = mgr.restore_latest(state) or 0
 log_path = Path(args.log) if args.log else Path(args.root) / "train_log.jsonl"
 n_params = sum(p_.numel() for p_ in model.parameters())
-print(f"attempt {attempt}: {'resumed from step ' + str(start) if start else 'starting fresh'}; "
-      f"{n_params / 1e6:.2f}M parameters, {len(corpus) / 1e6:.1f} MB corpus, training to step {args.steps}", flush=True)
+print(
+    f"attempt {attempt}: {'resumed from step ' + str(start) if start else 'starting fresh'}; "
+    f"{n_params / 1e6:.2f}M parameters, {len(corpus) / 1e6:.1f} MB corpus, training to step {args.steps}",
+    flush=True,
+)
 
 # -- training loop ----------------------------------------------------------------------------------------------
 step, pending, loss = start, None, None
@@ -271,8 +289,19 @@ with open(log_path, "a") as log:
         sched.step()
         dt = time.perf_counter() - t0
         t_train += dt
-        log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0], "step_s": dt,
-                              "attempt": attempt, "t": time.time()}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "lr": sched.get_last_lr()[0],
+                    "step_s": dt,
+                    "attempt": attempt,
+                    "t": time.time(),
+                }
+            )
+            + "\n"
+        )
         log.flush()
         pending = mgr.maybe_save(step, state, metrics={"loss": loss.item()}) or pending
         if fault and fault["step"] == step and fault["kind"] != "kill_step":
@@ -287,9 +316,21 @@ with torch.no_grad():
     g = torch.Generator().manual_seed(0)
     val = Windows(val_data, args.block_size)
     idx = torch.randint(0, len(val), (args.eval_iters, args.batch_size), generator=g)
-    val_loss = sum(model(torch.stack([val[int(i)][0] for i in row]), torch.stack([val[int(i)][1] for i in row])).item()
-                   for row in idx) / args.eval_iters
-summary = {"step": step, "train_loss": loss.item() if loss is not None else None, "val_loss": val_loss,
-           "train_s": t_train, "attempt": attempt}
+    val_loss = (
+        sum(
+            model(
+                torch.stack([val[int(i)][0] for i in row]), torch.stack([val[int(i)][1] for i in row])
+            ).item()
+            for row in idx
+        )
+        / args.eval_iters
+    )
+summary = {
+    "step": step,
+    "train_loss": loss.item() if loss is not None else None,
+    "val_loss": val_loss,
+    "train_s": t_train,
+    "attempt": attempt,
+}
 (Path(args.root) / "final.json").write_text(json.dumps(summary))
 print(f"done: step {step}, train loss {summary['train_loss']}, val loss {val_loss:.4f}", flush=True)

@@ -57,12 +57,20 @@ r = t / (4 * math.pi)
 x = torch.stack([r * torch.cos(t + math.pi * label), r * torch.sin(t + math.pi * label)], 1)
 x = x + 0.02 * torch.randn(n, 2, generator=g)
 dataset = TensorDataset(x, label, torch.arange(n))
-loader = tg.ResumableLoader(dataset, batch_size=args.batch_size, shuffle=True, seed=args.seed,
-                            num_workers=args.num_workers)
+loader = tg.ResumableLoader(
+    dataset, batch_size=args.batch_size, shuffle=True, seed=args.seed, num_workers=args.num_workers
+)
 
 # -- model, optimizer, schedule -----------------------------------------------------------------------------
-model = nn.Sequential(nn.Linear(2, args.hidden), nn.GELU(), nn.Dropout(0.1),
-                      nn.Linear(args.hidden, args.hidden), nn.GELU(), nn.Dropout(0.1), nn.Linear(args.hidden, 2))
+model = nn.Sequential(
+    nn.Linear(2, args.hidden),
+    nn.GELU(),
+    nn.Dropout(0.1),
+    nn.Linear(args.hidden, args.hidden),
+    nn.GELU(),
+    nn.Dropout(0.1),
+    nn.Linear(args.hidden, 2),
+)
 optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
 
@@ -100,8 +108,12 @@ with open(log_path, "a") as log:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         sched.step()
-        log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                              "batch": int(idx.sum())}) + "\n")
+        log.write(
+            json.dumps(
+                {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0], "batch": int(idx.sum())}
+            )
+            + "\n"
+        )
         log.flush()
         mgr.maybe_save(step, state, metrics={"loss": loss.item()})
         if args.die_at_step == step:

@@ -14,8 +14,13 @@ from .conftest import run_env
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainguard", *args], capture_output=True, text=True,
-                          env=run_env(), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args],
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=120,
+    )
 
 
 def make_run(root, steps=(1, 2, 10)):
@@ -55,7 +60,9 @@ def test_verify_names_the_corrupt_chunk_and_its_tensors_and_exits_1(tmp_path):
     r = cli("verify", str(tmp_path), "--all", "--json")
     out = json.loads(r.stdout)
     assert r.returncode == 1 and out["ok"] is False
-    assert out["corrupt"] == [{"step": 10, "chunk": big.path, "tensors": ["model.w"], "problem": out["corrupt"][0]["problem"]}]
+    assert out["corrupt"] == [
+        {"step": 10, "chunk": big.path, "tensors": ["model.w"], "problem": out["corrupt"][0]["problem"]}
+    ]
     text = cli("verify", str(tmp_path), "--step", "10")
     assert text.returncode == 1 and "CORRUPT" in text.stdout and "model.w" in text.stdout
 

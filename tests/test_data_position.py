@@ -13,10 +13,13 @@ import trainguard as tg
 from trainguard import _statefn
 
 
-def loader(workers: int = 0, world_size: int = 1, rank: int = 0, drop_last: bool = False) -> tg.ResumableLoader:
+def loader(
+    workers: int = 0, world_size: int = 1, rank: int = 0, drop_last: bool = False
+) -> tg.ResumableLoader:
     ds = TensorDataset(torch.arange(50))
-    return tg.ResumableLoader(ds, batch_size=4, seed=3, num_workers=workers, rank=rank, world_size=world_size,
-                              drop_last=drop_last)
+    return tg.ResumableLoader(
+        ds, batch_size=4, seed=3, num_workers=workers, rank=rank, world_size=world_size, drop_last=drop_last
+    )
 
 
 def take(ld: tg.ResumableLoader, n: int, it=None):
@@ -94,7 +97,9 @@ def test_a_checkpointed_loader_restores_through_the_manager(tmp_path):
 def stateful_loader():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader(list(range(16)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return StatefulDataLoader(
+        list(range(16)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
 
 
 def test_torchdata_stateful_dataloader_drift_across_epochs_is_reproduced_and_warned(tmp_path, monkeypatch):

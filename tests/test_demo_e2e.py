@@ -11,7 +11,18 @@ import pytest
 from trainguard.demo import DemoConfig, fault_plan, run_demo
 from trainguard.recovery.events import read_events
 
-TINY = ("--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--corpus-bytes", str(1 << 20))
+TINY = (
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "64",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--corpus-bytes",
+    str(1 << 20),
+)
 
 
 def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress():
@@ -21,14 +32,17 @@ def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress(
     assert plan != fault_plan(DemoConfig(steps=200, failures=4, seed=4))
     assert sorted(f["kind"] for f in plan) == ["corrupt_newest", "hang", "kill_during_save", "kill_step"]
     steps = [f["step"] for f in plan]
-    assert all(b > a + cfg.save_every for a, b in zip(steps, steps[1:])) and steps[-1] < cfg.steps
+    assert (
+        all(b > a + cfg.save_every for a, b in zip(steps, steps[1:], strict=False)) and steps[-1] < cfg.steps
+    )
     assert all(f["step"] % cfg.save_every == 0 for f in plan if f["kind"] == "kill_during_save")
 
 
 @pytest.mark.slow
 def test_a_demo_with_four_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(tmp_path):
-    cfg = DemoConfig(steps=100, failures=4, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=4.0,
-                     train_args=TINY)
+    cfg = DemoConfig(
+        steps=100, failures=4, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=4.0, train_args=TINY
+    )
     s = run_demo(cfg, echo=lambda m: None, progress=False)
     assert s["supervisor_exit_code"] == 0, s
     assert s["identical"] is True and s["tensors_compared"] > 10, s["differences"]
@@ -48,15 +62,36 @@ def test_a_demo_with_four_kinds_of_failure_ends_identical_and_each_recovery_used
 
 
 def test_demo_rejects_impossible_settings_with_exit_2():
-    r = subprocess.run([sys.executable, "-m", "trainguard", "demo", "--steps", "10"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "demo", "--steps", "10"], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "--steps" in r.stderr
 
 
 @pytest.mark.slow
 def test_demo_json_has_the_documented_keys(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "trainguard", "demo", "--steps", "80", "--failures", "1",
-                        "--save-every", "10", "--seed", "2", "--out", str(tmp_path), "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard",
+            "demo",
+            "--steps",
+            "80",
+            "--failures",
+            "1",
+            "--save-every",
+            "10",
+            "--seed",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     s = json.loads(r.stdout)
     assert r.returncode == 0, r.stderr[-2000:]
     for key in ("identical", "steps", "final_loss", "checkpoints", "failures", "goodput"):

@@ -7,9 +7,29 @@ import torch
 
 import trainguard as tg
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"):
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+for _name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "uint16",
+    "uint32",
+    "uint64",
+):
     if hasattr(torch, _name):
         DTYPES.append(getattr(torch, _name))
 
@@ -35,8 +55,10 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path, dtype):
     out = roundtrip(tmp_path, {"t": {"x": t}}, {"t": {}})
     got = out["t"]["x"]
     assert got.dtype == dtype and got.shape == t.shape
-    assert torch.equal(got.view(torch.uint8) if dtype != torch.bool else got,
-                       t.view(torch.uint8) if dtype != torch.bool else t)
+    assert torch.equal(
+        got.view(torch.uint8) if dtype != torch.bool else got,
+        t.view(torch.uint8) if dtype != torch.bool else t,
+    )
 
 
 def test_a_tensor_is_loaded_in_place_into_the_live_tensor(tmp_path):
@@ -90,7 +112,13 @@ def test_tensors_sharing_storage_in_a_plain_dict_stay_shared(tmp_path):
 
 
 def test_zero_size_and_zero_dim_tensors_round_trip(tmp_path):
-    state = {"d": {"empty": torch.empty(0, 3), "scalar": torch.tensor(3.5), "empty_int": torch.zeros(0, dtype=torch.int64)}}
+    state = {
+        "d": {
+            "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(3.5),
+            "empty_int": torch.zeros(0, dtype=torch.int64),
+        }
+    }
     out = roundtrip(tmp_path, state, {"d": {}})
     assert out["d"]["empty"].shape == (0, 3)
     assert out["d"]["scalar"].shape == () and out["d"]["scalar"].item() == 3.5
@@ -98,9 +126,20 @@ def test_zero_size_and_zero_dim_tensors_round_trip(tmp_path):
 
 
 def test_python_values_keep_their_types(tmp_path):
-    values = {"i": 3, "f": 0.25, "nan": float("nan"), "s": "x", "none": None, "b": True, "l": [1, [2, 3]],
-              "tup": (1, "a"), "intkeys": {1: "a", 2: "b"}, "nested": {"k": {"j": [1.5]}}, "size": torch.Size([2, 3]),
-              "dtype": torch.bfloat16}
+    values = {
+        "i": 3,
+        "f": 0.25,
+        "nan": float("nan"),
+        "s": "x",
+        "none": None,
+        "b": True,
+        "l": [1, [2, 3]],
+        "tup": (1, "a"),
+        "intkeys": {1: "a", 2: "b"},
+        "nested": {"k": {"j": [1.5]}},
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+    }
     out = roundtrip(tmp_path, {"v": dict(values), "top_int": 7}, {"v": {}, "top_int": 0})
     got = out["v"]
     for k, v in values.items():
@@ -115,7 +154,10 @@ def test_a_value_that_would_need_pickle_is_refused_at_save_with_a_clear_error(tm
     class Custom:
         pass
 
-    with tg.CheckpointManager(tmp_path / "run") as mgr, pytest.raises(tg.TrainguardError, match="without pickle"):
+    with (
+        tg.CheckpointManager(tmp_path / "run") as mgr,
+        pytest.raises(tg.TrainguardError, match="without pickle"),
+    ):
         mgr.save(1, {"x": {"obj": Custom()}})
     assert tg.CheckpointManager(tmp_path / "run", read_only=True).checkpoints() == []
 

@@ -37,8 +37,15 @@ def test_any_of_saves_when_one_policy_says_so():
     assert [s for s in range(1, 16) if p.should_save(s, now_s=0)] == [5, 7, 10, 14, 15]
 
 
-@pytest.mark.parametrize("bad", [lambda: tg.EveryNSteps(0), lambda: tg.EveryTSeconds(-1), lambda: tg.KeepLatest(0),
-                                 lambda: tg.KeepEvery(0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: tg.EveryNSteps(0),
+        lambda: tg.EveryTSeconds(-1),
+        lambda: tg.KeepLatest(0),
+        lambda: tg.KeepEvery(0),
+    ],
+)
 def test_bad_policy_arguments_are_config_errors(bad):
     with pytest.raises(tg.TrainguardError):
         bad()
@@ -110,7 +117,11 @@ def test_metrics_and_metadata_land_in_the_manifest(tmp_path):
     from trainguard.catalog import read_manifest
 
     with tg.CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, {"w": {"t": torch.ones(1)}}, metrics={"loss": torch.tensor(0.5), "nan": float("nan")},
-                 metadata={"git": "abc"})
+        mgr.save(
+            1,
+            {"w": {"t": torch.ones(1)}},
+            metrics={"loss": torch.tensor(0.5), "nan": float("nan")},
+            metadata={"git": "abc"},
+        )
     m = read_manifest(tmp_path, 1)
     assert m.metrics == {"loss": 0.5, "nan": "nan"} and m.metadata == {"git": "abc"}

@@ -21,9 +21,23 @@ SAVE_EVERY = 10
 
 
 def train(root: Path, *extra: str, expect_kill: bool = False, workers: int = 0) -> None:
-    cmd = [str(Path(__import__("sys").executable)), str(REPO / "examples" / "train_mlp.py"), "--root", str(root),
-           "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep", "100", "--hidden", "64",
-           "--num-workers", str(workers), *extra]
+    cmd = [
+        str(Path(__import__("sys").executable)),
+        str(REPO / "examples" / "train_mlp.py"),
+        "--root",
+        str(root),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--keep",
+        "100",
+        "--hidden",
+        "64",
+        "--num-workers",
+        str(workers),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=run_env(), capture_output=True, text=True, timeout=300)
     if expect_kill:
         assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -37,8 +51,15 @@ def losses(root: Path) -> list[dict]:
 
 def final_state(root: Path) -> dict:
     """Restore the final checkpoint of a run into freshly built objects (as a new process would)."""
-    model = nn.Sequential(nn.Linear(2, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
-                          nn.Dropout(0.1), nn.Linear(64, 2))
+    model = nn.Sequential(
+        nn.Linear(2, 64),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(64, 2),
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     ds = torch.utils.data.TensorDataset(torch.zeros(2048, 2), torch.zeros(2048), torch.arange(2048))
@@ -46,8 +67,13 @@ def final_state(root: Path) -> dict:
     state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "rng": tg.RNGState()}
     mgr = tg.CheckpointManager(root, read_only=True)
     assert mgr.restore(STEPS, state) == STEPS
-    return {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
-            "loader": loader.state_dict(), "rng": tg.RNGState().state_dict()}
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "sched": sched.state_dict(),
+        "loader": loader.state_dict(),
+        "rng": tg.RNGState().state_dict(),
+    }
 
 
 def assert_same(a, b, where: str = "") -> None:
@@ -59,7 +85,7 @@ def assert_same(a, b, where: str = "") -> None:
             assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_same(x, y, f"{where}[{i}]")
     elif callable(a):
         return
@@ -86,7 +112,7 @@ def test_a_job_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, reference, 
     assert newest is not None and kill_at - 3 * SAVE_EVERY <= newest <= kill_at and newest % SAVE_EVERY == 0
     train(tmp_path)
     log = losses(tmp_path)
-    resumed = log[len(before):]
+    resumed = log[len(before) :]
     assert resumed[0]["step"] == newest + 1, "resumed from the newest checkpoint valid at the kill"
     by_step = {r["step"]: r for r in ref_losses}
     for r in resumed:  # loss, LR and data order of every step after the resume point

@@ -100,7 +100,9 @@ def test_restore_never_unpickles_and_dcp_metadata_is_never_written(tmp_path, mon
 def test_a_shape_mismatch_is_a_clear_error_not_a_fallback(tmp_path):
     with tg.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"model": torch.nn.Linear(8, 4)})
-        with pytest.raises(tg.StateMismatchError, match=r"model\.(weight|bias).*has shape \(4.*live tensor has \(3"):
+        with pytest.raises(
+            tg.StateMismatchError, match=r"model\.(weight|bias).*has shape \(4.*live tensor has \(3"
+        ):
             mgr.restore_latest({"model": torch.nn.Linear(8, 3)})
 
 

@@ -106,7 +106,9 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
     return template, paths
 
 
-def apply(loaded_flat: Mapping[str, Any], paths: Mapping[str, PathT], state: MutableMapping[str, Any], step: int) -> None:
+def apply(
+    loaded_flat: Mapping[str, Any], paths: Mapping[str, PathT], state: MutableMapping[str, Any], step: int
+) -> None:
     """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects, in-place updates of
     dicts/lists, replacement of immutable values."""
     nested = unflatten(loaded_flat, paths)

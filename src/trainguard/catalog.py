@@ -50,8 +50,13 @@ class CheckpointInfo:
     path: str
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "status": self.status, "bytes": self.bytes, "time": self.time,
-                "problem": self.problem}
+        return {
+            "step": self.step,
+            "status": self.status,
+            "bytes": self.bytes,
+            "time": self.time,
+            "problem": self.problem,
+        }
 
 
 def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, list[Path]]]:
@@ -83,7 +88,9 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
     d = Path(root) / step_dir_name(step)
     p = d / MANIFEST_NAME
     if p.is_symlink():
-        raise CorruptCheckpointError(f"manifest of step {step} is a symlink; refusing to follow it", step=step)
+        raise CorruptCheckpointError(
+            f"manifest of step {step} is a symlink; refusing to follow it", step=step
+        )
     try:
         size = p.stat().st_size
     except FileNotFoundError:
@@ -91,7 +98,9 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
             f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
         ) from None
     if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step)
+        raise CorruptCheckpointError(
+            f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step
+        )
     m = manifest_from_json(p.read_bytes(), root=str(root), expect_step=step)
     return m
 
@@ -107,7 +116,9 @@ def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object]
         return {"problem": "corrupt (unreadable marker)"}
 
 
-def inspect_step(root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore) -> tuple[CheckpointInfo, Manifest | None]:
+def inspect_step(
+    root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore
+) -> tuple[CheckpointInfo, Manifest | None]:
     """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data)."""
     if not (path / MANIFEST_NAME).exists():
         return _incomplete(step, path, "no manifest (the save did not commit)"), None

@@ -67,7 +67,9 @@ def build_manifest(
                 sd = by_index[(fqn, tuple(c.offsets))]
                 segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
                 shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
-            entries[fqn] = TensorEntry(fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards))
+            entries[fqn] = TensorEntry(
+                fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards)
+            )
         elif isinstance(smd, BytesStorageMetadata):
             sd = by_index[(fqn, ())]
             if "value" in sd:
@@ -76,8 +78,17 @@ def build_manifest(
                 segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
                 entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs)
     t = time.time()
-    return Manifest(step=step, t=t, time=iso(t), world_size=len(results), entries=entries, chunks=chunks,
-                    metrics=dict(metrics or {}), metadata=dict(metadata or {}), top_level=top)
+    return Manifest(
+        step=step,
+        t=t,
+        time=iso(t),
+        world_size=len(results),
+        entries=entries,
+        chunks=chunks,
+        metrics=dict(metrics or {}),
+        metadata=dict(metadata or {}),
+        top_level=top,
+    )
 
 
 def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:

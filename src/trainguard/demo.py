@@ -46,29 +46,39 @@ class DemoConfig:
     save_every: int = 20
     heartbeat_timeout_s: float = 5.0
     script: Path | None = None
-    train_args: tuple[str, ...] = ()  # extra arguments for the training script (e.g. a smaller model in tests)
+    train_args: tuple[
+        str, ...
+    ] = ()  # extra arguments for the training script (e.g. a smaller model in tests)
 
     def __post_init__(self) -> None:
         if self.steps < 4 * self.save_every:
-            raise ConfigError(f"--steps must be at least {4 * self.save_every} (4 checkpoint intervals), got {self.steps}")
+            raise ConfigError(
+                f"--steps must be at least {4 * self.save_every} (4 checkpoint intervals), got {self.steps}"
+            )
         if self.failures < 0:
             raise ConfigError(f"--failures must be >= 0, got {self.failures}")
         room = (self.steps - self.save_every) // (self.save_every + 2)
         if self.failures > room:
-            raise ConfigError(f"--failures {self.failures} does not fit in {self.steps} steps; use at most {room} or "
-                              "more --steps")
+            raise ConfigError(
+                f"--failures {self.failures} does not fit in {self.steps} steps; use at most {room} or "
+                "more --steps"
+            )
 
 
 def find_script(explicit: Path | None = None) -> Path:
     """Locate examples/train_gpt.py (a checkout or the current directory)."""
     candidates = [explicit] if explicit else []
-    candidates += [Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py",
-                   Path.cwd() / "examples" / "train_gpt.py"]
+    candidates += [
+        Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py",
+        Path.cwd() / "examples" / "train_gpt.py",
+    ]
     for c in candidates:
         if c is not None and c.is_file():
             return c
-    raise ConfigError("examples/train_gpt.py not found: run `trainguard demo` from a trainguard checkout "
-                      "(or pass --script PATH)")
+    raise ConfigError(
+        "examples/train_gpt.py not found: run `trainguard demo` from a trainguard checkout "
+        "(or pass --script PATH)"
+    )
 
 
 def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
@@ -101,8 +111,22 @@ def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def _train_cmd(script: Path, root: Path, cfg: DemoConfig, plan_file: Path | None) -> list[str]:
-    cmd = [sys.executable, str(script), "--root", str(root), "--steps", str(cfg.steps),
-           "--save-every", str(cfg.save_every), "--keep", "3", "--seed", "1337", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        str(script),
+        "--root",
+        str(root),
+        "--steps",
+        str(cfg.steps),
+        "--save-every",
+        str(cfg.save_every),
+        "--keep",
+        "3",
+        "--seed",
+        "1337",
+        "--threads",
+        "1",
+    ]
     if plan_file is not None:
         cmd += ["--fault-plan", str(plan_file)]
     return cmd + list(cfg.train_args)
@@ -145,7 +169,12 @@ def compare_final(faulted: Path, reference: Path) -> tuple[bool, int, list[str]]
         x, y = a[k], b[k]
         if isinstance(x, torch.Tensor):
             n += 1
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)):
+            if not (
+                isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x, y)
+            ):
                 diff.append(k)
         elif x != y:
             diff.append(k)
@@ -175,18 +204,32 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.time()
     ref_log = open(out / "reference.log", "w")  # noqa: SIM115 - closed below
-    ref = subprocess.Popen(_train_cmd(script, reference, cfg, None), stdout=ref_log, stderr=subprocess.STDOUT, env=env)
+    ref = subprocess.Popen(
+        _train_cmd(script, reference, cfg, None), stdout=ref_log, stderr=subprocess.STDOUT, env=env
+    )
     ref_end: list[float] = []
     waiter = threading.Thread(target=lambda: (ref.wait(), ref_end.append(time.time())), daemon=True)
     waiter.start()
 
     job_log = out / "faulted.log"
     job_log.write_text("")
-    wrapped = ["/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', str(job_log), *_train_cmd(script, faulted, cfg, plan_file)]
-    sup_cfg = SupervisorConfig(max_restarts=cfg.failures + 2, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                               grace_period_s=2.0, backoff=Backoff(initial_s=0.2, max_s=2.0, factor=2.0),
-                               max_no_progress_restarts=3, root=faulted, poll_interval_s=0.05,
-                               env={"PYTHONUNBUFFERED": "1"})
+    wrapped = [
+        "/bin/sh",
+        "-c",
+        'exec "$@" >>"$0" 2>&1',
+        str(job_log),
+        *_train_cmd(script, faulted, cfg, plan_file),
+    ]
+    sup_cfg = SupervisorConfig(
+        max_restarts=cfg.failures + 2,
+        heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+        grace_period_s=2.0,
+        backoff=Backoff(initial_s=0.2, max_s=2.0, factor=2.0),
+        max_no_progress_restarts=3,
+        root=faulted,
+        poll_interval_s=0.05,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
     stop = threading.Event()
     bar = _ProgressThread(cfg.steps, faulted, reference, stop, enabled=progress, echo=echo)
     bar.start()
@@ -205,8 +248,16 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
     return summarize(cfg, plan, result, faulted, reference, t_faulted, t_ref, ref_rc)
 
 
-def summarize(cfg: DemoConfig, plan: list[dict[str, Any]], result: Any, faulted: Path, reference: Path,
-              wall_s: float, ref_wall_s: float, ref_rc: int) -> dict[str, Any]:
+def summarize(
+    cfg: DemoConfig,
+    plan: list[dict[str, Any]],
+    result: Any,
+    faulted: Path,
+    reference: Path,
+    wall_s: float,
+    ref_wall_s: float,
+    ref_rc: int,
+) -> dict[str, Any]:
     saves = [e for e in read_events(faulted, event="save")]
     failures_ev = read_events(faulted, event="failure")
     restores = read_events(faulted, event="restore")
@@ -223,7 +274,7 @@ def summarize(cfg: DemoConfig, plan: list[dict[str, Any]], result: Any, faulted:
         identical, n_tensors, diff = compare_final(faulted, reference)
     recoveries = list(result.recoveries)
     failures = []
-    for i, f in enumerate(plan):
+    for _i, f in enumerate(plan):
         rec = next((r for r in recoveries if r.restart_count == f["attempt"] + 1), None)
         fev = next((e for e in failures_ev if e.get("restart_count") == f["attempt"]), None)
         t_death = fev.get("t_death") if fev else None
@@ -232,19 +283,25 @@ def summarize(cfg: DemoConfig, plan: list[dict[str, Any]], result: Any, faulted:
         newest_valid = max((s for s in committed_before if s not in corrupt), default=None)
         restore = next((e for e in restores if e.get("restart_count") == f["attempt"] + 1), None)
         resumed = restore.get("step") if restore else None
-        failures.append({
-            "kind": f["kind"],
-            "step": f["step"],
-            "cause": fev.get("cause") if fev else None,
-            "steps_lost": rec.steps_lost if rec else None,
-            "ttr_s": rec.ttr_s if rec else None,
-            "phases": rec.phases if rec else {},
-            "resumed_from": resumed,
-            "newest_valid_at_failure": newest_valid,
-            "resumed_from_newest_valid": resumed is not None and newest_valid is not None and resumed >= newest_valid,
-            "corrupt_chunk_reported": [s.get("chunk") for s in skipped if s.get("restart_count") == f["attempt"] + 1],
-            "recovered": bool(rec and rec.complete),
-        })
+        failures.append(
+            {
+                "kind": f["kind"],
+                "step": f["step"],
+                "cause": fev.get("cause") if fev else None,
+                "steps_lost": rec.steps_lost if rec else None,
+                "ttr_s": rec.ttr_s if rec else None,
+                "phases": rec.phases if rec else {},
+                "resumed_from": resumed,
+                "newest_valid_at_failure": newest_valid,
+                "resumed_from_newest_valid": resumed is not None
+                and newest_valid is not None
+                and resumed >= newest_valid,
+                "corrupt_chunk_reported": [
+                    s.get("chunk") for s in skipped if s.get("restart_count") == f["attempt"] + 1
+                ],
+                "recovered": bool(rec and rec.complete),
+            }
+        )
     blocks = [e.get("block_s", 0.0) for e in saves]
     summary = {
         "identical": identical,
@@ -270,16 +327,20 @@ def summarize(cfg: DemoConfig, plan: list[dict[str, Any]], result: Any, faulted:
         "attempts": len(result.attempts),
         "out": str(faulted.parent),
     }
-    summary["ok"] = bool(identical and result.exit_code == 0
-                         and all(f["recovered"] and f["resumed_from_newest_valid"] for f in failures))
+    summary["ok"] = bool(
+        identical
+        and result.exit_code == 0
+        and all(f["recovered"] and f["resumed_from_newest_valid"] for f in failures)
+    )
     return summary
 
 
 class _ProgressThread(threading.Thread):
     """Shows both runs' progress (steps from their train logs) and prints supervisor messages above it."""
 
-    def __init__(self, total: int, faulted: Path, reference: Path, stop: threading.Event, *, enabled: bool,
-                 echo) -> None:
+    def __init__(
+        self, total: int, faulted: Path, reference: Path, stop: threading.Event, *, enabled: bool, echo
+    ) -> None:
         super().__init__(daemon=True)
         self.total, self.faulted, self.reference, self.stop = total, faulted, reference, stop
         self.enabled = enabled
@@ -288,8 +349,13 @@ class _ProgressThread(threading.Thread):
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[note]}"), TimeElapsedColumn())
+            self._progress = Progress(
+                TextColumn("{task.description:<28}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[note]}"),
+                TimeElapsedColumn(),
+            )
 
     def print(self, msg: str) -> None:
         if self._progress is not None:

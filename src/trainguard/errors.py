@@ -74,7 +74,9 @@ class SaveError(TrainguardError):
         rank_errors: mapping of rank to the exception raised there (one entry in a single process).
     """
 
-    def __init__(self, message: str, *, step: int | None = None, rank_errors: dict[int, BaseException] | None = None):
+    def __init__(
+        self, message: str, *, step: int | None = None, rank_errors: dict[int, BaseException] | None = None
+    ):
         super().__init__(message)
         self.step = step
         self.rank_errors = dict(rank_errors or {})

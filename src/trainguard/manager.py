@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
-import warnings
 import os
+import queue
 import secrets
+import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from . import _statefn
 from ._lock import RootLock
 from ._time import iso
 from .catalog import CORRUPT_MARKER, CheckpointInfo, inspect_step, read_manifest, scan, step_dirs
+from .commit import build_manifest, publish
 from .distributed import TrainguardLoadPlanner, TrainguardReader, TrainguardSavePlanner, TrainguardWriter
 from .distributed.writer import WriterOptions
 from .errors import (
@@ -46,7 +47,6 @@ from .errors import (
     StorageFullError,
     TrainguardError,
 )
-from .commit import build_manifest, publish
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME, partial_dir_name
 from .incremental.chunkstore import ChunkStore
@@ -137,9 +137,13 @@ class CheckpointManager:
         self.read_only = read_only
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
         if not isinstance(self.save_policy, SavePolicy):
-            raise ConfigError(f"save_policy must have should_save()/record_save(), got {type(save_policy).__name__}")
+            raise ConfigError(
+                f"save_policy must have should_save()/record_save(), got {type(save_policy).__name__}"
+            )
         self.retention = as_retention(keep)
-        self.options = WriterOptions(chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes))
+        self.options = WriterOptions(
+            chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
+        )
         self.store = ChunkStore(self.root, fsync=fsync)
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
@@ -222,7 +226,9 @@ class CheckpointManager:
             self._events.write(name, **fields)
 
     # -- saving -------------------------------------------------------------------------------------------
-    def maybe_save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None) -> PendingSave | None:
+    def maybe_save(
+        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+    ) -> PendingSave | None:
         """Beat the heartbeat and save if the save policy says so (or a preemption was requested).
 
         Returns the PendingSave, or None when no save was due. Raises what ``save`` raises, including the
@@ -244,8 +250,9 @@ class CheckpointManager:
             exit_after_preemption_save()
         self._raise_background_error()
         if self.save_policy.should_save(step, now_s=time.monotonic()):
-            return self._save(step, state, metrics=metrics, metadata=None, overwrite=False,
-                              block=self.when_busy == "wait")
+            return self._save(
+                step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
+            )
         return None
 
     def save(
@@ -282,13 +289,23 @@ class CheckpointManager:
         """
         return self._save(step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True)
 
-    def _save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None,
-              metadata: Mapping[str, Any] | None, overwrite: bool, block: bool) -> PendingSave:
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+        overwrite: bool,
+        block: bool,
+    ) -> PendingSave:
         self._check_writable()
         self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        if not overwrite and (step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()):
+        if not overwrite and (
+            step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
+        ):
             d = self.root / step_dir_name(step)
             info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
             if info is None or info.status == "valid":
@@ -314,12 +331,15 @@ class CheckpointManager:
             handle.staging_s = result.block_s
             handle._set_result(result)
             self.save_policy.record_save(step, now_s=now0, block_s=result.block_s, persist_s=None)
-            self.save_policy.record_save(step, now_s=time.monotonic(), block_s=result.block_s,
-                                         persist_s=result.persist_s)
+            self.save_policy.record_save(
+                step, now_s=time.monotonic(), block_s=result.block_s, persist_s=result.persist_s
+            )
             return handle
         bufset = self._stager.acquire(block=block)
         if bufset is None:
-            self._event("save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves")
+            self._event(
+                "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"
+            )
             log.warning("skipping the save of step %d: earlier saves are still persisting", step)
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
@@ -350,23 +370,49 @@ class CheckpointManager:
                 return
             handle, bufset, staged, paths, top, metrics, metadata, t0 = job
             try:
-                result = self._persist(handle.step, staged, paths, top, metrics, metadata, t0, blocking=False,
-                                       staging_s=handle.staging_s)
+                result = self._persist(
+                    handle.step,
+                    staged,
+                    paths,
+                    top,
+                    metrics,
+                    metadata,
+                    t0,
+                    blocking=False,
+                    staging_s=handle.staging_s,
+                )
                 handle._set_result(result)
-                self.save_policy.record_save(handle.step, now_s=time.monotonic(), block_s=handle.staging_s,
-                                             persist_s=result.persist_s)
+                self.save_policy.record_save(
+                    handle.step, now_s=time.monotonic(), block_s=handle.staging_s, persist_s=result.persist_s
+                )
             except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
-                handle._set_error(e if isinstance(e, SaveError) else SaveError(
-                    f"background save of step {handle.step} failed: {type(e).__name__}: {e}", step=handle.step,
-                    rank_errors={0: e}))
+                handle._set_error(
+                    e
+                    if isinstance(e, SaveError)
+                    else SaveError(
+                        f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
+                        step=handle.step,
+                        rank_errors={0: e},
+                    )
+                )
             finally:
                 del staged
                 self._stager.release(bufset)
                 self._in_flight.discard(handle.step)
 
-    def _persist(self, step: int, flat: dict[str, Any], paths: Mapping[str, Any], top: dict[str, dict[str, Any]],
-                 metrics: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None, t0: float, *,
-                 blocking: bool, staging_s: float | None = None) -> SaveResult:
+    def _persist(
+        self,
+        step: int,
+        flat: dict[str, Any],
+        paths: Mapping[str, Any],
+        top: dict[str, dict[str, Any]],
+        metrics: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+        t0: float,
+        *,
+        blocking: bool,
+        staging_s: float | None = None,
+    ) -> SaveResult:
         """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
         partial = self.root / partial_dir_name(step, secrets.token_hex(4))
         partial.mkdir()
@@ -390,7 +436,9 @@ class CheckpointManager:
                 raise err from None
             raise SaveError(
                 f"saving step {step} failed: {type(err).__name__}: {err}; nothing was committed and earlier "
-                "checkpoints are intact", step=step, rank_errors={0: err},
+                "checkpoints are intact",
+                step=step,
+                rank_errors={0: err},
             ) from err
         finally:
             self.store.unpin(writer.hashes)
@@ -399,12 +447,21 @@ class CheckpointManager:
         self._manifest_chunks[step] = set(m.chunks)
         elapsed = time.perf_counter() - t0
         block_s = elapsed if blocking else float(staging_s or 0.0)
-        result = SaveResult(step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s,
-                            persist_s=elapsed)
+        result = SaveResult(
+            step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
+        )
         self.saves.append(result)
-        self._event("save", step=step, bytes=result.bytes, bytes_written=result.bytes_written,
-                    block_s=result.block_s, persist_s=result.persist_s, chunks=len(m.chunks),
-                    staging_bytes=self.staging_bytes, async_save=not blocking)
+        self._event(
+            "save",
+            step=step,
+            bytes=result.bytes,
+            bytes_written=result.bytes_written,
+            block_s=result.block_s,
+            persist_s=result.persist_s,
+            chunks=len(m.chunks),
+            staging_bytes=self.staging_bytes,
+            async_save=not blocking,
+        )
         self._apply_retention()
         return result
 
@@ -469,7 +526,9 @@ class CheckpointManager:
             candidates |= self._chunks_of(s) or set()
             d = self.root / step_dir_name(s)
             try:
-                (d / MANIFEST_NAME).unlink()  # uncommit first: a crash after this leaves garbage, never a half checkpoint
+                (
+                    d / MANIFEST_NAME
+                ).unlink()  # uncommit first: a crash after this leaves garbage, never a half checkpoint
             except FileNotFoundError:
                 pass
             remove_tree(d)
@@ -502,8 +561,12 @@ class CheckpointManager:
                 return
             referenced |= chunks or set()
         freed = self.store.collect(self.store.all_hashes(), referenced)
-        self._event("cleanup", partials=sum(len(v) for v in partials.values()), uncommitted_steps=dead,
-                    orphan_bytes_freed=freed)
+        self._event(
+            "cleanup",
+            partials=sum(len(v) for v in partials.values()),
+            uncommitted_steps=dead,
+            orphan_bytes_freed=freed,
+        )
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -563,9 +626,13 @@ class CheckpointManager:
                 log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
         if d.is_dir():
             try:
-                atomic_write(d / CORRUPT_MARKER, json.dumps({"problem": str(err), "chunk": err.chunk,
-                                                            "tensors": err.tensors, "time": iso()}).encode(),
-                             fsync=self.fsync)
+                atomic_write(
+                    d / CORRUPT_MARKER,
+                    json.dumps(
+                        {"problem": str(err), "chunk": err.chunk, "tensors": err.tensors, "time": iso()}
+                    ).encode(),
+                    fsync=self.fsync,
+                )
             except OSError:
                 pass
 
@@ -591,7 +658,9 @@ class CheckpointManager:
         problems: list[str] = []
         uncommitted = sorted(s for s, d in steps.items() if not (d / MANIFEST_NAME).exists())
         if uncommitted:
-            log.warning("ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted)
+            log.warning(
+                "ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted
+            )
         steps = {s: d for s, d in steps.items() if s not in uncommitted}
         for step in sorted(steps, reverse=True):
             info, _ = inspect_step(self.root, step, steps[step], self.store)
@@ -610,24 +679,51 @@ class CheckpointManager:
             timings.validate_s = 0.0
             timings.bytes = self.last_restore.bytes
             self.last_restore = timings
-            self._event("restore", step=step, scan_s=timings.scan_s, load_s=timings.load_s,
-                        validate_s=timings.validate_s, bytes=timings.bytes, skipped=timings.skipped)
+            self._event(
+                "restore",
+                step=step,
+                scan_s=timings.scan_s,
+                load_s=timings.load_s,
+                validate_s=timings.validate_s,
+                bytes=timings.bytes,
+                skipped=timings.skipped,
+            )
             log.info("restored step %d from %s in %.3f s", step, self.root, t_loaded - t0)
             return step
         if not steps:
             if partials:
-                log.warning("%s holds only uncommitted saves (steps %s); starting from scratch", self.root, sorted(partials))
-            self._event("restore", step=None, scan_s=time.perf_counter() - t0, load_s=0.0, validate_s=0.0, bytes=0,
-                        skipped=[])
+                log.warning(
+                    "%s holds only uncommitted saves (steps %s); starting from scratch",
+                    self.root,
+                    sorted(partials),
+                )
+            self._event(
+                "restore",
+                step=None,
+                scan_s=time.perf_counter() - t0,
+                load_s=0.0,
+                validate_s=0.0,
+                bytes=0,
+                skipped=[],
+            )
             return None
         raise NoValidCheckpointError(
-            f"{self.root} holds {len(steps)} checkpoint(s) but none is valid:\n  " + "\n  ".join(problems)
-            + "\nRun `trainguard verify " + str(self.root) + " --all` for details; restore a replica or start a new "
+            f"{self.root} holds {len(steps)} checkpoint(s) but none is valid:\n  "
+            + "\n  ".join(problems)
+            + "\nRun `trainguard verify "
+            + str(self.root)
+            + " --all` for details; restore a replica or start a new "
             "run root deliberately."
         )
 
-    def _skip(self, step: int, problem: str, err: CorruptCheckpointError | None, timings: RestoreTimings,
-              problems: list[str]) -> None:
+    def _skip(
+        self,
+        step: int,
+        problem: str,
+        err: CorruptCheckpointError | None,
+        timings: RestoreTimings,
+        problems: list[str],
+    ) -> None:
         log.warning("skipping checkpoint of step %d: %s", step, problem)
         rec = {"step": step, "problem": problem}
         if err is not None:

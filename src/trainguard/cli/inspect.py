@@ -66,8 +66,15 @@ def ls_cmd(root: str, as_json: bool) -> None:
     for i in infos:
         ev = timings.get(i.step, {})
         color = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}[i.status]
-        table.add_row(str(i.step), f"[{color}]{i.status}[/]", human_bytes(i.bytes), i.time or "",
-                      _fmt_s(ev.get("block_s")), _fmt_s(ev.get("persist_s")), (i.problem or "")[:80])
+        table.add_row(
+            str(i.step),
+            f"[{color}]{i.status}[/]",
+            human_bytes(i.bytes),
+            i.time or "",
+            _fmt_s(ev.get("block_s")),
+            _fmt_s(ev.get("persist_s")),
+            (i.problem or "")[:80],
+        )
     Console().print(table if infos else f"no checkpoints in {p}")
 
 
@@ -98,13 +105,30 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     entries = []
     for fqn, e in m.entries.items():
         if isinstance(e, TensorEntry):
-            entries.append({"fqn": fqn, "kind": "tensor", "dtype": e.dtype, "shape": list(e.shape),
-                            "shards": len(e.shards), "bytes": sum(s.nbytes for s in e.shards)})
+            entries.append(
+                {
+                    "fqn": fqn,
+                    "kind": "tensor",
+                    "dtype": e.dtype,
+                    "shape": list(e.shape),
+                    "shards": len(e.shards),
+                    "bytes": sum(s.nbytes for s in e.shards),
+                }
+            )
         else:
             entries.append({"fqn": fqn, "kind": "value", "codec": e.codec})
-    summary = {"step": m.step, "time": m.time, "world_size": m.world_size, "format_version": m.format_version,
-               "bytes": m.bytes, "chunks": len(m.chunks), "metrics": m.metrics, "metadata": m.metadata,
-               "top_level": m.top_level, "entries": entries}
+    summary = {
+        "step": m.step,
+        "time": m.time,
+        "world_size": m.world_size,
+        "format_version": m.format_version,
+        "bytes": m.bytes,
+        "chunks": len(m.chunks),
+        "metrics": m.metrics,
+        "metadata": m.metadata,
+        "top_level": m.top_level,
+        "entries": entries,
+    }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
@@ -112,16 +136,23 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     from rich.table import Table
 
     c = Console()
-    c.print(f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
-            f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks")
+    c.print(
+        f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
+        f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
+    )
     if m.metrics:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in m.metrics.items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
         table.add_column(col)
     for e in entries:
-        table.add_row(e["fqn"], e["kind"], e.get("dtype") or e.get("codec", ""), str(e.get("shape", "")),
-                      human_bytes(e["bytes"]) if "bytes" in e else "")
+        table.add_row(
+            e["fqn"],
+            e["kind"],
+            e.get("dtype") or e.get("codec", ""),
+            str(e.get("shape", "")),
+            human_bytes(e["bytes"]) if "bytes" in e else "",
+        )
     c.print(table)
 
 
@@ -129,7 +160,9 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
 @click.argument("root")
 @click.option("--step", type=int, default=None, help="Check only this step.")
 @click.option("--all", "all_steps", is_flag=True, help="Check every committed checkpoint.")
-@click.option("--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}."
+)
 def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> None:
     """Re-read every chunk of the checkpoints under ROOT and check CRC32C.
 
@@ -154,7 +187,9 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
         if show:
             from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-            with Progress("verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True) as prog:
+            with Progress(
+                "verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+            ) as prog:
                 task = prog.add_task("verify", total=None)
                 report = verify(p, steps, progress=lambda d, t: prog.update(task, completed=d, total=t))
         else:
@@ -173,6 +208,8 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
             for c in bad:
                 names = ", ".join(c["tensors"][:6]) + (" ..." if len(c["tensors"]) > 6 else "")
                 click.echo(f"step {s}: CORRUPT {c['problem']}" + (f" (holds {names})" if names else ""))
-        click.echo(f"{'OK' if report.ok else 'FAILED'}: {len(report.checked)} checkpoint(s), "
-                   f"{human_bytes(report.bytes_read)} re-read")
+        click.echo(
+            f"{'OK' if report.ok else 'FAILED'}: {len(report.checked)} checkpoint(s), "
+            f"{human_bytes(report.bytes_read)} re-read"
+        )
     sys.exit(0 if report.ok else 1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-from torch.futures import Future
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
 from ..format import Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
@@ -39,7 +39,10 @@ def manifest_to_metadata(m: Manifest) -> Metadata:
             sdm[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype_from_name(e.dtype)),
                 size=torch.Size(e.shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes)) for s in e.shards],
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+                    for s in e.shards
+                ],
             )
         else:
             sdm[fqn] = BytesStorageMetadata()
@@ -71,7 +74,9 @@ class TrainguardReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return manifest_to_metadata(self.manifest)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         return None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -121,8 +126,9 @@ class TrainguardReader(StorageReader):
         fqn = item.storage_index.fqn
         entry = self.manifest.entries.get(fqn)
         if entry is None:
-            raise CorruptCheckpointError(f"checkpoint of step {self.manifest.step} has no entry {fqn!r}",
-                                         step=self.manifest.step)
+            raise CorruptCheckpointError(
+                f"checkpoint of step {self.manifest.step} has no entry {fqn!r}", step=self.manifest.step
+            )
         if item.type == LoadItemType.BYTE_IO:
             if not isinstance(entry, ValueEntry):
                 raise CorruptCheckpointError(f"{fqn!r} is a tensor in the checkpoint, expected a value")
@@ -146,24 +152,37 @@ class TrainguardReader(StorageReader):
         if expected != numel * dtype.itemsize:
             raise CorruptCheckpointError(
                 f"{fqn!r}: shard holds {expected} bytes but {tuple(shard.sizes)} x {entry.dtype} needs "
-                f"{numel * dtype.itemsize}", step=self.manifest.step)
+                f"{numel * dtype.itemsize}",
+                step=self.manifest.step,
+            )
         dest = planner.resolve_tensor(item).detach()
         whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(shard.sizes)
-        if (whole and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-                and all(s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments)):
+        if (
+            whole
+            and dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and all(
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
+            )
+        ):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")
             off = 0
             for s in shard.segments:
                 rec = self.manifest.chunks[s.chunk]
-                self.store.readinto(rec, raw[off : off + s.length], step=self.manifest.step,
-                                    owners=self.owners.get(s.chunk))
+                self.store.readinto(
+                    rec, raw[off : off + s.length], step=self.manifest.step, owners=self.owners.get(s.chunk)
+                )
                 self.bytes_read += s.length
                 off += s.length
         else:
             data = self._segments_bytes(shard.segments)
-            src = (torch.frombuffer(data, dtype=torch.uint8).view(dtype) if numel
-                   else torch.empty(0, dtype=dtype)).reshape(shard.sizes)
-            for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+            src = (
+                torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+                if numel
+                else torch.empty(0, dtype=dtype)
+            ).reshape(shard.sizes)
+            for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=False)):
                 src = src.narrow(dim, o, n)
             dest.copy_(src)
         planner.commit_tensor(item, dest)

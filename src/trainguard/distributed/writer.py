@@ -13,9 +13,8 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future as _CFuture, ThreadPoolExecutor
-
-from torch.futures import Future
+from concurrent.futures import Future as _CFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from ..incremental.chunkstore import ChunkStore
 from ..state.values import TAG_JSON
@@ -70,7 +70,9 @@ class TrainguardWriter(StorageWriter):
         step: the step being saved (for error messages).
     """
 
-    def __init__(self, store: ChunkStore, tmp_dir: Path, commit: CommitFn, options: WriterOptions, step: int) -> None:
+    def __init__(
+        self, store: ChunkStore, tmp_dir: Path, commit: CommitFn, options: WriterOptions, step: int
+    ) -> None:
         super().__init__()
         self.store = store
         self.tmp_dir = tmp_dir
@@ -160,8 +162,13 @@ class TrainguardWriter(StorageWriter):
                     payload = data.getvalue()
                     if payload[:1] == TAG_JSON and len(payload) <= opts.inline_value_bytes:
                         value = json.loads(payload[1:])
-                        results.append(WriteResult(index=item.index, size_in_bytes=0,
-                                                   storage_data={"codec": "json", "value": value}))
+                        results.append(
+                            WriteResult(
+                                index=item.index,
+                                size_in_bytes=0,
+                                storage_data={"codec": "json", "value": value},
+                            )
+                        )
                         continue
                     codec = "json" if payload[:1] == TAG_JSON else "torch"
                     view = memoryview(payload)[1:]
@@ -190,7 +197,12 @@ class TrainguardWriter(StorageWriter):
             for item, fut, n in futures:
                 parts = fut.result()
                 segs = [[h, 0, info["length"]] for h, info in parts]
-                results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data={"segments": segs, "chunks": dict(parts)}))
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=n,
+                        storage_data={"segments": segs, "chunks": dict(parts)},
+                    )
+                )
         self.store.sync()
         return results

@@ -1,10 +1,10 @@
 """Path layout of a run root and validation of paths read from a manifest.
 
-    <run root>/
-      chunks/<2 hex>/<content hash>        content-addressed chunks shared by the run's checkpoints
-      step-000001000/manifest.json         written last, atomically: its presence is the commit
-      step-000001000.partial-<nonce>/      a save in progress (temporary chunk files); never a checkpoint
-      events/                              the event log (JSON lines)
+<run root>/
+  chunks/<2 hex>/<content hash>        content-addressed chunks shared by the run's checkpoints
+  step-000001000/manifest.json         written last, atomically: its presence is the commit
+  step-000001000.partial-<nonce>/      a save in progress (temporary chunk files); never a checkpoint
+  events/                              the event log (JSON lines)
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> st
     if "\x00" in rel or "\\" in rel:
         raise UnsafeCheckpointError(f"manifest path {rel!r} contains a NUL or backslash")
     if rel.startswith("/") or PurePosixPath(rel).is_absolute() or re.match(r"^[A-Za-z]:", rel):
-        raise UnsafeCheckpointError(f"manifest path {rel!r} is absolute; only paths inside the run root are allowed")
+        raise UnsafeCheckpointError(
+            f"manifest path {rel!r} is absolute; only paths inside the run root are allowed"
+        )
     parts = rel.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafeCheckpointError(f"manifest path {rel!r} has an empty, '.' or '..' component")

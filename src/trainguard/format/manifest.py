@@ -148,7 +148,11 @@ def _entry_to_json(e: Entry) -> dict[str, Any]:
             "dtype": e.dtype,
             "shape": list(e.shape),
             "shards": [
-                {"offsets": list(s.offsets), "sizes": list(s.sizes), "segments": [_seg_to_json(x) for x in s.segments]}
+                {
+                    "offsets": list(s.offsets),
+                    "sizes": list(s.sizes),
+                    "segments": [_seg_to_json(x) for x in s.segments],
+                }
                 for s in e.shards
             ],
         }
@@ -176,7 +180,8 @@ def manifest_to_json(m: Manifest) -> bytes:
         "metadata": _jsonable(m.metadata),
         "top_level": m.top_level,
         "chunks": {
-            h: {"path": c.path, "length": c.length, "crc32c": c.crc32c, "codec": c.codec} for h, c in m.chunks.items()
+            h: {"path": c.path, "length": c.length, "crc32c": c.crc32c, "codec": c.codec}
+            for h, c in m.chunks.items()
         },
         "entries": {fqn: _entry_to_json(e) for fqn, e in m.entries.items()},
     }
@@ -225,7 +230,9 @@ def _seg(x: Any, chunks: dict[str, ChunkRecord], what: str) -> Segment:
     off = _int(x[1], f"{what} offset")
     ln = _int(x[2], f"{what} length")
     if off + ln > c.length:
-        raise _bad(f"{what}: segment [{off}, {off + ln}) runs past the end of chunk {x[0]} ({c.length} bytes)")
+        raise _bad(
+            f"{what}: segment [{off}, {off + ln}) runs past the end of chunk {x[0]} ({c.length} bytes)"
+        )
     return Segment(x[0], off, ln)
 
 
@@ -290,12 +297,19 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         expected_path = chunk_relpath(h)  # validates the hash itself
         path = validate_relpath(c.get("path"), root)  # type: ignore[arg-type]
         if path != expected_path:
-            raise UnsafeCheckpointError(f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}")
+            raise UnsafeCheckpointError(
+                f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}"
+            )
         codec = c.get("codec")
         if codec not in CODECS:
             raise _bad(f"chunk {h} has unknown codec {codec!r}", step)
-        chunks[h] = ChunkRecord(h, path, _int(c.get("length"), f"chunk {h} length"),
-                                _int(c.get("crc32c"), f"chunk {h} crc32c", 0, 0xFFFFFFFF), codec)
+        chunks[h] = ChunkRecord(
+            h,
+            path,
+            _int(c.get("length"), f"chunk {h} length"),
+            _int(c.get("crc32c"), f"chunk {h} crc32c", 0, 0xFFFFFFFF),
+            codec,
+        )
     entries: dict[str, Entry] = {}
     raw_entries = body.get("entries")
     if not isinstance(raw_entries, dict):
@@ -321,11 +335,16 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                 if not isinstance(sh, dict):
                     raise _bad(f"{fqn}: shard must be an object", step)
                 offs, sizes = sh.get("offsets"), sh.get("sizes")
-                if not isinstance(offs, list) or not isinstance(sizes, list) or len(offs) != len(shape) or len(sizes) != len(shape):
+                if (
+                    not isinstance(offs, list)
+                    or not isinstance(sizes, list)
+                    or len(offs) != len(shape)
+                    or len(sizes) != len(shape)
+                ):
                     raise _bad(f"{fqn}: shard offsets/sizes must be lists of {len(shape)} ints", step)
                 o = tuple(_int(v, f"{fqn} offset", 0, 1 << 48) for v in offs)
                 z = tuple(_int(v, f"{fqn} size", 0, 1 << 48) for v in sizes)
-                if any(a + b > s for a, b, s in zip(o, z, shape)):
+                if any(a + b > s for a, b, s in zip(o, z, shape, strict=False)):
                     raise _bad(f"{fqn}: shard {o}+{z} lies outside the shape {shape}", step)
                 segs_raw = sh.get("segments")
                 if not isinstance(segs_raw, list):
@@ -340,7 +359,9 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
             if "segments" in e:
                 if not isinstance(e["segments"], list):
                     raise _bad(f"{fqn}: segments must be a list", step)
-                entries[fqn] = ValueEntry(fqn, path, codec, None, tuple(_seg(s, chunks, fqn) for s in e["segments"]))
+                entries[fqn] = ValueEntry(
+                    fqn, path, codec, None, tuple(_seg(s, chunks, fqn) for s in e["segments"])
+                )
             else:
                 if codec != "json":
                     raise _bad(f"{fqn}: an inline value must use the json codec", step)
@@ -356,5 +377,15 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     top = body.get("top_level") or {}
     if not isinstance(metrics, dict) or not isinstance(metadata, dict) or not isinstance(top, dict):
         raise _bad("metrics, metadata and top_level must be objects", step)
-    return Manifest(step=step, t=float(t), time=str(body.get("time", "")), world_size=ws, entries=entries,
-                    chunks=chunks, metrics=metrics, metadata=metadata, top_level=top, format_version=version)
+    return Manifest(
+        step=step,
+        t=float(t),
+        time=str(body.get("time", "")),
+        world_size=ws,
+        entries=entries,
+        chunks=chunks,
+        metrics=metrics,
+        metadata=metadata,
+        top_level=top,
+        format_version=version,
+    )

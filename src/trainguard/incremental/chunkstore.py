@@ -51,7 +51,9 @@ class ChunkStore:
         self._dirty_dirs: set[Path] = set()
 
     # -- writing ------------------------------------------------------------------------------------------
-    def put(self, buf: memoryview | bytes, tmp_dir: Path, *, step: int | None = None) -> tuple[ChunkRecord, bool]:
+    def put(
+        self, buf: memoryview | bytes, tmp_dir: Path, *, step: int | None = None
+    ) -> tuple[ChunkRecord, bool]:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
 
         Raises:
@@ -120,7 +122,9 @@ class ChunkStore:
             return f"length {size} != {rec.length}"
         return None
 
-    def read(self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None) -> bytearray:
+    def read(
+        self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None
+    ) -> bytearray:
         """Read a whole chunk and check its length and CRC32C.
 
         Raises:
@@ -151,10 +155,18 @@ class ChunkStore:
             raise self._corrupt(rec, f"has the wrong length (expected {rec.length} bytes)", step, owners)
         actual = crc32c.crc32c(out[: rec.length])
         if actual != rec.crc32c:
-            raise self._corrupt(rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {actual:#010x})", step, owners)
+            raise self._corrupt(
+                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {actual:#010x})", step, owners
+            )
 
-    def verify(self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None,
-               block_bytes: int = 16 << 20) -> None:
+    def verify(
+        self,
+        rec: ChunkRecord,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        block_bytes: int = 16 << 20,
+    ) -> None:
         """Re-read a chunk in blocks (bounded memory) and check length and CRC32C."""
         p = self.root / rec.path
         crc = 0
@@ -172,17 +184,25 @@ class ChunkStore:
         except FileNotFoundError:
             raise self._corrupt(rec, "is missing", step, owners) from None
         if total != rec.length:
-            raise self._corrupt(rec, f"has the wrong length ({total} bytes, expected {rec.length})", step, owners)
+            raise self._corrupt(
+                rec, f"has the wrong length ({total} bytes, expected {rec.length})", step, owners
+            )
         if crc != rec.crc32c:
-            raise self._corrupt(rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})", step, owners)
+            raise self._corrupt(
+                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})", step, owners
+            )
 
     @staticmethod
-    def _corrupt(rec: ChunkRecord, what: str, step: int | None, owners: list[str] | None) -> CorruptCheckpointError:
+    def _corrupt(
+        rec: ChunkRecord, what: str, step: int | None, owners: list[str] | None
+    ) -> CorruptCheckpointError:
         names = ", ".join((owners or [])[:8]) + (" ..." if owners and len(owners) > 8 else "")
         where = f" of step {step}" if step is not None else ""
         return CorruptCheckpointError(
             f"chunk {rec.path}{where} {what}" + (f"; it holds {names}" if names else ""),
-            step=step, chunk=rec.path, tensors=owners,
+            step=step,
+            chunk=rec.path,
+            tensors=owners,
         )
 
     def quarantine(self, rel: str) -> str | None:

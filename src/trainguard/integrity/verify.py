@@ -33,7 +33,12 @@ class VerifyReport:
     bytes_read: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "checked": self.checked, "corrupt": self.corrupt, "bytes_read": self.bytes_read}
+        return {
+            "ok": self.ok,
+            "checked": self.checked,
+            "corrupt": self.corrupt,
+            "bytes_read": self.bytes_read,
+        }
 
 
 def verify(
@@ -84,6 +89,12 @@ def verify(
                 progress(done, total)
             if results[h] is not None:
                 report.ok = False
-                report.corrupt.append({"step": s, "chunk": rec.path, "tensors": owners.get(h, []),
-                                       "problem": f"chunk {rec.path}: {results[h]}"})
+                report.corrupt.append(
+                    {
+                        "step": s,
+                        "chunk": rec.path,
+                        "tensors": owners.get(h, []),
+                        "problem": f"chunk {rec.path}: {results[h]}",
+                    }
+                )
     return report

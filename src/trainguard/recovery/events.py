@@ -68,7 +68,13 @@ class EventLog:
             **fields: JSON-serializable fields of the event.
         """
         t = time.time()
-        record: dict[str, Any] = {"t": t, "time": iso(t), "event": event, "source": self.source, "pid": os.getpid()}
+        record: dict[str, Any] = {
+            "t": t,
+            "time": iso(t),
+            "event": event,
+            "source": self.source,
+            "pid": os.getpid(),
+        }
         record.update(self._context)
         record.update(fields)
         line = json.dumps(record, default=str, allow_nan=True) + "\n"

@@ -60,15 +60,18 @@ class BufferSet:
                 buf = self._buffer(fqn, local)
                 cuda |= local.device.type == "cuda"
                 buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
-                out[fqn] = DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-                                              stride=v.stride())
+                out[fqn] = DTensor.from_local(
+                    buf, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+                )
             elif isinstance(v, torch.Tensor):
                 buf = self._buffer(fqn, v)
                 cuda |= v.device.type == "cuda"
                 buf.copy_(v.detach(), non_blocking=v.device.type == "cuda")
                 out[fqn] = buf
             else:
-                out[fqn] = EncodedValue(encode_value(v, fqn))  # a snapshot, and unsafe values fail here, early
+                out[fqn] = EncodedValue(
+                    encode_value(v, fqn)
+                )  # a snapshot, and unsafe values fail here, early
         for stale in set(self.buffers) - set(flat):
             del self.buffers[stale]
         if cuda:

@@ -75,5 +75,9 @@ class PendingSave:
         return self._error
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else ("failed" if self._error else ("done" if self.done() else "persisting"))
+        state = (
+            "skipped"
+            if self.skipped
+            else ("failed" if self._error else ("done" if self.done() else "persisting"))
+        )
         return f"PendingSave(step={self.step}, {state}, staging_s={self.staging_s:.4f})"

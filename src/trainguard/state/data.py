@@ -44,7 +44,9 @@ class ResumableSampler(Sampler[int]):
     State (``state_dict``): ``epoch`` and ``start`` (global samples of the epoch already consumed).
     """
 
-    def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, num_samples: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> None:
         if num_samples <= 0:
             raise ConfigError(f"num_samples must be > 0, got {num_samples}")
         if not 0 <= rank < world_size:
@@ -70,7 +72,9 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if int(sd["num_samples"]) != self.num_samples:
-            raise ConfigError(f"sampler state is for {sd['num_samples']} samples, this dataset has {self.num_samples}")
+            raise ConfigError(
+                f"sampler state is for {sd['num_samples']} samples, this dataset has {self.num_samples}"
+            )
         self.epoch, self.start, self.seed = int(sd["epoch"]), int(sd["start"]), int(sd["seed"])
 
 
@@ -91,8 +95,18 @@ class ResumableLoader:
             derived from ``(seed, epoch)`` so the global torch RNG is never drawn from by the loader.
     """
 
-    def __init__(self, dataset: Dataset[Any], *, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1, **loader_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        **loader_kwargs: Any,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         for bad in ("sampler", "batch_sampler", "shuffle", "generator"):
@@ -101,7 +115,9 @@ class ResumableLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)  # type: ignore[arg-type]
+        self.sampler = ResumableSampler(
+            len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size
+        )  # type: ignore[arg-type]
         self._gen = torch.Generator()
         self.loader_kwargs = loader_kwargs
 
@@ -118,8 +134,14 @@ class ResumableLoader:
         if len(s) == 0 or (self.drop_last and len(s) < self.batch_size):
             s.epoch, s.start = s.epoch + 1, 0
         self._gen.manual_seed((s.seed * 1_000_003 + s.epoch) & 0x7FFF_FFFF_FFFF_FFFF)
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=s, drop_last=self.drop_last,
-                            generator=self._gen, **self.loader_kwargs)
+        loader = DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=s,
+            drop_last=self.drop_last,
+            generator=self._gen,
+            **self.loader_kwargs,
+        )
         for batch in loader:
             s.start = min(s.start + self.batch_size * s.world_size, s.num_samples)
             yield batch

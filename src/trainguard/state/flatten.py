@@ -49,7 +49,11 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]
     paths: dict[str, PathT] = {}
 
     def visit(x: Any, path: PathT) -> None:
-        if isinstance(x, torch.Tensor) or not has_tensor(x) or (isinstance(x, (Mapping, list, tuple)) and len(x) == 0):
+        if (
+            isinstance(x, torch.Tensor)
+            or not has_tensor(x)
+            or (isinstance(x, (Mapping, list, tuple)) and len(x) == 0)
+        ):
             fqn = fqn_of(path)
             if fqn in flat:
                 raise ConfigError(
@@ -97,7 +101,9 @@ def unflatten(flat: Mapping[str, Any], paths: Mapping[str, PathT]) -> dict[str, 
         if key not in children:
             children[key] = {"kind": None, "children": {}, "leaf": leaf}
         elif leaf or children[key].get("leaf"):
-            raise CorruptCheckpointError(f"inconsistent structure at {fqn!r}: a leaf and a container share a path")
+            raise CorruptCheckpointError(
+                f"inconsistent structure at {fqn!r}: a leaf and a container share a path"
+            )
         return children[key]
 
     values: dict[int, Any] = {}

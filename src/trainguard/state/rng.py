@@ -21,9 +21,18 @@ class RNGState:
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
         out: dict[str, Any] = {
-            "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-            "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "python": {
+                "version": int(version),
+                "state": torch.tensor(internal, dtype=torch.int64),
+                "gauss": gauss,
+            },
+            "numpy": {
+                "name": str(name),
+                "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -34,8 +43,15 @@ class RNGState:
         py = sd["python"]
         random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
         n = sd["numpy"]
-        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
-                             float(n["cached_gaussian"])))
+        np.random.set_state(
+            (
+                n["name"],
+                n["keys"].numpy().astype(np.uint32),
+                int(n["pos"]),
+                int(n["has_gauss"]),
+                float(n["cached_gaussian"]),
+            )
+        )
         torch.set_rng_state(sd["torch"].to(torch.uint8).cpu())
         cuda = sd.get("cuda")
         if cuda and torch.cuda.is_available():
