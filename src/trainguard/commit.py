@@ -13,6 +13,7 @@ touched).
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -102,4 +103,9 @@ def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
         (d / CORRUPT_MARKER).unlink()
     except FileNotFoundError:
         pass
-    atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
+    try:
+        atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
+    except BaseException:
+        if created:  # leave nothing behind that lists as a checkpoint of this step
+            shutil.rmtree(d, ignore_errors=True)
+        raise

@@ -1,0 +1,179 @@
+"""Asynchronous saves: snapshot semantics, bounded staging memory, busy policies, background failures."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import trainguard as tg
+import trainguard.storage.local as local
+from trainguard.recovery.events import read_events
+
+from .conftest import run_env
+
+
+def slow_disk(monkeypatch, seconds: float, gate: threading.Event | None = None) -> list[int]:
+    """Make every chunk write take ``seconds`` (or wait for ``gate``); returns a list counting writes."""
+    real = local.write_file
+    calls: list[int] = []
+
+    def slow(*a, **k):
+        calls.append(1)
+        if gate is not None:
+            gate.wait(30)
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    monkeypatch.setattr(local, "write_file", slow)
+    return calls
+
+
+def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_save_time(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64)).sum().backward()
+    optim.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_optim = {i: {k: v.clone() for k, v in s.items()} for i, s in optim.state_dict()["state"].items()}
+    gate = threading.Event()
+    slow_disk(monkeypatch, 0.0, gate)  # the persist cannot write anything until the training step is done
+    with tg.CheckpointManager(tmp_path) as mgr:
+        pending = mgr.save(1, {"model": model, "optim": optim})
+        assert not pending.done()
+        model(torch.randn(8, 64)).sum().backward()  # changes BatchNorm running stats (buffers)
+        optim.step()  # changes parameters and exp_avg / exp_avg_sq / step in place
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        assert not torch.equal(model[0].weight, want["0.weight"]), "precondition: the live state changed"
+        gate.set()
+        result = pending.wait()
+        assert result.step == 1 and result.block_s < result.persist_s
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        mgr.restore(1, {"model": fresh, "optim": fresh_optim})
+    for k, v in want.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    for i, st in want_optim.items():
+        for k, v in st.items():
+            assert torch.equal(fresh_optim.state_dict()["state"][i][k], v), (i, k)
+
+
+def test_back_to_back_saves_on_a_slow_disk_wait_and_stay_within_two_buffer_sets(tmp_path, monkeypatch):
+    slow_disk(monkeypatch, 0.15)
+    t = torch.randn(1 << 19)  # 2 MiB
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1)) as mgr:
+        peak = 0
+        for step in range(1, 7):
+            t.add_(1.0)
+            mgr.maybe_save(step, {"w": {"t": t}})
+            peak = max(peak, mgr.staging_bytes)
+        assert peak <= 2 * t.numel() * 4, "at most two staging buffer sets"
+        mgr.wait()
+        assert [i.step for i in mgr.checkpoints() if i.status == "valid"] == [1, 2, 3, 4, 5, 6]
+        out: dict = {"w": {}}
+        mgr.restore(6, out)
+        assert torch.equal(out["w"]["t"], t)
+
+
+def test_the_skip_policy_skips_saves_while_both_buffer_sets_are_busy_and_logs_it(tmp_path, monkeypatch):
+    gate = threading.Event()
+    slow_disk(monkeypatch, 0.0, gate)
+    t = torch.randn(1 << 19)
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), when_busy="skip") as mgr:
+        handles = [mgr.maybe_save(s, {"w": {"t": t + s}}) for s in range(1, 6)]
+        assert [h.skipped for h in handles] == [False, False, True, True, True]
+        assert mgr.staging_bytes <= 2 * t.numel() * 4
+        gate.set()
+        mgr.wait()
+        assert [i.step for i in mgr.checkpoints()] == [1, 2]
+    assert [e["step"] for e in read_events(tmp_path, event="save_skipped")] == [3, 4, 5]
+
+
+def test_a_single_buffer_set_stages_only_when_no_save_is_persisting(tmp_path, monkeypatch):
+    slow_disk(monkeypatch, 0.2)
+    with tg.CheckpointManager(tmp_path, staging_buffers=1) as mgr:
+        mgr.save(1, {"w": {"t": torch.randn(1 << 18)}})
+        t0 = time.perf_counter()
+        second = mgr.save(2, {"w": {"t": torch.randn(1 << 18)}})
+        assert time.perf_counter() - t0 >= 0.15, "the second save waited for the first to persist"
+        assert second.staging_s >= 0.15
+        mgr.wait()
+
+
+def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_commits_nothing(tmp_path, monkeypatch):
+    real = local.write_file
+    fail = {"on": True}
+
+    def broken(*a, **k):
+        if fail["on"]:
+            raise OSError(5, "injected I/O error")
+        return real(*a, **k)
+
+    with tg.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": {"t": torch.randn(1 << 18)}}).wait()
+        monkeypatch.setattr(local, "write_file", broken)
+        p2 = mgr.save(2, {"w": {"t": torch.randn(1 << 18)}})
+        with pytest.raises(tg.SaveError, match="injected I/O error"):
+            p2.wait()
+        p3 = mgr.save(3, {"w": {"t": torch.randn(1 << 18)}})  # the error of 2 was seen via wait: not raised again
+        for _ in range(200):
+            if p3.done():
+                break
+            time.sleep(0.05)
+        with pytest.raises(tg.SaveError, match="step 3"):
+            mgr.save(4, {"w": {"t": torch.randn(1 << 18)}})  # ... but the unseen failure of 3 is
+        assert p3.done() and p3.error is not None
+        fail["on"] = False
+        mgr.save(5, {"w": {"t": torch.randn(1 << 18)}}).wait()
+        assert {i.step: i.status for i in mgr.checkpoints()} == {1: "valid", 5: "valid"}
+    assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2, 3]
+
+
+def test_close_raises_an_unseen_background_failure_after_releasing_the_lock(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise OSError(5, "injected")
+
+    mgr = tg.CheckpointManager(tmp_path)
+    monkeypatch.setattr(local, "write_file", broken)
+    mgr.save(1, {"w": {"t": torch.randn(1 << 18)}})
+    with pytest.raises(tg.SaveError):
+        mgr.close()
+    tg.CheckpointManager(tmp_path).close()  # the lock was released
+
+
+CHILD = r"""
+import os, signal, sys, torch, trainguard as tg, trainguard.storage.local as local
+root = sys.argv[1]
+mgr = tg.CheckpointManager(root)
+t = torch.arange(1 << 20, dtype=torch.float32)
+mgr.save(1, {"w": {"t": t}}).wait()
+real = local.write_file
+def die(*a, **k):
+    real(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+local.write_file = die
+mgr.save(2, {"w": {"t": t + 1}})
+t.add_(100)  # training goes on while the background persist runs
+mgr.wait()
+"""
+
+
+def test_a_sigkill_during_a_background_persist_loses_only_that_checkpoint(tmp_path):
+    r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=run_env(), timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    assert {i.step: i.status for i in mgr.checkpoints()} == {1: "valid", 2: "incomplete"}
+    out: dict = {"w": {}}
+    assert mgr.restore_latest(out) == 1
+    assert torch.equal(out["w"]["t"], torch.arange(1 << 20, dtype=torch.float32))
+    from trainguard.integrity.verify import verify
+
+    assert verify(tmp_path).ok
