@@ -41,6 +41,7 @@ _LAZY = {
     "ResumableLoader": ".state.data",
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
+    "ModelOptimizerState": ".distributed.state",
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
 }
 
@@ -70,6 +71,7 @@ __all__ = [
     "EveryTSeconds",
     "KeepEvery",
     "KeepLatest",
+    "ModelOptimizerState",
     "NoValidCheckpointError",
     "PendingSave",
     "RNGState",

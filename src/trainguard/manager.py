@@ -31,20 +31,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _statefn
+from . import _restore, _statefn
 from ._lock import RootLock
 from ._time import iso
-from .catalog import CORRUPT_MARKER, CheckpointInfo, inspect_step, read_manifest, scan, step_dirs
+from .catalog import CORRUPT_MARKER, CheckpointInfo, inspect_step, read_manifest, scan
 from .commit import build_manifest, publish
 from .distributed import TrainguardLoadPlanner, TrainguardReader, TrainguardSavePlanner, TrainguardWriter
+from .distributed.context import DistContext
 from .distributed.writer import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
-    NoValidCheckpointError,
+    RootLockedError,
     SaveError,
-    StorageFullError,
     TrainguardError,
 )
 from .format import Manifest, step_dir_name
@@ -53,6 +53,7 @@ from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
 from .retention import RetentionPolicy, as_retention
+from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
 from .storage.local import atomic_write, remove_tree
 
@@ -148,6 +149,12 @@ class CheckpointManager:
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.dist = DistContext()
+        if self.dist.enabled and when_busy == "skip":
+            raise ConfigError(
+                "when_busy='skip' is not supported under torch.distributed (ranks could skip "
+                "different saves); use 'wait'"
+            )
         if staging_buffers < 1:
             raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
         self.async_save = bool(async_save)
@@ -157,6 +164,7 @@ class CheckpointManager:
         self._worker: threading.Thread | None = None
         self._pending: list[PendingSave] = []
         self._in_flight: set[int] = set()
+        self._in_flight_t: dict[int, float] = {}  # step -> wall time its save began
         self.last_restore = RestoreTimings()
         self.saves: list[SaveResult] = []  # every committed save of this manager, in commit order
         self._closed = False
@@ -169,10 +177,24 @@ class CheckpointManager:
                 raise ConfigError(f"run root {self.root} does not exist")
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = RootLock(self.root)
-        self._lock.acquire()
         self._events = EventLog(self.root, "manager")
-        self._cleanup_after_crash()
+        if self.dist.enabled:
+            self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
+        locked = ""
+        if (
+            self.dist.is_coordinator
+        ):  # one writer per root: rank 0 holds the lock and owns cleanup and retention
+            try:
+                self._lock = RootLock(self.root)
+                self._lock.acquire()
+                self._cleanup_after_crash()
+            except RootLockedError as e:
+                locked = str(e)
+        if self.dist.enabled and self.dist.any(bool(locked)):
+            raise RootLockedError(locked or f"rank 0 could not lock {self.root} (another writer holds it)")
+        if locked:
+            self._events.close()
+            raise RootLockedError(locked)
         bind = getattr(self.save_policy, "bind", None)
         if callable(bind):
             bind(str(self.root), self._events)
@@ -240,7 +262,7 @@ class CheckpointManager:
         if not self._first_step_logged:
             self._first_step_logged = True
             self._event("first_step", step=step)
-        if self._preemption and preemption_requested():
+        if self._preemption and self.dist.any(preemption_requested()):  # every rank agrees on the step
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
 
@@ -249,11 +271,19 @@ class CheckpointManager:
             self.close()
             exit_after_preemption_save()
         self._raise_background_error()
-        if self.save_policy.should_save(step, now_s=time.monotonic()):
+        if self._should_save(step):
             return self._save(
                 step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
             )
         return None
+
+    def _should_save(self, step: int) -> bool:
+        decision = self.save_policy.should_save(step, now_s=time.monotonic())
+        if self.dist.enabled and not getattr(self.save_policy, "step_based", False):
+            decision = bool(
+                self.dist.broadcast_ints([int(decision)])[0]
+            )  # rank 0 decides for time-based policies
+        return decision
 
     def save(
         self,
@@ -351,6 +381,7 @@ class CheckpointManager:
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
         self._in_flight.add(step)
+        self._in_flight_t[step] = time.time()
         self._pending.append(handle)
         self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
         self._ensure_worker()
@@ -399,6 +430,7 @@ class CheckpointManager:
                 del staged
                 self._stager.release(bufset)
                 self._in_flight.discard(handle.step)
+                self._in_flight_t.pop(handle.step, None)
 
     def _persist(
         self,
@@ -414,39 +446,61 @@ class CheckpointManager:
         staging_s: float | None = None,
     ) -> SaveResult:
         """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
-        partial = self.root / partial_dir_name(step, secrets.token_hex(4))
+        partial = self.root / partial_dir_name(step, f"r{self.dist.rank}{secrets.token_hex(4)}")
         partial.mkdir()
         manifest_box: list[Manifest] = []
 
-        def commit(md: Metadata, results: list[list[WriteResult]]) -> None:
-            m = build_manifest(step, md, results, paths, top, metrics, metadata)
+        def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
+            m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
             self._publish(m)
             manifest_box.append(m)
 
-        writer = TrainguardWriter(self.store, partial, commit, self.options, step)
+        writer = TrainguardWriter(self.store, partial, commit, self.options, step, paths=dict(paths))
         try:
             with _quiet_dcp():
-                dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), no_dist=True)
+                if self.dist.enabled:
+                    dcp.save(
+                        flat,
+                        storage_writer=writer,
+                        planner=TrainguardSavePlanner(),
+                        process_group=self.dist.io_group,
+                    )
+                else:
+                    dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), no_dist=True)
         except BaseException as e:
-            err = _unwrap(e)
-            self._event("save_failed", step=step, error=f"{type(err).__name__}: {err}")
+            err = _unwrap(e, step)
+            ranks = (
+                sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [self.dist.rank]
+            )
+            self._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
             if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
                 raise err from None
             if isinstance(err, TrainguardError) and not isinstance(err, OSError):
                 raise err from None
+            where = f" on rank {ranks[0]}" if self.dist.enabled else ""
             raise SaveError(
-                f"saving step {step} failed: {type(err).__name__}: {err}; nothing was committed and earlier "
+                f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
                 "checkpoints are intact",
                 step=step,
-                rank_errors={0: err},
+                rank_errors={ranks[0]: err},
             ) from err
         finally:
             self.store.unpin(writer.hashes)
             remove_tree(partial)
-        m = manifest_box[0]
-        self._manifest_chunks[step] = set(m.chunks)
         elapsed = time.perf_counter() - t0
         block_s = elapsed if blocking else float(staging_s or 0.0)
+        if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
+            result = SaveResult(
+                step=step,
+                bytes=writer.bytes_total,
+                bytes_written=writer.bytes_written,
+                block_s=block_s,
+                persist_s=elapsed,
+            )
+            self.saves.append(result)
+            return result
+        m = manifest_box[0]
+        self._manifest_chunks[step] = set(m.chunks)
         result = SaveResult(
             step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
         )
@@ -503,70 +557,16 @@ class CheckpointManager:
                 raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
         self._raise_background_error()
 
-    # -- retention ----------------------------------------------------------------------------------------
-    def _chunks_of(self, step: int) -> set[str] | None:
-        if step not in self._manifest_chunks:
-            try:
-                self._manifest_chunks[step] = set(read_manifest(self.root, step).chunks)
-            except TrainguardError:
-                return None
-        return self._manifest_chunks[step]
-
+    # -- retention (rank 0) -------------------------------------------------------------------------------
     def _apply_retention(self) -> None:
-        infos = [i for i in scan(self.root, self.store) if i.status == "valid"]
-        valid = [i.step for i in infos]
-        if not valid:
-            return
-        keep = set(self.retention.keep(valid)) | {max(valid)}
-        doomed = [s for s in valid if s not in keep]
-        if not doomed:
-            return
-        candidates: set[str] = set()
-        for s in doomed:
-            candidates |= self._chunks_of(s) or set()
-            d = self.root / step_dir_name(s)
-            try:
-                (
-                    d / MANIFEST_NAME
-                ).unlink()  # uncommit first: a crash after this leaves garbage, never a half checkpoint
-            except FileNotFoundError:
-                pass
-            remove_tree(d)
-            self._manifest_chunks.pop(s, None)
-            self._event("retention_delete", step=s)
-        referenced: set[str] = set()
-        steps, _ = step_dirs(self.root)
-        for s in steps:
-            referenced |= self._chunks_of(s) or set()
-        freed = self.store.collect(candidates, referenced)
-        log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
+        apply_retention(self)
 
     def _cleanup_after_crash(self) -> None:
-        """With the lock held: remove partial directories of dead writers and the orphan chunks they left."""
-        steps, partials = step_dirs(self.root)
-        # a step directory without a manifest is a commit that was killed before the manifest's rename
-        dead = [s for s, d in steps.items() if not (d / MANIFEST_NAME).exists()]
-        if not partials and not dead:
-            return
-        for s in dead:
-            remove_tree(steps.pop(s))
-        for ps in partials.values():
-            for p in ps:
-                remove_tree(p)
-        referenced: set[str] = set()
-        for s in steps:
-            chunks = self._chunks_of(s)
-            if chunks is None and (self.root / step_dir_name(s) / MANIFEST_NAME).exists():
-                log.warning("manifest of step %s is unreadable; not collecting orphan chunks", s)
-                return
-            referenced |= chunks or set()
-        freed = self.store.collect(self.store.all_hashes(), referenced)
-        self._event(
-            "cleanup",
-            partials=sum(len(v) for v in partials.values()),
-            uncommitted_steps=dead,
-            orphan_bytes_freed=freed,
-        )
+        cleanup_after_crash(self)
+
+    def _oldest_in_flight_t(self) -> float:
+        """Wall time the oldest save still in flight began (now when none)."""
+        return min([t for t in self._in_flight_t.values()] or [time.time()])
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -605,10 +605,18 @@ class CheckpointManager:
         reader = TrainguardReader(self.store, m)
         try:
             with _quiet_dcp():
-                dcp.load(template, storage_reader=reader, planner=TrainguardLoadPlanner(), no_dist=True)
+                if self.dist.enabled:
+                    dcp.load(
+                        template,
+                        storage_reader=reader,
+                        planner=TrainguardLoadPlanner(),
+                        process_group=self.dist.io_group,
+                    )
+                else:
+                    dcp.load(template, storage_reader=reader, planner=TrainguardLoadPlanner(), no_dist=True)
         except BaseException as e:
-            err = _unwrap(e)
-            if isinstance(err, CorruptCheckpointError):
+            err = _unwrap(e, step, prefer=CorruptCheckpointError)
+            if isinstance(err, CorruptCheckpointError) and self.dist.is_coordinator:
                 self._mark_corrupt(step, err)
             raise err from None
         _statefn.apply(template, paths, state, step)
@@ -652,85 +660,11 @@ class CheckpointManager:
         if self._closed:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
-        t0 = time.perf_counter()
-        steps, partials = step_dirs(self.root)
         timings = RestoreTimings()
-        problems: list[str] = []
-        uncommitted = sorted(s for s, d in steps.items() if not (d / MANIFEST_NAME).exists())
-        if uncommitted:
-            log.warning(
-                "ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted
-            )
-        steps = {s: d for s, d in steps.items() if s not in uncommitted}
-        for step in sorted(steps, reverse=True):
-            info, _ = inspect_step(self.root, step, steps[step], self.store)
-            if info.status != "valid":
-                self._skip(step, info.problem or info.status, None, timings, problems)
-                continue
-            t_chosen = time.perf_counter()
-            try:
-                self._load(step, state)
-            except CorruptCheckpointError as e:
-                self._skip(step, str(e), e, timings, problems)
-                continue
-            t_loaded = time.perf_counter()
-            timings.scan_s = t_chosen - t0
-            timings.load_s = t_loaded - t_chosen
-            timings.validate_s = 0.0
-            timings.bytes = self.last_restore.bytes
+        step = _restore.restore_latest(self, state, timings)
+        if step is not None:
             self.last_restore = timings
-            self._event(
-                "restore",
-                step=step,
-                scan_s=timings.scan_s,
-                load_s=timings.load_s,
-                validate_s=timings.validate_s,
-                bytes=timings.bytes,
-                skipped=timings.skipped,
-            )
-            log.info("restored step %d from %s in %.3f s", step, self.root, t_loaded - t0)
-            return step
-        if not steps:
-            if partials:
-                log.warning(
-                    "%s holds only uncommitted saves (steps %s); starting from scratch",
-                    self.root,
-                    sorted(partials),
-                )
-            self._event(
-                "restore",
-                step=None,
-                scan_s=time.perf_counter() - t0,
-                load_s=0.0,
-                validate_s=0.0,
-                bytes=0,
-                skipped=[],
-            )
-            return None
-        raise NoValidCheckpointError(
-            f"{self.root} holds {len(steps)} checkpoint(s) but none is valid:\n  "
-            + "\n  ".join(problems)
-            + "\nRun `trainguard verify "
-            + str(self.root)
-            + " --all` for details; restore a replica or start a new "
-            "run root deliberately."
-        )
-
-    def _skip(
-        self,
-        step: int,
-        problem: str,
-        err: CorruptCheckpointError | None,
-        timings: RestoreTimings,
-        problems: list[str],
-    ) -> None:
-        log.warning("skipping checkpoint of step %d: %s", step, problem)
-        rec = {"step": step, "problem": problem}
-        if err is not None:
-            rec.update(chunk=err.chunk, tensors=err.tensors)
-        timings.skipped.append(rec)
-        problems.append(f"step {step}: {problem}")
-        self._event("restore_skipped", **rec)
+        return step
 
 
 @contextlib.contextmanager
@@ -741,14 +675,31 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def _unwrap(e: BaseException) -> BaseException:
-    """The original exception inside DCP's CheckpointException (single rank)."""
-    if isinstance(e, CheckpointException):
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException):
+def _unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
+    """The original exception(s) inside DCP's CheckpointException.
+
+    One failing rank: its exception. Several: a SaveError naming the ranks with every rank's exception in
+    ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
+    every rank then raises so that all fall back together).
+    """
+    if not isinstance(e, CheckpointException):
+        return e
+    errors: dict[int, BaseException] = {}
+    for rank, failure in e.failures.items():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            errors[int(rank)] = inner
+    if prefer is not None:
+        for inner in errors.values():
+            if isinstance(inner, prefer):
                 return inner
-    return e
-
-
-__all__ = ["CheckpointManager", "SaveResult", "RestoreTimings", "StorageFullError"]
+    if len(errors) == 1:
+        return next(iter(errors.values()))
+    ranks = sorted(errors)
+    first = errors[ranks[0]] if ranks else e
+    return SaveError(
+        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: {type(first).__name__}: "
+        f"{first}); nothing was committed and earlier checkpoints are intact",
+        step=step,
+        rank_errors=errors,
+    )

@@ -4,6 +4,9 @@ A policy is a small object with ``should_save(step, now_s=...)``; the manager as
 reports every completed save back through ``record_save`` so adaptive policies can measure their costs.
 Policies compose with :class:`AnyOf`. (Pattern: orbax ``save_decision_policy.py``.)
 
+Under torch.distributed every rank must save at the same steps. A policy whose answer depends only on the step
+sets ``step_based = True``; for any other policy (time-based, adaptive) the manager broadcasts rank 0's answer.
+
 The manager calls ``policy.bind(root, events)`` once, if the policy has that method, giving it the run root and
 the manager's :class:`~trainguard.recovery.events.EventLog` (adaptive policies read failures from the log and
 record why they chose an interval).
@@ -48,6 +51,7 @@ class EveryNSteps:
     """
 
     every_steps: int
+    step_based = True  # the same answer on every rank: no collective needed under torch.distributed
 
     def __post_init__(self) -> None:
         if int(self.every_steps) < 1:
@@ -96,6 +100,7 @@ class AnyOf:
         if not policies:
             raise ConfigError("AnyOf needs at least one policy")
         self.policies = policies
+        self.step_based = all(getattr(p, "step_based", False) for p in policies)
 
     def should_save(self, step: int, *, now_s: float) -> bool:
         # Ask every policy (not short-circuit) so time-based ones see every step.

@@ -40,7 +40,8 @@ def emit(log_fd: int, **rec: Any) -> None:
 
 def install_hook(point: str, at: int, marker: str) -> None:
     """Monkeypatch this process so that it stops at the ``at``-th occurrence of ``point``."""
-    import trainguard.incremental.chunkstore as chunkstore
+    from faultlib import is_chunk_tmp
+
     import trainguard.manager as manager
     import trainguard.storage.local as local
 
@@ -61,10 +62,10 @@ def install_hook(point: str, at: int, marker: str) -> None:
             time.sleep(60)
 
     if point == "mid_chunk_write":
-        real_write_file = chunkstore.write_file
+        real_write_file = local.write_file  # the chunk store writes through it too
 
         def write_file(path: Path, buf: Any, *, fsync: bool = True) -> None:
-            if hit():
+            if is_chunk_tmp(path) and hit():
                 view = memoryview(buf).cast("B")
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 os.write(fd, view[: len(view) // 2])
@@ -73,7 +74,7 @@ def install_hook(point: str, at: int, marker: str) -> None:
                 fire(path=str(path), written=len(view) // 2, length=len(view))
             real_write_file(path, buf, fsync=fsync)
 
-        chunkstore.write_file = write_file
+        local.write_file = write_file
     elif point in ("chunk_published", "manifest_tmp_written"):
 
         def replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:

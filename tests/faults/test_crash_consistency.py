@@ -29,6 +29,7 @@ from faultlib import (
     blank_state,
     chunk_files,
     commit_save,
+    is_chunk_tmp,
     make_state,
     manifest_path,
     mode_id,
@@ -307,17 +308,18 @@ def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manif
     ),
 )
 def test_identical_large_tensors_in_one_save_are_written_safely(tmp_path, monkeypatch):
-    import trainguard.incremental.chunkstore as chunkstore
+    import trainguard.storage.local as local
 
-    real = chunkstore.write_file
+    real = local.write_file
     calls = []
 
     def slow_write_file(path, buf, *, fsync=True):  # a slow disk: both writer threads overlap
-        calls.append(str(path))
         real(path, buf, fsync=fsync)
-        time.sleep(0.05)
+        if is_chunk_tmp(path):
+            calls.append(str(path))
+            time.sleep(0.05)
 
-    monkeypatch.setattr(chunkstore, "write_file", slow_write_file)
+    monkeypatch.setattr(local, "write_file", slow_write_file)
     zeros = {"a": torch.zeros(300_000), "b": torch.zeros(300_000)}  # e.g. fresh optimizer moments
     with tg.CheckpointManager(tmp_path / "root") as mgr:
         commit_save(mgr, 1, zeros)

@@ -1,8 +1,8 @@
 """A save that fails (disk full, an I/O error, a bug) commits nothing and leaves earlier checkpoints intact.
 
 Faults are injected at three depths: the ``os.write`` calls of the storage module (a "disk" that takes N more
-bytes, with a short write at the limit), the chunk store's ``write_file`` (fails from the N-th chunk on) and the
-manifest's temporary file (the commit itself). Each injector counts its injections, and every test checks it
+bytes, with a short write at the limit), its ``write_file`` for chunks (fails from the N-th chunk on) and for
+the manifest's temporary file (the commit itself). Each injector counts its injections, and every test checks it
 fired. After the failure: ``save`` raised ``StorageFullError`` (a ``SaveError`` and an ``OSError``) whose
 message says what to do, no partial directory and no valid new step exist, steps 1 and 2 are byte-for-byte
 what they were and verify, and once the disk has room again the same step saves and restores.
@@ -25,6 +25,7 @@ from faultlib import (
     blank_state,
     chunk_files,
     commit_save,
+    is_chunk_tmp,
     make_state,
     manifest_path,
     mode_id,
@@ -70,21 +71,31 @@ class DiskFull:
 
 
 class FailingWriteFile:
-    """Replaces a ``write_file``: calls selected by ``should_fail(path, call_number)`` raise ``exc``."""
+    """Replaces ``trainguard.storage.local.write_file`` (chunks and manifests are written through it): the
+    ``n``-th call for a path that ``select`` picks raises ``exc`` when ``fail(n)``."""
 
-    def __init__(self, real: Any, should_fail: Any, exc: BaseException) -> None:
-        self.real = real
-        self.should_fail = should_fail
+    def __init__(self, select: Any, fail: Any, exc: BaseException) -> None:
+        self.real = local.write_file
+        self.select = select
+        self.fail = fail
         self.exc = exc
         self.calls = 0
-        self.injected = 0
+        self.injections: list[str] = []  # the paths whose write failed
         self.enabled = True
+        self._lock = threading.Lock()
+
+    @property
+    def injected(self) -> int:
+        return len(self.injections)
 
     def __call__(self, path: Path, buf: Any, *, fsync: bool = True) -> None:
-        self.calls += 1
-        if self.enabled and self.should_fail(Path(path), self.calls):
-            self.injected += 1
-            raise self.exc
+        if self.select(Path(path)):
+            with self._lock:
+                self.calls += 1
+                n = self.calls
+            if self.enabled and self.fail(n):
+                self.injections.append(str(path))
+                raise self.exc
         self.real(path, buf, fsync=fsync)
 
 
@@ -108,7 +119,7 @@ def assert_failed_cleanly(root: Path, before: dict[str, str], step: int, valid: 
     assert partial_dirs(root) == [], "a partial directory survived the failed save"
     assert not manifest_path(root, step).exists()
     infos = {i.step: i.status for i in tg.CheckpointManager(root, read_only=True).checkpoints()}
-    assert infos.get(step) in (None, "incomplete")
+    assert step not in infos, f"the failed step lists as {infos[step]}"
     assert [s for s, st_ in sorted(infos.items()) if st_ == "valid"] == valid
     assert snapshot(root, valid) == before, "an earlier checkpoint changed"
     report = verify(root, valid)
@@ -186,10 +197,8 @@ def test_a_disk_that_fills_up_during_a_save_commits_nothing_and_recovers(
 @pytest.mark.parametrize("from_call", [1, 2, 3])
 def test_a_chunk_write_failing_for_lack_of_space_raises_storage_full(run, monkeypatch, mode, code, from_call):
     root, before = run
-    inject = FailingWriteFile(
-        chunkstore.write_file, lambda p, n: n >= from_call, OSError(code, os.strerror(code))
-    )
-    monkeypatch.setattr(chunkstore, "write_file", inject)
+    inject = FailingWriteFile(is_chunk_tmp, lambda n: n >= from_call, OSError(code, os.strerror(code)))
+    monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root, **mode) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
             commit_save(mgr, 3, make_state(3))
@@ -200,16 +209,18 @@ def test_a_chunk_write_failing_for_lack_of_space_raises_storage_full(run, monkey
         assert_recovers(mgr, root, 3)
 
 
-def _manifest_tmp(p: Path, n: int) -> bool:
+def _manifest_tmp(p: Path) -> bool:
     return p.name.startswith(".manifest.json.tmp")
+
+
+def _always(n: int) -> bool:
+    return True
 
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_no_space_for_the_manifest_commits_nothing_and_recovers(run, monkeypatch, mode):
     root, before = run
-    inject = FailingWriteFile(
-        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
-    )
+    inject = FailingWriteFile(_manifest_tmp, _always, OSError(errno.ENOSPC, "No space left on device"))
     monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root, **mode) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
@@ -221,6 +232,20 @@ def test_no_space_for_the_manifest_commits_nothing_and_recovers(run, monkeypatch
         assert not list(root.rglob(".manifest.json.tmp*")), "the manifest's temporary file was left behind"
         inject.enabled = False
         assert_recovers(mgr, root, 3)
+
+
+def test_no_space_for_the_manifest_leaves_no_step_directory(run, monkeypatch):
+    root, _ = run
+    inject = FailingWriteFile(_manifest_tmp, _always, OSError(errno.ENOSPC, "No space left on device"))
+    monkeypatch.setattr(local, "write_file", inject)
+    with tg.CheckpointManager(root) as mgr:
+        with pytest.raises(tg.StorageFullError):
+            commit_save(mgr, 3, make_state(3))
+    assert inject.injected == 1
+    for args in (["verify", str(root), "--all"], ["verify", str(root)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, (args, result.output)
+    assert not (root / "step-000000003").exists()
 
 
 # -- other failures ---------------------------------------------------------------------------------------
@@ -241,12 +266,9 @@ def test_any_other_failure_in_a_save_raises_save_error_and_commits_nothing(run, 
         monkeypatch.setattr(chunkstore.ChunkStore, "put", put)
         cause: type[BaseException] = RuntimeError
     elif where == "chunk-write-EIO":  # an I/O error that is not a full disk
-
-        def write_file(path: Path, buf: Any, *, fsync: bool = True) -> None:
-            fired.append(path)
-            raise OSError(errno.EIO, "injected I/O error")
-
-        monkeypatch.setattr(chunkstore, "write_file", write_file)
+        inject = FailingWriteFile(is_chunk_tmp, _always, OSError(errno.EIO, "injected I/O error"))
+        monkeypatch.setattr(local, "write_file", inject)
+        fired = inject.injections
         cause = OSError
     else:  # a failure in the commit itself
 
@@ -349,31 +371,6 @@ def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     strict=True,
     raises=AssertionError,
     reason=(
-        "BUG: ENOSPC at the manifest leaves an empty step-N/ (publish() made it before the manifest failed) that "
-        "only the cleanup of the next writable manager removes; until then `trainguard verify ROOT` and `--all` "
-        "exit 2 (CheckpointNotFoundError for step N) and checkpoints() lists step N as incomplete"
-    ),
-)
-def test_no_space_for_the_manifest_leaves_no_step_directory(run, monkeypatch):
-    root, _ = run
-    inject = FailingWriteFile(
-        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
-    )
-    monkeypatch.setattr(local, "write_file", inject)
-    with tg.CheckpointManager(root) as mgr:
-        with pytest.raises(tg.StorageFullError):
-            commit_save(mgr, 3, make_state(3))
-    require(inject.injected == 1, "the manifest write failed")
-    for args in (["verify", str(root), "--all"], ["verify", str(root)]):
-        result = CliRunner().invoke(cli, args)
-        assert result.exit_code == 0, (args, result.output)
-    assert not (root / "step-000000003").exists()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
         "BUG: StorageFullError is built from a message only, so as an OSError its errno is None, and save() "
         "re-raises it with `raise err from None`, which drops the original OSError from __cause__: "
         "`except OSError as e: if e.errno == errno.ENOSPC` does not recognise it and the errno is lost"
@@ -399,9 +396,7 @@ def test_storage_full_error_carries_errno_enospc(run, monkeypatch):
 )
 def test_storage_full_at_the_manifest_names_the_step(run, monkeypatch):
     root, _ = run
-    inject = FailingWriteFile(
-        local.write_file, _manifest_tmp, OSError(errno.ENOSPC, "No space left on device")
-    )
+    inject = FailingWriteFile(_manifest_tmp, _always, OSError(errno.ENOSPC, "No space left on device"))
     monkeypatch.setattr(local, "write_file", inject)
     with tg.CheckpointManager(root) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:

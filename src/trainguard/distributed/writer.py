@@ -9,6 +9,7 @@ manifest itself. Every chunk is fsynced before ``write_data`` returns; the manif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -28,7 +29,7 @@ from torch.futures import Future
 from ..incremental.chunkstore import ChunkStore
 from ..state.values import TAG_JSON
 
-CommitFn = Callable[[Metadata, list[list[WriteResult]]], None]
+CommitFn = Callable[[Metadata, list[list[WriteResult]], dict[str, Any]], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,13 +66,21 @@ class TrainguardWriter(StorageWriter):
     Args:
         store: the run's chunk store.
         tmp_dir: this save's partial directory (temporary chunk files).
-        commit: called by ``finish`` on the coordinator with DCP's metadata and every rank's results.
+        commit: called by ``finish`` on the coordinator with DCP's metadata, every rank's results and every
+            rank's entry paths.
         options: chunking options.
         step: the step being saved (for error messages).
+        paths: this rank's ``{fqn: path}`` (see :mod:`trainguard.state.flatten`).
     """
 
     def __init__(
-        self, store: ChunkStore, tmp_dir: Path, commit: CommitFn, options: WriterOptions, step: int
+        self,
+        store: ChunkStore,
+        tmp_dir: Path,
+        commit: CommitFn,
+        options: WriterOptions,
+        step: int,
+        paths: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -79,6 +88,8 @@ class TrainguardWriter(StorageWriter):
         self.commit = commit
         self.options = options
         self.step = step
+        self.paths = paths or {}
+        self.global_paths: dict[str, Any] = {}
         self.rank = 0
         self.is_coordinator = True
         self.hashes: list[str] = []  # pinned chunk hashes of this rank; the manager unpins after commit/fail
@@ -95,9 +106,14 @@ class TrainguardWriter(StorageWriter):
         self.rank = int(kwargs.get("rank", 0) or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # Every rank sends the nested-state paths of its entries to the coordinator (ranks hold different
+        # entries, e.g. each rank's RNG state), which needs all of them for the manifest.
+        return dataclasses.replace(plan, storage_data={"paths": dict(self.paths)})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        for p in plans:
+            if isinstance(p.storage_data, dict):
+                self.global_paths.update(p.storage_data.get("paths", {}))
         return plans
 
     @classmethod
@@ -113,7 +129,7 @@ class TrainguardWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.commit(metadata, results)
+        self.commit(metadata, results, self.global_paths or self.paths)
 
     # -- writing ------------------------------------------------------------------------------------------
     def _put(self, view: memoryview) -> tuple[str, dict[str, Any]]:

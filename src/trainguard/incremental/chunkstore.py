@@ -69,6 +69,10 @@ class ChunkStore:
             self._pins[h] += 1
         try:
             if final.is_file() and final.stat().st_size == len(view):
+                try:
+                    os.utime(final)  # "in use": distributed GC spares recently modified chunks
+                except OSError:
+                    pass
                 return rec, False
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = tmp_dir / f"{h}.tmp"
@@ -227,19 +231,25 @@ class ChunkStore:
                 out.update(f.name for f in sub.iterdir() if len(f.name) == 32)
         return out
 
-    def collect(self, candidates: Iterable[str], referenced: set[str]) -> int:
-        """Delete chunks in ``candidates`` that are neither in ``referenced`` nor pinned. Returns bytes freed.
-
-        A single failed deletion is logged by the caller's next scan, never fatal: the chunk is only garbage.
+    def collect(
+        self, candidates: Iterable[str], referenced: set[str], *, protect_newer_than: float | None = None
+    ) -> int:
+        """Delete chunks in ``candidates`` that are not in ``referenced``, not pinned, and (when
+        ``protect_newer_than`` is given, seconds since the epoch) not modified after that time. Returns bytes
+        freed. A failed deletion is skipped, never fatal: the chunk is only garbage.
         """
         freed = 0
-        with self._lock:
-            pinned = set(self._pins)
-        for h in set(candidates) - referenced - pinned:
+        for h in set(candidates) - referenced:
             p = self.root / chunk_relpath(h)
-            try:
-                freed += p.stat().st_size
-                p.unlink()
-            except OSError:
-                continue
+            with self._lock:  # a put() pins before it checks existence: check pins and delete atomically
+                if h in self._pins:
+                    continue
+                try:
+                    st = p.stat()
+                    if protect_newer_than is not None and st.st_mtime > protect_newer_than:
+                        continue
+                    p.unlink()
+                    freed += st.st_size
+                except OSError:
+                    continue
         return freed

@@ -18,6 +18,15 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
+        """This process's RNG states; under torch.distributed keyed ``rank_<r>`` (ranks draw different numbers,
+        so each rank's state is saved on its own)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return {f"rank_{dist.get_rank()}": self._local_state()}
+        return self._local_state()
+
+    def _local_state(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
         out: dict[str, Any] = {
@@ -40,6 +49,20 @@ class RNGState:
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore this process's RNGs. From a per-rank state, this rank's entry is used; a rank that did not
+        exist when the checkpoint was saved (the world grew) takes rank 0's and logs a warning, since no exact
+        continuation exists for it."""
+        if any(str(k).startswith("rank_") for k in sd):
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            if f"rank_{rank}" not in sd:
+                import logging
+
+                logging.getLogger("trainguard").warning(
+                    "no RNG state saved for rank %d (saved: %s); using rank 0's", rank, sorted(sd)
+                )
+            sd = sd.get(f"rank_{rank}", sd.get("rank_0", next(iter(sd.values()))))
         py = sd["python"]
         random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
         n = sd["numpy"]

@@ -1,0 +1,116 @@
+"""Choosing and loading the newest valid checkpoint (``CheckpointManager.restore_latest``).
+
+Under torch.distributed every rank takes the same path: rank 0 lists the committed steps and judges each
+candidate cheaply (manifest, chunk presence), broadcasting both; every rank then loads the chosen step through
+DCP, whose load raises the same CheckpointException on all ranks when any rank fails, so a chunk found corrupt
+on one rank makes all ranks fall back to the next older step together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from .catalog import inspect_step, step_dirs
+from .errors import CorruptCheckpointError, NoValidCheckpointError
+from .format import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager, RestoreTimings
+
+log = logging.getLogger("trainguard")
+
+
+def committed_steps(mgr: CheckpointManager) -> list[int]:
+    """Steps with a manifest, newest first (rank 0's view, on every rank)."""
+    steps: list[int] | None = None
+    if mgr.dist.is_coordinator:
+        dirs, partials = step_dirs(mgr.root)
+        uncommitted = sorted(s for s, d in dirs.items() if not (d / MANIFEST_NAME).exists())
+        if uncommitted:
+            log.warning(
+                "ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted
+            )
+        steps = sorted((s for s in dirs if s not in uncommitted), reverse=True)
+        if not steps and partials:
+            log.warning(
+                "%s holds only uncommitted saves (steps %s); starting from scratch",
+                mgr.root,
+                sorted(partials),
+            )
+    return mgr.dist.broadcast_ints(steps)
+
+
+def restore_latest(
+    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings
+) -> int | None:
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    steps = committed_steps(mgr)
+    for step in steps:
+        ok, problem = True, ""
+        if mgr.dist.is_coordinator:
+            info, _ = inspect_step(mgr.root, step, mgr.root / f"step-{step:09d}", mgr.store)
+            ok, problem = info.status == "valid", info.problem or info.status
+        if not mgr.dist.broadcast_ints([int(ok)])[0]:
+            skip(mgr, step, problem or "not valid on rank 0", None, timings, problems)
+            continue
+        t_chosen = time.perf_counter()
+        try:
+            mgr._load(step, state)
+        except CorruptCheckpointError as e:
+            skip(mgr, step, str(e), e, timings, problems)
+            continue
+        t_loaded = time.perf_counter()
+        timings.scan_s = t_chosen - t0
+        timings.load_s = t_loaded - t_chosen
+        timings.validate_s = 0.0
+        timings.bytes = mgr.last_restore.bytes
+        mgr._event(
+            "restore",
+            step=step,
+            scan_s=timings.scan_s,
+            load_s=timings.load_s,
+            validate_s=timings.validate_s,
+            bytes=timings.bytes,
+            skipped=timings.skipped,
+        )
+        log.info("restored step %d from %s in %.3f s", step, mgr.root, t_loaded - t0)
+        return step
+    if not steps:
+        mgr._event(
+            "restore",
+            step=None,
+            scan_s=time.perf_counter() - t0,
+            load_s=0.0,
+            validate_s=0.0,
+            bytes=0,
+            skipped=[],
+        )
+        return None
+    raise NoValidCheckpointError(
+        f"{mgr.root} holds {len(steps)} checkpoint(s) but none is valid:\n  "
+        + "\n  ".join(problems)
+        + f"\nRun `trainguard verify {mgr.root} --all` for details; restore a replica or start a new run root "
+        "deliberately."
+    )
+
+
+def skip(
+    mgr: CheckpointManager,
+    step: int,
+    problem: str,
+    err: CorruptCheckpointError | None,
+    timings: RestoreTimings,
+    problems: list[str],
+) -> None:
+    if mgr.dist.is_coordinator:
+        log.warning("skipping checkpoint of step %d: %s", step, problem)
+    rec: dict[str, Any] = {"step": step, "problem": problem}
+    if err is not None:
+        rec.update(chunk=err.chunk, tensors=err.tensors)
+    timings.skipped.append(rec)
+    problems.append(f"step {step}: {problem}")
+    mgr._event("restore_skipped", **rec)
