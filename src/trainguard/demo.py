@@ -208,7 +208,12 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
         _train_cmd(script, reference, cfg, None), stdout=ref_log, stderr=subprocess.STDOUT, env=env
     )
     ref_end: list[float] = []
-    waiter = threading.Thread(target=lambda: (ref.wait(), ref_end.append(time.time())), daemon=True)
+
+    def wait_reference() -> None:
+        ref.wait()
+        ref_end.append(time.time())
+
+    waiter = threading.Thread(target=wait_reference, daemon=True)
     waiter.start()
 
     job_log = out / "faulted.log"

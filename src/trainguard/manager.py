@@ -365,6 +365,7 @@ class CheckpointManager:
                 step, now_s=time.monotonic(), block_s=result.block_s, persist_s=result.persist_s
             )
             return handle
+        assert self._stager is not None
         bufset = self._stager.acquire(block=block)
         if bufset is None:
             self._event(
@@ -376,7 +377,7 @@ class CheckpointManager:
             flat, paths, top = _statefn.collect(state)
             staged = bufset.stage(flat)
         except BaseException:
-            self._stager.release(bufset)
+            self._stager.release(bufset)  # type: ignore[union-attr]
             raise
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
@@ -428,7 +429,8 @@ class CheckpointManager:
                 )
             finally:
                 del staged
-                self._stager.release(bufset)
+                if self._stager is not None:
+                    self._stager.release(bufset)
                 self._in_flight.discard(handle.step)
                 self._in_flight_t.pop(handle.step, None)
 

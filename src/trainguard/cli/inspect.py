@@ -102,21 +102,21 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     except CorruptCheckpointError as e:
         click.echo(f"step {step}: {e}", err=True)
         sys.exit(1)
-    entries = []
-    for fqn, e in m.entries.items():
-        if isinstance(e, TensorEntry):
+    entries: list[dict[str, Any]] = []
+    for fqn, ent in m.entries.items():
+        if isinstance(ent, TensorEntry):
             entries.append(
                 {
                     "fqn": fqn,
                     "kind": "tensor",
-                    "dtype": e.dtype,
-                    "shape": list(e.shape),
-                    "shards": len(e.shards),
-                    "bytes": sum(s.nbytes for s in e.shards),
+                    "dtype": ent.dtype,
+                    "shape": list(ent.shape),
+                    "shards": len(ent.shards),
+                    "bytes": sum(s.nbytes for s in ent.shards),
                 }
             )
         else:
-            entries.append({"fqn": fqn, "kind": "value", "codec": e.codec})
+            entries.append({"fqn": fqn, "kind": "value", "codec": ent.codec})
     summary = {
         "step": m.step,
         "time": m.time,
@@ -145,13 +145,13 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
         table.add_column(col)
-    for e in entries:
+    for row in entries:
         table.add_row(
-            e["fqn"],
-            e["kind"],
-            e.get("dtype") or e.get("codec", ""),
-            str(e.get("shape", "")),
-            human_bytes(e["bytes"]) if "bytes" in e else "",
+            row["fqn"],
+            row["kind"],
+            row.get("dtype") or row.get("codec", ""),
+            str(row.get("shape", "")),
+            human_bytes(row["bytes"]) if "bytes" in row else "",
         )
     c.print(table)
 

@@ -90,13 +90,13 @@ class TrainguardReader(StorageReader):
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        fut: Future[None] = Future()
+        fut: Future[None] = Future()  # torch.futures.Future
         try:
             for item in plan.items:
                 self._read_item(item, planner)
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]
         finally:
             self._chunk_cache.clear()
         return fut
@@ -166,15 +166,18 @@ class TrainguardReader(StorageReader):
                 s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
             )
         ):
-            raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")
+            raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
             off = 0
-            for s in shard.segments:
-                rec = self.manifest.chunks[s.chunk]
+            for seg in shard.segments:
+                rec = self.manifest.chunks[seg.chunk]
                 self.store.readinto(
-                    rec, raw[off : off + s.length], step=self.manifest.step, owners=self.owners.get(s.chunk)
+                    rec,
+                    raw[off : off + seg.length],
+                    step=self.manifest.step,
+                    owners=self.owners.get(seg.chunk),
                 )
-                self.bytes_read += s.length
-                off += s.length
+                self.bytes_read += seg.length
+                off += seg.length
         else:
             data = self._segments_bytes(shard.segments)
             src = (

@@ -10,6 +10,7 @@ manifest itself. Every chunk is fsynced before ``write_data`` returns; the manif
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import threading
@@ -57,7 +58,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class TrainguardWriter(StorageWriter):
@@ -125,7 +126,7 @@ class TrainguardWriter(StorageWriter):
         try:
             fut.set_result(self._write_all(plan, planner))
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -175,6 +176,7 @@ class TrainguardWriter(StorageWriter):
             for item in plan.items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)
                     payload = data.getvalue()
                     if payload[:1] == TAG_JSON and len(payload) <= opts.inline_value_bytes:
                         value = json.loads(payload[1:])

@@ -314,21 +314,21 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     raw_entries = body.get("entries")
     if not isinstance(raw_entries, dict):
         raise _bad("entries must be an object", step)
-    for fqn, e in raw_entries.items():
-        if not isinstance(e, dict):
+    for fqn, raw in raw_entries.items():
+        if not isinstance(raw, dict):
             raise _bad(f"entry {fqn!r} must be an object", step)
-        path = _path(e.get("path"), fqn)
-        kind = e.get("kind")
+        epath = _path(raw.get("path"), fqn)
+        kind = raw.get("kind")
         if kind == "tensor":
-            dtype = e.get("dtype")
+            dtype = raw.get("dtype")
             if not isinstance(dtype, str):
                 raise _bad(f"{fqn}: dtype must be a string", step)
-            shape_raw = e.get("shape")
+            shape_raw = raw.get("shape")
             if not isinstance(shape_raw, list) or len(shape_raw) > MAX_NDIM:
                 raise _bad(f"{fqn}: shape must be a list of at most {MAX_NDIM} ints", step)
             shape = tuple(_int(s, f"{fqn} shape", 0, 1 << 48) for s in shape_raw)
             shards = []
-            raw_shards = e.get("shards")
+            raw_shards = raw.get("shards")
             if not isinstance(raw_shards, list):
                 raise _bad(f"{fqn}: shards must be a list", step)
             for sh in raw_shards:
@@ -351,21 +351,21 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                     raise _bad(f"{fqn}: segments must be a list", step)
                 segs = tuple(_seg(s, chunks, fqn) for s in segs_raw)
                 shards.append(ShardRecord(o, z, segs))
-            entries[fqn] = TensorEntry(fqn, path, dtype, shape, tuple(shards))
+            entries[fqn] = TensorEntry(fqn, epath, dtype, shape, tuple(shards))
         elif kind == "value":
-            codec = e.get("codec")
+            codec = raw.get("codec")
             if codec not in VALUE_CODECS:
                 raise _bad(f"{fqn}: unknown value codec {codec!r}", step)
-            if "segments" in e:
-                if not isinstance(e["segments"], list):
+            if "segments" in raw:
+                if not isinstance(raw["segments"], list):
                     raise _bad(f"{fqn}: segments must be a list", step)
                 entries[fqn] = ValueEntry(
-                    fqn, path, codec, None, tuple(_seg(s, chunks, fqn) for s in e["segments"])
+                    fqn, epath, codec, None, tuple(_seg(s, chunks, fqn) for s in raw["segments"])
                 )
             else:
                 if codec != "json":
                     raise _bad(f"{fqn}: an inline value must use the json codec", step)
-                entries[fqn] = ValueEntry(fqn, path, codec, e.get("value"), None)
+                entries[fqn] = ValueEntry(fqn, epath, codec, raw.get("value"), None)
         else:
             raise _bad(f"{fqn}: unknown entry kind {kind!r}", step)
     t = body.get("t")

@@ -115,9 +115,8 @@ class ResumableLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = ResumableSampler(
-            len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size
-        )  # type: ignore[arg-type]
+        n = len(dataset)  # type: ignore[arg-type]
+        self.sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
         self._gen = torch.Generator()
         self.loader_kwargs = loader_kwargs
 
