@@ -1,8 +1,10 @@
 """The run root's write lock: one writer per run root (a second one gets RootLockedError, not corruption).
 
-An advisory ``flock`` on ``<root>/.lock``; the kernel releases it when the holder dies, so a SIGKILLed writer
-never leaves a stale lock. (On network filesystems without flock support, this lock is not reliable; run one
-writer per run root.)
+An advisory ``flock`` on ``<root>/.lock``; the kernel releases it when the last descriptor of the holder is
+closed, so a SIGKILLed writer never leaves a stale lock. A process forked after the lock was taken (a
+DataLoader worker, say) would inherit the descriptor and keep the lock alive after the writer dies: children
+close it right after ``fork`` (``os.register_at_fork``). On network filesystems without flock support this lock
+is not reliable; run one writer per run root.
 """
 
 from __future__ import annotations
@@ -10,9 +12,35 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import weakref
 from pathlib import Path
 
 from .errors import RootLockedError
+
+_held: weakref.WeakSet[RootLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_held):
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class RootLock:
@@ -21,6 +49,12 @@ class RootLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        for lock in list(_held):
+            if lock._fd is not None and lock.path.resolve() == self.path.resolve():
+                raise RootLockedError(
+                    f"this process (pid {os.getpid()}) already has a CheckpointManager writing {self.path.parent}; "
+                    "close() it first, use a different root, or open the second one with read_only=True"
+                )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -29,6 +63,18 @@ class RootLock:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             finally:
                 os.close(fd)
+            parts = holder.split()
+            if (
+                len(parts) >= 4
+                and parts[0] == "pid"
+                and parts[1].isdigit()
+                and parts[3] == socket.gethostname()
+                and not _alive(int(parts[1]))
+            ):
+                holder = (
+                    f"taken by pid {parts[1]}, which has exited; a process it started still holds the lock "
+                    "(e.g. a data-loader worker or a child it forked): stop it"
+                )
             raise RootLockedError(
                 f"run root {self.path.parent} is being written by another process ({holder}). Stop that process, "
                 "use a different root, or open with CheckpointManager(root, read_only=True) to only list/restore."
@@ -36,6 +82,7 @@ class RootLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
+        _held.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -44,3 +91,4 @@ class RootLock:
             finally:
                 os.close(self._fd)
                 self._fd = None
+        _held.discard(self)

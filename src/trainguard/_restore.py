@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .catalog import inspect_step, step_dirs
 from .errors import CorruptCheckpointError, NoValidCheckpointError
-from .format import MANIFEST_NAME
+from .format import MANIFEST_NAME, step_dir_name
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager, RestoreTimings
@@ -50,12 +50,13 @@ def restore_latest(
     problems: list[str] = []
     steps = committed_steps(mgr)
     for step in steps:
-        ok, problem = True, ""
+        ok, problem, chunk = True, "", None
         if mgr.dist.is_coordinator:
-            info, _ = inspect_step(mgr.root, step, mgr.root / f"step-{step:09d}", mgr.store)
-            ok, problem = info.status == "valid", info.problem or info.status
+            info, _ = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
+            ok, problem, chunk = info.status == "valid", info.problem or info.status, info.chunk
         if not mgr.dist.broadcast_ints([int(ok)])[0]:
-            skip(mgr, step, problem or "not valid on rank 0", None, timings, problems)
+            err = CorruptCheckpointError(problem, step=step, chunk=chunk) if chunk else None
+            skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
             continue
         t_chosen = time.perf_counter()
         try:

@@ -39,6 +39,7 @@ class CheckpointInfo:
         t: the same as seconds since the epoch.
         problem: why it is not valid (None when valid).
         path: the step directory.
+        chunk: the chunk found missing or of the wrong length, when that is the problem.
     """
 
     step: int
@@ -48,6 +49,7 @@ class CheckpointInfo:
     t: float | None
     problem: str | None
     path: str
+    chunk: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -128,17 +130,20 @@ def inspect_step(
         t = path.stat().st_mtime
         return CheckpointInfo(step, "corrupt", 0, iso(t), t, str(e), str(path)), None
     problem = None
+    bad_chunk = None
     for rec in m.chunks.values():
         bad = store.check_present(rec)
         if bad is not None:
-            problem = f"chunk {rec.path} {bad}"
+            problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
     if problem is None:
         marker = corrupt_marker(root, step)
         if marker is not None:
             problem = str(marker.get("problem", "corrupt"))
+            chunk = marker.get("chunk")
+            bad_chunk = chunk if isinstance(chunk, str) else None
     status = "valid" if problem is None else "corrupt"
-    return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path)), m
+    return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
 
 
 def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:

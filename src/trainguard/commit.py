@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ._time import iso
 from .catalog import CORRUPT_MARKER
+from .errors import SaveError
 from .format import (
     MANIFEST_NAME,
     ChunkRecord,
@@ -105,7 +106,9 @@ def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
         pass
     try:
         atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
-    except BaseException:
+    except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
             shutil.rmtree(d, ignore_errors=True)
+        if isinstance(e, SaveError) and e.step is None:
+            e.step = m.step
         raise

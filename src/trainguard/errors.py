@@ -34,6 +34,7 @@ class CorruptCheckpointError(TrainguardError):
         step: the step of the checkpoint, when known.
         chunk: the relative path of the corrupt chunk, when the problem is in one chunk.
         tensors: fully qualified names of the state entries stored in that chunk.
+        damaged: True when the chunk's bytes are wrong (length or CRC32C), not merely unreadable.
     """
 
     def __init__(
@@ -43,11 +44,13 @@ class CorruptCheckpointError(TrainguardError):
         step: int | None = None,
         chunk: str | None = None,
         tensors: list[str] | None = None,
+        damaged: bool = False,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.chunk = chunk
         self.tensors = list(tensors or [])
+        self.damaged = damaged
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
@@ -83,7 +86,11 @@ class SaveError(TrainguardError):
 
 
 class StorageFullError(SaveError, OSError):
-    """The storage ran out of space (ENOSPC) during a save."""
+    """The storage ran out of space (ENOSPC/EDQUOT) during a save. ``errno``, ``strerror`` and ``filename`` are
+    those of the underlying OSError (also its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class TransientStorageError(TrainguardError, OSError):

@@ -45,16 +45,18 @@ from .errors import (
     CorruptCheckpointError,
     RootLockedError,
     SaveError,
+    StorageFullError,
     TrainguardError,
 )
-from .format import Manifest, step_dir_name
+from .format import Manifest, TensorEntry, step_dir_name
 from .format.layout import MANIFEST_NAME, partial_dir_name
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
 from .retention import RetentionPolicy, as_retention
-from .retention.apply import apply_retention, cleanup_after_crash
+from .retention.apply import apply_retention, cleanup_after_crash, referenced_chunks
 from .staging import PendingSave, Stager
+from .state.dtypes import dtype_from_name
 from .storage.local import atomic_write, remove_tree
 
 log = logging.getLogger("trainguard")
@@ -475,10 +477,13 @@ class CheckpointManager:
                 sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [self.dist.rank]
             )
             self._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+            self._discard_new_chunks(writer)
+            if isinstance(err, StorageFullError) and err.step is None:
+                err.step = step
             if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
-                raise err from None
+                raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
             if isinstance(err, TrainguardError) and not isinstance(err, OSError):
-                raise err from None
+                raise err  # noqa: B904
             where = f" on rank {ranks[0]}" if self.dist.enabled else ""
             raise SaveError(
                 f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
@@ -601,8 +606,27 @@ class CheckpointManager:
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
         return step
 
+    def _discard_new_chunks(self, writer: TrainguardWriter) -> None:
+        """After a failed save (one process): delete the chunks it wrote that no committed manifest references."""
+        if self.dist.enabled or not writer.new_hashes:
+            return  # other ranks' saves may share them: the next writer's cleanup collects them
+        self.store.unpin(writer.hashes)
+        writer.hashes = []
+        referenced = referenced_chunks(self)
+        if referenced is not None:
+            self.store.collect(writer.new_hashes, referenced)
+
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
         m = read_manifest(self.root, step)
+        try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
+            for e in m.entries.values():
+                if isinstance(e, TensorEntry):
+                    dtype_from_name(e.dtype)
+        except CorruptCheckpointError as err:
+            err.step = step
+            if self.dist.is_coordinator:
+                self._mark_corrupt(step, err)
+            raise
         template, paths = _statefn.build_template(m, state)
         reader = TrainguardReader(self.store, m)
         try:
@@ -630,7 +654,7 @@ class CheckpointManager:
         import json
 
         d = self.root / step_dir_name(step)
-        if err.chunk:
+        if err.chunk and err.damaged:
             moved = self.store.quarantine(err.chunk)
             if moved:
                 log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)

@@ -136,10 +136,10 @@ def referenced_chunks(root: str | os.PathLike[str], steps: list[int]) -> set[str
 
 
 def is_chunk_tmp(path: str | os.PathLike[str]) -> bool:
-    """True for the temporary file of a chunk being written (``step-N.partial-*/<32 hex>.tmp``), as opposed to
-    a manifest's (``.manifest.json.tmp-*``); both go through ``trainguard.storage.local.write_file``."""
+    """True for the temporary file of a chunk being written (``step-N.partial-*/<32 hex>.<writer>.tmp``), as
+    opposed to a manifest's (``.manifest.json.tmp-*``); both go through ``trainguard.storage.local.write_file``."""
     p = Path(path)
-    return p.suffix == ".tmp" and len(p.stem) == 32 and ".partial-" in p.parent.name
+    return p.suffix == ".tmp" and len(p.name.split(".")[0]) == 32 and ".partial-" in p.parent.name
 
 
 def partial_dirs(root: str | os.PathLike[str]) -> list[Path]:

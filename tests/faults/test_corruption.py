@@ -305,15 +305,6 @@ def test_re_saving_the_same_values_over_a_corrupt_chunk_writes_a_good_chunk(run,
 
 
 # -- known bugs -------------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=OSError,
-    reason=(
-        "BUG: ChunkStore.verify/readinto turn only FileNotFoundError into CorruptCheckpointError; an unreadable chunk "
-        "(EIO from a bad sector, a directory in its place) escapes verify (traceback instead of a report) and "
-        "restore_latest (no fall back to the previous checkpoint)"
-    ),
-)
 @pytest.mark.parametrize("fault", ["EIO", "directory"])
 def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, monkeypatch, fault):
     import trainguard.incremental.chunkstore as chunkstore

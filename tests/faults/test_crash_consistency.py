@@ -282,14 +282,6 @@ def test_a_job_killed_during_its_first_publish_restarts_from_scratch(forkserver,
     assert verify(ledger.root).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tg.CheckpointNotFoundError,
-    reason=(
-        "BUG: verify(root) with steps=None treats a step directory without a manifest (left by a kill or an ENOSPC "
-        "during publish) as committed and raises CheckpointNotFoundError instead of checking the others"
-    ),
-)
 def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manifest(forkserver, tmp_path):
     ledger = new_ledger(tmp_path / "root")
     _, marker = kill_victim(forkserver, ledger, tmp_path, "publish", hook=("step_dir_created", 1))
@@ -298,15 +290,6 @@ def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manif
     assert report.ok and report.checked == [1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tg.SaveError,
-    reason=(
-        "BUG: ChunkStore.put gives every writer of the same content the same temporary name <hash>.tmp; a second "
-        "thread writing an identical chunk unlinks the first one's file or collides with it (O_EXCL), and the save "
-        "fails with SaveError (FileNotFoundError from os.replace or FileExistsError)"
-    ),
-)
 def test_identical_large_tensors_in_one_save_are_written_safely(tmp_path, monkeypatch):
     import trainguard.storage.local as local
 

@@ -330,15 +330,6 @@ def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(
 
 
 # -- known bugs -------------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: a failed save leaves the chunks it already renamed into chunks/ behind (only the partial directory "
-        "is removed; orphans are collected only when a later manager finds a partial directory), so every "
-        "failed save on a full disk leaks the space it managed to write"
-    ),
-)
 def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     root, before = run
     total, manifest = save_bytes
@@ -367,15 +358,6 @@ def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes):
     assert not orphans, f"{len(orphans)} orphan chunk(s) left: {sorted(orphans)}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: StorageFullError is built from a message only, so as an OSError its errno is None, and save() "
-        "re-raises it with `raise err from None`, which drops the original OSError from __cause__: "
-        "`except OSError as e: if e.errno == errno.ENOSPC` does not recognise it and the errno is lost"
-    ),
-)
 def test_storage_full_error_carries_errno_enospc(run, monkeypatch):
     root, _ = run
     monkeypatch.setattr(local, "os", DiskFull(0))
@@ -386,14 +368,6 @@ def test_storage_full_error_carries_errno_enospc(run, monkeypatch):
     assert ei.value.errno == errno.ENOSPC
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: atomic_write calls raise_if_full(e, path) without the step, and save() re-raises that "
-        "StorageFullError as is, so ENOSPC at the manifest gives a SaveError whose .step is None"
-    ),
-)
 def test_storage_full_at_the_manifest_names_the_step(run, monkeypatch):
     root, _ = run
     inject = FailingWriteFile(_manifest_tmp, _always, OSError(errno.ENOSPC, "No space left on device"))

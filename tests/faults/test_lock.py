@@ -142,16 +142,6 @@ def test_a_reader_alongside_a_busy_writer_only_sees_committed_checkpoints(forkse
     assert verify(root, sorted(restored)).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tg.RootLockedError,
-    reason=(
-        "BUG: the flock is on an open file description that fork() shares: a child forked after the manager "
-        "opened (a DataLoader worker with the fork start method) keeps the lock after the writer is SIGKILLed, "
-        "so the restarted job gets RootLockedError until the child exits (fix: os.register_at_fork("
-        "after_in_child=...) closing the lock fd in children, or an fcntl/OFD lock)"
-    ),
-)
 def test_a_killed_writer_leaves_no_lock_even_if_it_had_forked_a_helper(forkserver, tmp_path):
     root = tmp_path / "root"
     pid, log = start_victim(

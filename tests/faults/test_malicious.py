@@ -245,14 +245,6 @@ def test_a_chunk_hash_that_is_not_32_lowercase_hex_digits_is_refused(root, tmp_p
     assert_refused(root, tmp_path, UnsafeCheckpointError, ["invalid chunk hash"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: layout._HASH_RE is ^[0-9a-f]{32}$ used with re.match; '$' also matches before a trailing newline, so "
-        "a hash (and path) ending in '\\n' is accepted (use re.fullmatch or \\Z; _STEP_RE has the same flaw)"
-    ),
-)
 def test_a_chunk_hash_with_a_trailing_newline_is_refused(root):
     body = read_manifest_json(root, 2)
     h = own_chunk_of(body, "model.big")
@@ -342,14 +334,6 @@ def test_a_value_whose_payload_would_run_code_is_refused_and_never_runs(root, tm
     assert "weights only load failed" in msg.lower(), msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "GAP: verify re-reads chunk bytes and CRC32C only, so a checkpoint whose value payload restore refuses "
-        "(UnsafeCheckpointError) verifies as ok, even after restore marked it corrupt (verify ignores corrupt.json)"
-    ),
-)
 def test_verify_reports_a_value_that_restore_refuses(root, tmp_path):
     h, rec = add_chunk(root, pickle_payload(tmp_path / "SENTINEL", "pickle"))
     body = read_manifest_json(root, 2)
@@ -368,16 +352,6 @@ def test_an_inline_value_with_the_torch_codec_is_refused(root, tmp_path):
     assert_refused(root, tmp_path, CorruptCheckpointError, ["inline value must use the json codec"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: the dtype name is first resolved inside DCP (reader.read_metadata), which turns the "
-        "CorruptCheckpointError into 'AssertionError: metadata is None; ...'; restore and restore_latest raise that "
-        "AssertionError (no fall back), and the step still lists as valid. Also what a checkpoint with a dtype of "
-        "a newer torch does on an older one"
-    ),
-)
 def test_an_unknown_dtype_name_is_refused(root, tmp_path):
     body = read_manifest_json(root, 2)
     body["entries"]["model.big"]["dtype"] = "__import__('os').system"
@@ -414,15 +388,6 @@ def _pack_chunk(body: dict[str, Any]) -> str:
     return body["entries"]["model.small"]["shards"][0]["segments"][0][0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=HugeAllocation,
-    reason=(
-        "BUG: the manifest parser accepts any shape up to 2**48 per dimension without checking it against the "
-        "bytes of its shards; build_template then calls torch.empty(shape) for a saved entry the live state lacks "
-        "(4 TiB here: RuntimeError, or a huge allocation where memory overcommits)"
-    ),
-)
 def test_a_shape_of_2_to_the_40_for_a_new_entry_is_refused_without_allocating(
     root, tmp_path, guard_allocations
 ):
@@ -438,14 +403,6 @@ def test_a_shape_of_2_to_the_40_for_a_new_entry_is_refused_without_allocating(
             mgr.restore(2, blank_state())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=HugeAllocation,
-    reason=(
-        "BUG: restore(step) skips the cheap chunk check restore_latest does, and ChunkStore.read allocates "
-        "bytearray(rec.length) from the manifest before looking at the file (a length of 2**40 passes the parser)"
-    ),
-)
 def test_a_chunk_length_of_2_to_the_40_is_refused_by_restore_without_allocating(
     root, tmp_path, guard_allocations
 ):
@@ -459,14 +416,6 @@ def test_a_chunk_length_of_2_to_the_40_is_refused_by_restore_without_allocating(
             mgr.restore(2, blank_state())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: neither the parser nor the reader checks that a tensor's shards cover its shape; a tensor entry with "
-        "no shards (or half of them) restores 'successfully' and leaves the live tensor with its old values"
-    ),
-)
 @pytest.mark.parametrize("shards", ["none", "half"])
 def test_a_tensor_whose_shards_do_not_cover_its_shape_is_refused(root, shards):
     body = read_manifest_json(root, 2)
@@ -597,15 +546,6 @@ def test_re_signed_structural_mutations_of_a_manifest_raise_only_trainguard_erro
     _parse(sign(body))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(RecursionError, OverflowError, ValueError),
-    reason=(
-        "BUG: manifest_from_json lets RecursionError (deeply nested JSON), ValueError (an integer of more than "
-        "4300 digits, from json.loads) and OverflowError (float(t) of a huge int) escape instead of "
-        "CorruptCheckpointError"
-    ),
-)
 @pytest.mark.parametrize("case", ["deep-nesting", "long-integer", "huge-t"])
 def test_crafted_manifests_raise_only_trainguard_errors(manifest_bytes, case):
     if case == "deep-nesting":

@@ -11,7 +11,7 @@ import click
 
 from ..catalog import read_manifest, scan
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import TensorEntry
+from ..format import MANIFEST_NAME, TensorEntry
 from ..recovery.events import read_events
 from .main import main
 
@@ -175,7 +175,8 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     p = _root(root)
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
-    committed, _ = step_dirs(p)
+    dirs, _ = step_dirs(p)
+    committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
     if step is not None:
         steps: list[int] | None = [step]
     elif all_steps:

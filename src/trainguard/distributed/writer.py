@@ -93,7 +93,10 @@ class TrainguardWriter(StorageWriter):
         self.global_paths: dict[str, Any] = {}
         self.rank = 0
         self.is_coordinator = True
-        self.hashes: list[str] = []  # pinned chunk hashes of this rank; the manager unpins after commit/fail
+        self.hashes: list[str] = []
+        self.new_hashes: list[
+            str
+        ] = []  # chunks this save wrote (not deduplicated): garbage if it fails  # pinned chunk hashes of this rank; the manager unpins after commit/fail
         self.bytes_written = 0
         self.bytes_total = 0
         self._lock = threading.Lock()
@@ -137,6 +140,8 @@ class TrainguardWriter(StorageWriter):
         rec, written = self.store.put(view, self.tmp_dir, step=self.step)
         with self._lock:
             self.hashes.append(rec.hash)
+            if written:
+                self.new_hashes.append(rec.hash)
             self.bytes_written += rec.length if written else 0
             self.bytes_total += rec.length
         return rec.hash, {"length": rec.length, "crc32c": rec.crc32c, "codec": rec.codec}

@@ -19,9 +19,9 @@ CHUNKS_DIR = "chunks"
 MANIFEST_NAME = "manifest.json"
 STEP_DIGITS = 9
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_PARTIAL_RE = re.compile(r"^step-(\d+)\.partial-([0-9a-zA-Z]+)$")
-_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+_STEP_RE = re.compile(r"step-([0-9]+)")  # always used with fullmatch: no trailing newline, ASCII digits only
+_PARTIAL_RE = re.compile(r"step-([0-9]+)\.partial-([0-9a-zA-Z]+)")
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def step_dir_name(step: int) -> str:
@@ -40,10 +40,10 @@ def parse_step_dir(name: str) -> tuple[int, bool] | None:
 
     Ordering of checkpoints always uses the returned integer, never the name as text.
     """
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     if m:
         return int(m.group(1)), False
-    m = _PARTIAL_RE.match(name)
+    m = _PARTIAL_RE.fullmatch(name)
     if m:
         return int(m.group(1)), True
     return None
@@ -51,7 +51,7 @@ def parse_step_dir(name: str) -> tuple[int, bool] | None:
 
 def chunk_relpath(content_hash: str) -> str:
     """Relative path of a chunk: ``chunks/<first 2 hex>/<hash>``."""
-    if not _HASH_RE.match(content_hash):
+    if not isinstance(content_hash, str) or not _HASH_RE.fullmatch(content_hash):
         raise UnsafeCheckpointError(f"invalid chunk hash {content_hash!r}: expected 32 lowercase hex digits")
     return f"{CHUNKS_DIR}/{content_hash[:2]}/{content_hash}"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +24,37 @@ from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .layout import chunk_relpath, validate_relpath
 
 FORMAT_VERSION = 1
+_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,40}")
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: anything larger in a manifest is corrupt or malicious
 MAX_NDIM = 64
 CODECS = ("raw",)
 VALUE_CODECS = ("json", "torch")
 
 # dtype names on disk <-> torch dtypes are resolved in trainguard.state.dtypes (this module stays torch-free).
+# Bytes per element of the dtypes whose size is known here; shards of these are checked against their bytes.
+DTYPE_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -266,8 +292,8 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     """
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(f"not valid JSON ({e})", expect_step) from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints, deep nesting
+        raise _bad(f"not valid JSON ({str(e)[:200]})", expect_step) from None
     if not isinstance(body, dict):
         raise _bad("top level is not an object", expect_step)
     version = body.get("format_version")
@@ -321,8 +347,8 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         kind = raw.get("kind")
         if kind == "tensor":
             dtype = raw.get("dtype")
-            if not isinstance(dtype, str):
-                raise _bad(f"{fqn}: dtype must be a string", step)
+            if not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype):
+                raise _bad(f"{fqn}: unknown dtype {str(dtype)[:60]!r} (not a dtype name)", step)
             shape_raw = raw.get("shape")
             if not isinstance(shape_raw, list) or len(shape_raw) > MAX_NDIM:
                 raise _bad(f"{fqn}: shape must be a list of at most {MAX_NDIM} ints", step)
@@ -350,7 +376,20 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                 if not isinstance(segs_raw, list):
                     raise _bad(f"{fqn}: segments must be a list", step)
                 segs = tuple(_seg(s, chunks, fqn) for s in segs_raw)
-                shards.append(ShardRecord(o, z, segs))
+                shard = ShardRecord(o, z, segs)
+                itemsize = DTYPE_ITEMSIZE.get(dtype)
+                if itemsize is not None and shard.nbytes != math.prod(z) * itemsize:
+                    raise _bad(
+                        f"{fqn}: shard {o} holds {shard.nbytes} bytes but {z} x {dtype} needs "
+                        f"{math.prod(z) * itemsize}",
+                        step,
+                    )
+                shards.append(shard)
+            covered = sum(math.prod(sh.sizes) for sh in shards)
+            if covered != math.prod(shape):
+                raise _bad(
+                    f"{fqn}: shards cover {covered} of the {math.prod(shape)} elements of shape {shape}", step
+                )
             entries[fqn] = TensorEntry(fqn, epath, dtype, shape, tuple(shards))
         elif kind == "value":
             codec = raw.get("codec")
@@ -369,8 +408,12 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         else:
             raise _bad(f"{fqn}: unknown entry kind {kind!r}", step)
     t = body.get("t")
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise _bad("t must be a number", step)
+    try:
+        t_ok = not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(float(t))
+    except OverflowError:
+        t_ok = False
+    if not t_ok:
+        raise _bad("t must be a finite number", step)
     ws = _int(body.get("world_size"), "world_size", 1, 1 << 24)
     metrics = body.get("metrics") or {}
     metadata = body.get("metadata") or {}

@@ -12,6 +12,8 @@ save decides to reference it until it commits or fails; :meth:`ChunkStore.collec
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 import threading
 import time
 from collections import Counter
@@ -75,10 +77,8 @@ class ChunkStore:
                     pass
                 return rec, False
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tmp_dir / f"{h}.tmp"
+            tmp = tmp_dir / f"{h}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
             try:
-                if tmp.exists():
-                    tmp.unlink()
                 _local.write_file(tmp, view, fsync=self.fsync)  # via the module: one seam for fault injection
                 os.replace(tmp, final)
             except OSError as e:
@@ -120,11 +120,15 @@ class ChunkStore:
         """Cheap check (no read): None if the chunk exists with the right length, else the problem."""
         p = self.root / rec.path
         try:
-            size = p.stat().st_size
+            st = p.stat()
         except FileNotFoundError:
-            return "missing"
-        if size != rec.length:
-            return f"length {size} != {rec.length}"
+            return "is missing"
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file"
+        if st.st_size != rec.length:
+            return f"has the wrong length ({st.st_size} bytes, expected {rec.length})"
         return None
 
     def read(
@@ -133,8 +137,12 @@ class ChunkStore:
         """Read a whole chunk and check its length and CRC32C.
 
         Raises:
-            CorruptCheckpointError: missing, wrong length or CRC32C mismatch, naming the chunk and its tensors.
+            CorruptCheckpointError: missing, unreadable, wrong length or CRC32C mismatch, naming the chunk and
+                its tensors.
         """
+        bad = self.check_present(rec)  # before allocating: the recorded length could be absurd
+        if bad is not None:
+            raise self._corrupt(rec, bad, step, owners, damaged="length" in bad)
         buf = bytearray(rec.length)
         self.readinto(rec, memoryview(buf), step=step, owners=owners)
         return buf
@@ -156,12 +164,20 @@ class ChunkStore:
                 extra = f.read(1)
         except FileNotFoundError:
             raise self._corrupt(rec, "is missing", step, owners) from None
+        except OSError as e:
+            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
         if got != rec.length or extra:
-            raise self._corrupt(rec, f"has the wrong length (expected {rec.length} bytes)", step, owners)
+            raise self._corrupt(
+                rec, f"has the wrong length (expected {rec.length} bytes)", step, owners, damaged=True
+            )
         actual = crc32c.crc32c(out[: rec.length])
         if actual != rec.crc32c:
             raise self._corrupt(
-                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {actual:#010x})", step, owners
+                rec,
+                f"fails CRC32C (stored {rec.crc32c:#010x}, read {actual:#010x})",
+                step,
+                owners,
+                damaged=True,
             )
 
     def verify(
@@ -188,18 +204,24 @@ class ChunkStore:
                     total += n
         except FileNotFoundError:
             raise self._corrupt(rec, "is missing", step, owners) from None
+        except OSError as e:
+            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
         if total != rec.length:
             raise self._corrupt(
-                rec, f"has the wrong length ({total} bytes, expected {rec.length})", step, owners
+                rec,
+                f"has the wrong length ({total} bytes, expected {rec.length})",
+                step,
+                owners,
+                damaged=True,
             )
         if crc != rec.crc32c:
             raise self._corrupt(
-                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})", step, owners
+                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})", step, owners, damaged=True
             )
 
     @staticmethod
     def _corrupt(
-        rec: ChunkRecord, what: str, step: int | None, owners: list[str] | None
+        rec: ChunkRecord, what: str, step: int | None, owners: list[str] | None, *, damaged: bool = False
     ) -> CorruptCheckpointError:
         names = ", ".join((owners or [])[:8]) + (" ..." if owners and len(owners) > 8 else "")
         where = f" of step {step}" if step is not None else ""
@@ -208,6 +230,7 @@ class ChunkStore:
             step=step,
             chunk=rec.path,
             tensors=owners,
+            damaged=damaged,
         )
 
     def quarantine(self, rel: str) -> str | None:

@@ -12,6 +12,8 @@ from typing import Any
 
 from ..catalog import read_manifest, step_dirs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry
+from ..format.manifest import DTYPE_ITEMSIZE
 from ..incremental.chunkstore import ChunkStore
 
 
@@ -58,7 +60,10 @@ def verify(
         CheckpointNotFoundError: a requested step has no committed checkpoint.
     """
     store = ChunkStore(root)
-    committed, _ = step_dirs(root)
+    dirs, _ = step_dirs(root)
+    committed = {
+        s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()
+    }  # no manifest: incomplete, not checked
     wanted = sorted(committed) if steps is None else sorted(set(steps))
     report = VerifyReport()
     manifests = {}
@@ -83,18 +88,60 @@ def verify(
                     results[h] = None
                     report.bytes_read += rec.length
                 except CorruptCheckpointError as e:
-                    results[h] = str(e).split(" fails ")[-1] if " fails " in str(e) else str(e)
+                    results[h] = str(e)
             done += rec.length
             if progress is not None:
                 progress(done, total)
             if results[h] is not None:
                 report.ok = False
                 report.corrupt.append(
-                    {
-                        "step": s,
-                        "chunk": rec.path,
-                        "tensors": owners.get(h, []),
-                        "problem": f"chunk {rec.path}: {results[h]}",
-                    }
+                    {"step": s, "chunk": rec.path, "tensors": owners.get(h, []), "problem": results[h]}
                 )
+        _check_values(store, m, s, report, results)
+        _check_dtypes(m, s, report)
     return report
+
+
+def _check_dtypes(m: Manifest, step: int, report: VerifyReport) -> None:
+    """Every tensor's dtype must exist in this torch (names of well-known dtypes are checked without torch)."""
+    for fqn, e in m.entries.items():
+        if isinstance(e, TensorEntry) and e.dtype not in DTYPE_ITEMSIZE:
+            from ..state.dtypes import dtype_from_name
+
+            try:
+                dtype_from_name(e.dtype)
+            except CorruptCheckpointError as err:
+                report.ok = False
+                report.corrupt.append({"step": step, "chunk": None, "tensors": [fqn], "problem": str(err)})
+
+
+def _check_values(
+    store: ChunkStore, m: Manifest, step: int, report: VerifyReport, chunk_ok: dict[str, str | None]
+) -> None:
+    """Decode every stored (non-inline) value the way restore would, so an unsafe payload (a pickle that
+    ``torch.load(weights_only=True)`` refuses) is reported here too, not only at restore."""
+    from ..state.values import TAG_JSON, TAG_TORCH, decode_value
+
+    cache: dict[str, bytearray] = {}
+    for fqn, e in m.entries.items():
+        if not isinstance(e, ValueEntry) or e.segments is None:
+            continue
+        if any(chunk_ok.get(seg.chunk) is not None for seg in e.segments):
+            continue  # its chunk is already reported
+        data = bytearray()
+        for seg in e.segments:
+            if seg.chunk not in cache:
+                cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=step)
+            data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
+        try:
+            decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), fqn)
+        except CorruptCheckpointError as err:
+            report.ok = False
+            report.corrupt.append(
+                {
+                    "step": step,
+                    "chunk": m.chunks[e.segments[0].chunk].path if e.segments else None,
+                    "tensors": [fqn],
+                    "problem": str(err),
+                }
+            )

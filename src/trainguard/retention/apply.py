@@ -35,7 +35,8 @@ def chunks_of(mgr: CheckpointManager, step: int) -> set[str] | None:
     return mgr._manifest_chunks[step]
 
 
-def _referenced(mgr: CheckpointManager) -> set[str] | None:
+def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
+    """Every chunk a committed manifest references; None if a manifest cannot be read."""
     referenced: set[str] = set()
     steps, _ = step_dirs(mgr.root)
     for s, d in steps.items():
@@ -66,7 +67,7 @@ def apply_retention(mgr: CheckpointManager) -> None:
         remove_tree(d)
         mgr._manifest_chunks.pop(s, None)
         mgr._event("retention_delete", step=s)
-    referenced = _referenced(mgr)
+    referenced = referenced_chunks(mgr)
     if referenced is None:
         log.warning("a manifest under %s is unreadable; not deleting chunks", mgr.root)
         return
@@ -85,12 +86,15 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
     dead = [s for s, d in steps.items() if not (d / MANIFEST_NAME).exists()]
     if not partials and not dead:
         return
+    for d in steps.values():  # temporary manifests of a publish killed before its rename
+        for tmp in d.glob(f".{MANIFEST_NAME}.tmp-*"):
+            tmp.unlink(missing_ok=True)
     for s in dead:
         remove_tree(steps.pop(s))
     for ps in partials.values():
         for p in ps:
             remove_tree(p)
-    referenced = _referenced(mgr)
+    referenced = referenced_chunks(mgr)
     if referenced is None:
         log.warning("a manifest under %s is unreadable; not collecting orphan chunks", mgr.root)
         return

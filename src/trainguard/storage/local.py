@@ -27,11 +27,13 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def raise_if_full(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> None:
     """Turn ENOSPC/EDQUOT into StorageFullError (with the fix in the message); re-raise anything else."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        raise StorageFullError(
+        full = StorageFullError(
             f"no space left on the device while writing {path}: free space or lower retention (keep=...); "
             "no checkpoint was committed and earlier checkpoints are intact",
             step=step,
-        ) from e
+        )
+        full.errno, full.strerror, full.filename = e.errno, e.strerror, str(path)
+        raise full from e
     raise e
 
 
