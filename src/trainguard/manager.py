@@ -622,10 +622,10 @@ class CheckpointManager:
             for e in m.entries.values():
                 if isinstance(e, TensorEntry):
                     dtype_from_name(e.dtype)
-        except CorruptCheckpointError as err:
-            err.step = step
+        except CorruptCheckpointError as bad_dtype:
+            bad_dtype.step = step
             if self.dist.is_coordinator:
-                self._mark_corrupt(step, err)
+                self._mark_corrupt(step, bad_dtype)
             raise
         template, paths = _statefn.build_template(m, state)
         reader = TrainguardReader(self.store, m)

@@ -422,7 +422,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         raise _bad("metrics, metadata and top_level must be objects", step)
     return Manifest(
         step=step,
-        t=float(t),
+        t=float(t),  # type: ignore[arg-type]
         time=str(body.get("time", "")),
         world_size=ws,
         entries=entries,
