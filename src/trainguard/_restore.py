@@ -8,17 +8,27 @@ on one rank makes all ranks fall back to the next older step together.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from .catalog import inspect_step, step_dirs
+import torch.distributed.checkpoint as dcp
+
+from . import _statefn
+from ._persist import quiet_dcp, unwrap
+from ._time import iso
+from .catalog import CORRUPT_MARKER, inspect_step, read_manifest, step_dirs
+from .distributed import TrainguardLoadPlanner, TrainguardReader
 from .errors import CorruptCheckpointError, NoValidCheckpointError
-from .format import MANIFEST_NAME, step_dir_name
+from .format import MANIFEST_NAME, TensorEntry, step_dir_name
+from .state.dtypes import dtype_from_name
+from .storage.local import atomic_write
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager, RestoreTimings
+    from .manager import CheckpointManager
+    from .results import RestoreTimings
 
 log = logging.getLogger("trainguard")
 
@@ -115,3 +125,57 @@ def skip(
     timings.skipped.append(rec)
     problems.append(f"step {step}: {problem}")
     mgr._event("restore_skipped", **rec)
+
+
+def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> None:
+    m = read_manifest(mgr.root, step)
+    try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
+        for e in m.entries.values():
+            if isinstance(e, TensorEntry):
+                dtype_from_name(e.dtype)
+    except CorruptCheckpointError as bad_dtype:
+        bad_dtype.step = step
+        if mgr.dist.is_coordinator:
+            mgr._mark_corrupt(step, bad_dtype)
+        raise
+    template, paths = _statefn.build_template(m, state)
+    reader = TrainguardReader(mgr.store, m)
+    try:
+        with quiet_dcp():
+            if mgr.dist.enabled:
+                dcp.load(
+                    template,
+                    storage_reader=reader,
+                    planner=TrainguardLoadPlanner(),
+                    process_group=mgr.dist.io_group,
+                )
+            else:
+                dcp.load(template, storage_reader=reader, planner=TrainguardLoadPlanner(), no_dist=True)
+    except BaseException as e:
+        err = unwrap(e, step, prefer=CorruptCheckpointError)
+        if isinstance(err, CorruptCheckpointError) and mgr.dist.is_coordinator:
+            mgr._mark_corrupt(step, err)
+        raise err from None
+    _statefn.apply(template, paths, state, step)
+    mgr.last_restore.bytes = reader.bytes_read
+
+
+def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError) -> None:
+    if mgr.read_only:
+        return
+    d = mgr.root / step_dir_name(step)
+    if err.chunk and err.damaged:
+        moved = mgr.store.quarantine(err.chunk)
+        if moved:
+            log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
+    if d.is_dir():
+        try:
+            atomic_write(
+                d / CORRUPT_MARKER,
+                json.dumps(
+                    {"problem": str(err), "chunk": err.chunk, "tensors": err.tensors, "time": iso()}
+                ).encode(),
+                fsync=mgr.fsync,
+            )
+        except OSError:
+            pass

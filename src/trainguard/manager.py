@@ -13,30 +13,19 @@ Typical use (DESIGN.md section 1)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
-import secrets
 import threading
 import time
-import warnings
-from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import WriteResult
-
-from . import _restore, _statefn
+from . import _persist, _restore, _statefn
 from ._lock import RootLock
-from ._time import iso
-from .catalog import CORRUPT_MARKER, CheckpointInfo, inspect_step, read_manifest, scan
-from .commit import build_manifest, publish
-from .distributed import TrainguardLoadPlanner, TrainguardReader, TrainguardSavePlanner, TrainguardWriter
+from .catalog import CheckpointInfo, inspect_step, scan
+from .commit import publish
 from .distributed.context import DistContext
 from .distributed.writer import WriterOptions
 from .errors import (
@@ -45,51 +34,19 @@ from .errors import (
     CorruptCheckpointError,
     RootLockedError,
     SaveError,
-    StorageFullError,
     TrainguardError,
 )
-from .format import Manifest, TensorEntry, step_dir_name
-from .format.layout import MANIFEST_NAME, partial_dir_name
+from .format import Manifest, step_dir_name
+from .format.layout import MANIFEST_NAME
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
+from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
-from .retention.apply import apply_retention, cleanup_after_crash, referenced_chunks
+from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
-from .state.dtypes import dtype_from_name
-from .storage.local import atomic_write, remove_tree
 
 log = logging.getLogger("trainguard")
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """Outcome of one committed save.
-
-    Attributes:
-        step: the step saved.
-        bytes: bytes of chunk data the checkpoint references.
-        bytes_written: bytes actually written (chunks already present are not written again).
-        block_s: seconds the caller was blocked.
-        persist_s: seconds from the start of the save to the commit.
-    """
-
-    step: int
-    bytes: int
-    bytes_written: int
-    block_s: float
-    persist_s: float
-
-
-@dataclass
-class RestoreTimings:
-    """Phases of the last restore, in seconds (joined into time-to-resume by the supervisor)."""
-
-    scan_s: float = 0.0
-    load_s: float = 0.0
-    validate_s: float = 0.0
-    bytes: int = 0
-    skipped: list[dict[str, Any]] = field(default_factory=list)
 
 
 class CheckpointManager:
@@ -449,82 +406,15 @@ class CheckpointManager:
         blocking: bool,
         staging_s: float | None = None,
     ) -> SaveResult:
-        """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
-        partial = self.root / partial_dir_name(step, f"r{self.dist.rank}{secrets.token_hex(4)}")
-        partial.mkdir()
-        manifest_box: list[Manifest] = []
-
-        def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
-            m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
-            self._publish(m)
-            manifest_box.append(m)
-
-        writer = TrainguardWriter(self.store, partial, commit, self.options, step, paths=dict(paths))
-        try:
-            with _quiet_dcp():
-                if self.dist.enabled:
-                    dcp.save(
-                        flat,
-                        storage_writer=writer,
-                        planner=TrainguardSavePlanner(),
-                        process_group=self.dist.io_group,
-                    )
-                else:
-                    dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), no_dist=True)
-        except BaseException as e:
-            err = _unwrap(e, step)
-            ranks = (
-                sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [self.dist.rank]
-            )
-            self._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
-            self._discard_new_chunks(writer)
-            if isinstance(err, StorageFullError) and err.step is None:
-                err.step = step
-            if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
-                raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
-            if isinstance(err, TrainguardError) and not isinstance(err, OSError):
-                raise err  # noqa: B904
-            where = f" on rank {ranks[0]}" if self.dist.enabled else ""
-            raise SaveError(
-                f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
-                "checkpoints are intact",
-                step=step,
-                rank_errors={ranks[0]: err},
-            ) from err
-        finally:
-            self.store.unpin(writer.hashes)
-            remove_tree(partial)
-        elapsed = time.perf_counter() - t0
-        block_s = elapsed if blocking else float(staging_s or 0.0)
-        if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
-            result = SaveResult(
-                step=step,
-                bytes=writer.bytes_total,
-                bytes_written=writer.bytes_written,
-                block_s=block_s,
-                persist_s=elapsed,
-            )
-            self.saves.append(result)
-            return result
-        m = manifest_box[0]
-        self._manifest_chunks[step] = set(m.chunks)
-        result = SaveResult(
-            step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
+        return _persist.persist(
+            self, step, flat, paths, top, metrics, metadata, t0, blocking=blocking, staging_s=staging_s
         )
-        self.saves.append(result)
-        self._event(
-            "save",
-            step=step,
-            bytes=result.bytes,
-            bytes_written=result.bytes_written,
-            block_s=result.block_s,
-            persist_s=result.persist_s,
-            chunks=len(m.chunks),
-            staging_bytes=self.staging_bytes,
-            async_save=not blocking,
-        )
-        self._apply_retention()
-        return result
+
+    def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
+        _restore.load(self, step, state)
+
+    def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
+        _restore.mark_corrupt(self, step, err)
 
     def _publish(self, m: Manifest) -> None:
         publish(self.root, m, fsync=self.fsync)
@@ -606,70 +496,6 @@ class CheckpointManager:
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
         return step
 
-    def _discard_new_chunks(self, writer: TrainguardWriter) -> None:
-        """After a failed save (one process): delete the chunks it wrote that no committed manifest references."""
-        if self.dist.enabled or not writer.new_hashes:
-            return  # other ranks' saves may share them: the next writer's cleanup collects them
-        self.store.unpin(writer.hashes)
-        writer.hashes = []
-        referenced = referenced_chunks(self)
-        if referenced is not None:
-            self.store.collect(writer.new_hashes, referenced)
-
-    def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
-        m = read_manifest(self.root, step)
-        try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
-            for e in m.entries.values():
-                if isinstance(e, TensorEntry):
-                    dtype_from_name(e.dtype)
-        except CorruptCheckpointError as bad_dtype:
-            bad_dtype.step = step
-            if self.dist.is_coordinator:
-                self._mark_corrupt(step, bad_dtype)
-            raise
-        template, paths = _statefn.build_template(m, state)
-        reader = TrainguardReader(self.store, m)
-        try:
-            with _quiet_dcp():
-                if self.dist.enabled:
-                    dcp.load(
-                        template,
-                        storage_reader=reader,
-                        planner=TrainguardLoadPlanner(),
-                        process_group=self.dist.io_group,
-                    )
-                else:
-                    dcp.load(template, storage_reader=reader, planner=TrainguardLoadPlanner(), no_dist=True)
-        except BaseException as e:
-            err = _unwrap(e, step, prefer=CorruptCheckpointError)
-            if isinstance(err, CorruptCheckpointError) and self.dist.is_coordinator:
-                self._mark_corrupt(step, err)
-            raise err from None
-        _statefn.apply(template, paths, state, step)
-        self.last_restore.bytes = reader.bytes_read
-
-    def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
-        if self.read_only:
-            return
-        import json
-
-        d = self.root / step_dir_name(step)
-        if err.chunk and err.damaged:
-            moved = self.store.quarantine(err.chunk)
-            if moved:
-                log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-        if d.is_dir():
-            try:
-                atomic_write(
-                    d / CORRUPT_MARKER,
-                    json.dumps(
-                        {"problem": str(err), "chunk": err.chunk, "tensors": err.tensors, "time": iso()}
-                    ).encode(),
-                    fsync=self.fsync,
-                )
-            except OSError:
-                pass
-
     def restore_latest(self, state: MutableMapping[str, Any]) -> int | None:
         """Load the newest VALID checkpoint into ``state`` in place and return its step.
 
@@ -691,41 +517,3 @@ class CheckpointManager:
         if step is not None:
             self.last_restore = timings
         return step
-
-
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """Silence DCP's "assuming the intent is to save in a single process" warning: single process is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
-def _unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
-    """The original exception(s) inside DCP's CheckpointException.
-
-    One failing rank: its exception. Several: a SaveError naming the ranks with every rank's exception in
-    ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
-    every rank then raises so that all fall back together).
-    """
-    if not isinstance(e, CheckpointException):
-        return e
-    errors: dict[int, BaseException] = {}
-    for rank, failure in e.failures.items():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, BaseException):
-            errors[int(rank)] = inner
-    if prefer is not None:
-        for inner in errors.values():
-            if isinstance(inner, prefer):
-                return inner
-    if len(errors) == 1:
-        return next(iter(errors.values()))
-    ranks = sorted(errors)
-    first = errors[ranks[0]] if ranks else e
-    return SaveError(
-        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: {type(first).__name__}: "
-        f"{first}); nothing was committed and earlier checkpoints are intact",
-        step=step,
-        rank_errors=errors,
-    )

@@ -1,0 +1,166 @@
+"""The save path: DCP save through our writer, the commit, the events and retention (a save's "persist"
+phase; it runs in the caller's thread for synchronous saves and in the background worker otherwise)."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .commit import build_manifest
+from .distributed import TrainguardSavePlanner, TrainguardWriter
+from .errors import SaveError, StorageFullError, TrainguardError
+from .format import Manifest
+from .format.layout import partial_dir_name
+from .results import SaveResult
+from .retention.apply import referenced_chunks
+from .storage.local import remove_tree
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+
+def persist(
+    mgr: CheckpointManager,
+    step: int,
+    flat: dict[str, Any],
+    paths: Mapping[str, Any],
+    top: dict[str, dict[str, Any]],
+    metrics: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    t0: float,
+    *,
+    blocking: bool,
+    staging_s: float | None = None,
+) -> SaveResult:
+    """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
+    partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
+    partial.mkdir()
+    manifest_box: list[Manifest] = []
+
+    def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
+        m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
+        mgr._publish(m)
+        manifest_box.append(m)
+
+    writer = TrainguardWriter(mgr.store, partial, commit, mgr.options, step, paths=dict(paths))
+    try:
+        with quiet_dcp():
+            if mgr.dist.enabled:
+                dcp.save(
+                    flat,
+                    storage_writer=writer,
+                    planner=TrainguardSavePlanner(),
+                    process_group=mgr.dist.io_group,
+                )
+            else:
+                dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), no_dist=True)
+    except BaseException as e:
+        err = unwrap(e, step)
+        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
+        mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+        discard_new_chunks(mgr, writer)
+        if isinstance(err, StorageFullError) and err.step is None:
+            err.step = step
+        if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
+            raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
+        if isinstance(err, TrainguardError) and not isinstance(err, OSError):
+            raise err  # noqa: B904
+        where = f" on rank {ranks[0]}" if mgr.dist.enabled else ""
+        raise SaveError(
+            f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
+            "checkpoints are intact",
+            step=step,
+            rank_errors={ranks[0]: err},
+        ) from err
+    finally:
+        mgr.store.unpin(writer.hashes)
+        remove_tree(partial)
+    elapsed = time.perf_counter() - t0
+    block_s = elapsed if blocking else float(staging_s or 0.0)
+    if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
+        result = SaveResult(
+            step=step,
+            bytes=writer.bytes_total,
+            bytes_written=writer.bytes_written,
+            block_s=block_s,
+            persist_s=elapsed,
+        )
+        mgr.saves.append(result)
+        return result
+    m = manifest_box[0]
+    mgr._manifest_chunks[step] = set(m.chunks)
+    result = SaveResult(
+        step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
+    )
+    mgr.saves.append(result)
+    mgr._event(
+        "save",
+        step=step,
+        bytes=result.bytes,
+        bytes_written=result.bytes_written,
+        block_s=result.block_s,
+        persist_s=result.persist_s,
+        chunks=len(m.chunks),
+        staging_bytes=mgr.staging_bytes,
+        async_save=not blocking,
+    )
+    mgr._apply_retention()
+    return result
+
+
+def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:
+    """After a failed save (one process): delete the chunks it wrote that no committed manifest references."""
+    if mgr.dist.enabled or not writer.new_hashes:
+        return  # other ranks' saves may share them: the next writer's cleanup collects them
+    mgr.store.unpin(writer.hashes)
+    writer.hashes = []
+    referenced = referenced_chunks(mgr)
+    if referenced is not None:
+        mgr.store.collect(writer.new_hashes, referenced)
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save in a single process" warning: single process is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
+    """The original exception(s) inside DCP's CheckpointException.
+
+    One failing rank: its exception. Several: a SaveError naming the ranks with every rank's exception in
+    ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
+    every rank then raises so that all fall back together).
+    """
+    if not isinstance(e, CheckpointException):
+        return e
+    errors: dict[int, BaseException] = {}
+    for rank, failure in e.failures.items():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            errors[int(rank)] = inner
+    if prefer is not None:
+        for inner in errors.values():
+            if isinstance(inner, prefer):
+                return inner
+    if len(errors) == 1:
+        return next(iter(errors.values()))
+    ranks = sorted(errors)
+    first = errors[ranks[0]] if ranks else e
+    return SaveError(
+        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: {type(first).__name__}: "
+        f"{first}); nothing was committed and earlier checkpoints are intact",
+        step=step,
+        rank_errors=errors,
+    )

@@ -1,0 +1,36 @@
+"""Records returned by the manager: a committed save, the phases of a restore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """Outcome of one committed save.
+
+    Attributes:
+        step: the step saved.
+        bytes: bytes of chunk data the checkpoint references.
+        bytes_written: bytes actually written (chunks already present are not written again).
+        block_s: seconds the caller was blocked.
+        persist_s: seconds from the start of the save to the commit.
+    """
+
+    step: int
+    bytes: int
+    bytes_written: int
+    block_s: float
+    persist_s: float
+
+
+@dataclass
+class RestoreTimings:
+    """Phases of the last restore, in seconds (joined into time-to-resume by the supervisor)."""
+
+    scan_s: float = 0.0
+    load_s: float = 0.0
+    validate_s: float = 0.0
+    bytes: int = 0
+    skipped: list[dict[str, Any]] = field(default_factory=list)
