@@ -7,6 +7,14 @@ whenever it dies or hangs:
 
     trainguard run --root runs/gpt --heartbeat-timeout 60 -- python examples/train_gpt.py --root runs/gpt
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) it trains data-parallel with FSDP2 on gloo (CPU): every block and then
+the whole model are ``fully_shard``-ed (the root group holds the tied embedding/head weight, so it stays one
+parameter), the model and optimizer are checkpointed through ``tg.ModelOptimizerState`` (sharded state, keyed
+by parameter name, loadable at any world size), and each rank reads its share of every epoch. Rank 0 alone
+writes the train log (the loss averaged over ranks) and ``final.json``:
+
+    trainguard run --root runs/gpt -- torchrun --nproc-per-node 2 examples/train_gpt.py --root runs/gpt
+
 The corpus exists on every machine without a download: every ``*.py`` file under ``sysconfig``'s stdlib path,
 read in sorted path order, concatenated (capped by --corpus-bytes), split 90/10 into train and validation.
 The model is nanoGPT's (Karpathy): pre-norm transformer blocks, causal self-attention, GELU MLP, tied input
@@ -15,7 +23,9 @@ gradient clipping. Deterministic on CPU: a run killed at any step and resumed co
 
 ``--fault-plan FILE`` (used by ``trainguard demo``) injects failures: a JSON list of
 ``{"attempt": k, "step": s, "kind": "kill_step" | "kill_during_save" | "hang" | "corrupt_newest"}``; the fault
-of attempt k (``TRAINGUARD_RESTART_COUNT``) fires at step s.
+of attempt k (``TRAINGUARD_RESTART_COUNT``) fires at step s. Under torchrun an optional ``"rank": r`` (default 0)
+picks the rank that is killed, hangs or corrupts (``corrupt_newest`` needs rank 0); every rank takes part in
+the ``kill_during_save`` save and rank r dies in the middle of writing it.
 """
 
 from __future__ import annotations
@@ -71,6 +81,16 @@ torch.set_num_threads(args.threads)
 torch.use_deterministic_algorithms(True)
 attempt = int(os.environ.get("TRAINGUARD_RESTART_COUNT", "0"))
 
+# -- torchrun: one process per rank, gloo on CPU ---------------------------------------------------------------
+distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+rank, world_size = 0, 1
+if distributed:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
 
 # -- data: the Python standard library's source, bytes 0-255 --------------------------------------------------
 def load_corpus(limit: int) -> bytes:
@@ -117,6 +137,8 @@ loader = tg.ResumableLoader(
     shuffle=True,
     seed=args.seed,
     drop_last=True,
+    rank=rank,
+    world_size=world_size,
 )
 
 
@@ -183,6 +205,11 @@ class GPT(nn.Module):
 
 
 model = GPT()
+if distributed:  # the same initial weights on every rank (same seed), then each rank keeps its shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)  # the root group: embeddings, ln_f and the tied head weight
+    torch.manual_seed(args.seed + rank)  # dropout masks differ across ranks, as in real data parallelism
 decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2]
 no_decay = [p_ for n, p_ in model.named_parameters() if p_.dim() < 2]
 optim = torch.optim.AdamW(
@@ -214,7 +241,14 @@ fault = load_fault()
 
 
 def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
-    print(f"[fault] attempt {attempt}: {kind} at step {step}", flush=True)
+    if fault.get("rank", 0) != rank:
+        if kind == "kill_during_save":  # a save is collective: every rank takes part, the fault's rank dies
+            mgr.save(step, state, metrics={"loss": float("nan")}, overwrite=True).wait()
+        return  # the other faults hit one rank; the rest fail in their next collective
+    print(
+        f"[fault] attempt {attempt}: {kind} at step {step}" + (f" on rank {rank}" if distributed else ""),
+        flush=True,
+    )
     if kind == "kill_step":  # SIGKILL in the middle of a training step
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":  # stop beating; the supervisor's heartbeat timeout kills the process group
@@ -251,25 +285,45 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# -- checkpointing: the four lines ---------------------------------------------------------------------------
+# -- checkpointing: the four lines (every rank constructs the manager; saves and restores are collective) ------
 mgr = tg.CheckpointManager(
     args.root, save_policy=tg.EveryNSteps(args.save_every), keep=args.keep, async_save=not args.sync
 )
-state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "rng": tg.RNGState()}
+if distributed:  # sharded model + optimizer state by parameter name: reloads at any world size
+    state = {
+        "app": tg.ModelOptimizerState(model, optim),
+        "sched": sched,
+        "loader": loader,
+        "rng": tg.RNGState(),
+    }
+else:
+    state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "rng": tg.RNGState()}
 start = mgr.restore_latest(state) or 0
 log_path = Path(args.log) if args.log else Path(args.root) / "train_log.jsonl"
-n_params = sum(p_.numel() for p_ in model.parameters())
-print(
-    f"attempt {attempt}: {'resumed from step ' + str(start) if start else 'starting fresh'}; "
-    f"{n_params / 1e6:.2f}M parameters, {len(corpus) / 1e6:.1f} MB corpus, training to step {args.steps}",
-    flush=True,
-)
+n_params = sum(p_.numel() for p_ in model.parameters())  # global sizes, also of DTensor shards
+if rank == 0:
+    print(
+        f"attempt {attempt}: {'resumed from step ' + str(start) if start else 'starting fresh'}; "
+        f"{n_params / 1e6:.2f}M parameters, {len(corpus) / 1e6:.1f} MB corpus, training to step {args.steps}"
+        + (f", {world_size} ranks (FSDP2, gloo)" if distributed else ""),
+        flush=True,
+    )
+
+
+def mean_over_ranks(x: torch.Tensor) -> float:
+    """The loss averaged over ranks (each rank's own loss when alone)."""
+    if not distributed:
+        return x.item()
+    t = x.detach().clone()
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return (t / world_size).item()
+
 
 # -- training loop ----------------------------------------------------------------------------------------------
 step, pending, loss = start, None, None
 batches = iter(loader)
 t_train = 0.0
-with open(log_path, "a") as log:
+with open(log_path if rank == 0 else os.devnull, "a") as log:  # rank 0 writes the log
     while step < args.steps:
         try:
             x, y = next(batches)
@@ -289,11 +343,12 @@ with open(log_path, "a") as log:
         sched.step()
         dt = time.perf_counter() - t0
         t_train += dt
+        loss_v = mean_over_ranks(loss)
         log.write(
             json.dumps(
                 {
                     "step": step,
-                    "loss": loss.item(),
+                    "loss": loss_v,
                     "lr": sched.get_last_lr()[0],
                     "step_s": dt,
                     "attempt": attempt,
@@ -303,20 +358,20 @@ with open(log_path, "a") as log:
             + "\n"
         )
         log.flush()
-        pending = mgr.maybe_save(step, state, metrics={"loss": loss.item()}) or pending
+        pending = mgr.maybe_save(step, state, metrics={"loss": loss_v}) or pending
         if fault and fault["step"] == step and fault["kind"] != "kill_step":
             fire(fault["kind"], step, mgr, pending)
 
 # -- end: always checkpoint the final state, report validation loss ---------------------------------------------
 if loss is not None and step not in [i.step for i in mgr.checkpoints() if i.status == "valid"]:
-    mgr.save(step, state, metrics={"loss": loss.item()})
+    mgr.save(step, state, metrics={"loss": loss_v})
 mgr.close()
 model.eval()
 with torch.no_grad():
     g = torch.Generator().manual_seed(0)
     val = Windows(val_data, args.block_size)
     idx = torch.randint(0, len(val), (args.eval_iters, args.batch_size), generator=g)
-    val_loss = (
+    val_loss = (  # under FSDP every rank runs the same batches (the forward is collective)
         sum(
             model(
                 torch.stack([val[int(i)][0] for i in row]), torch.stack([val[int(i)][1] for i in row])
@@ -327,10 +382,13 @@ with torch.no_grad():
     )
 summary = {
     "step": step,
-    "train_loss": loss.item() if loss is not None else None,
+    "train_loss": loss_v if loss is not None else None,
     "val_loss": val_loss,
     "train_s": t_train,
     "attempt": attempt,
 }
-(Path(args.root) / "final.json").write_text(json.dumps(summary))
-print(f"done: step {step}, train loss {summary['train_loss']}, val loss {val_loss:.4f}", flush=True)
+if rank == 0:
+    (Path(args.root) / "final.json").write_text(json.dumps(summary))
+    print(f"done: step {step}, train loss {summary['train_loss']}, val loss {val_loss:.4f}", flush=True)
+if distributed:
+    dist.destroy_process_group()

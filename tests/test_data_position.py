@@ -14,9 +14,9 @@ from trainguard import _statefn
 
 
 def loader(
-    workers: int = 0, world_size: int = 1, rank: int = 0, drop_last: bool = False
+    workers: int = 0, world_size: int = 1, rank: int = 0, drop_last: bool = False, n: int = 50
 ) -> tg.ResumableLoader:
-    ds = TensorDataset(torch.arange(50))
+    ds = TensorDataset(torch.arange(n))
     return tg.ResumableLoader(
         ds, batch_size=4, seed=3, num_workers=workers, rank=rank, world_size=world_size, drop_last=drop_last
     )
@@ -69,17 +69,26 @@ def test_position_saved_mid_epoch_at_one_world_size_resumes_at_another_without_r
     seen = []
     states = []
     for r in range(2):
-        ld = loader(world_size=2, rank=r)
+        ld = loader(world_size=2, rank=r, n=48)
         b, _ = take(ld, 3)
         seen += [i for x in b for i in x]
         states.append(ld.state_dict())
     assert states[0] == states[1]
     rest = []
     for r in range(3):
-        ld = loader(world_size=3, rank=r)
+        ld = loader(world_size=3, rank=r, n=48)
         ld.load_state_dict(states[0])
         rest += [i for x in ld for i in x[0].tolist()]
-    assert sorted(seen + rest) == list(range(50)), "every sample of the epoch exactly once"
+    assert sorted(seen + rest) == list(range(48)), "every sample of the epoch exactly once"
+
+
+def test_every_rank_gets_the_same_number_of_batches_and_the_uneven_tail_is_dropped():
+    # 47 samples on 2 ranks: 23 each (the last sample of the epoch is left out, as DistributedSampler(drop_last)
+    # does), so ranks training in lockstep never run a different number of steps.
+    counts = [len(list(loader(world_size=2, rank=r, n=47))) for r in range(2)]
+    assert counts == [len(loader(world_size=2, rank=0, n=47))] * 2 == [6, 6]
+    seen = [i for r in range(2) for b in loader(world_size=2, rank=r, n=47) for i in b[0].tolist()]
+    assert len(seen) == 46 and len(set(seen)) == 46
 
 
 def test_a_checkpointed_loader_restores_through_the_manager(tmp_path):

@@ -72,8 +72,8 @@ def persist(
             err.step = step
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
-        if isinstance(err, TrainguardError) and not isinstance(err, OSError):
-            raise err  # noqa: B904
+        if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
+            raise err  # noqa: B904 - one process: the specific error; under dist it is wrapped to name the rank
         where = f" on rank {ranks[0]}" if mgr.dist.enabled else ""
         raise SaveError(
             f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "

@@ -383,7 +383,7 @@ class CheckpointManager:
                     else SaveError(
                         f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
                         step=handle.step,
-                        rank_errors={0: e},
+                        rank_errors={self.dist.rank: e},
                     )
                 )
             finally:

@@ -61,11 +61,13 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         perm = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
-        return iter(perm[self.start + self.rank :: self.world_size].tolist())
+        return iter(perm[self.start + self.rank :: self.world_size][: len(self)].tolist())
 
     def __len__(self) -> int:
-        remaining = self.num_samples - self.start - self.rank
-        return max(0, -(-remaining // self.world_size))
+        # The same share on every rank: ranks that train in lockstep must run the same number of batches, or
+        # their collectives pair up across an epoch boundary. The last (remaining % world_size) samples of the
+        # epoch are left out (DistributedSampler(drop_last=True) does the same); one process keeps them all.
+        return max(0, (self.num_samples - self.start) // self.world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "num_samples": self.num_samples}

@@ -1,0 +1,403 @@
+"""Worker of the distributed tests, run by ``torchrun`` (gloo, CPU): ``worker.py SCENARIO SPEC.json OUT``.
+
+Every rank writes ``OUT/<SCENARIO>-rank<r>.json`` (its observations, or ``{"error": traceback}``); the test
+asserts on them. Scenarios:
+
+- ``save``: train a tiny FSDP2 model (AdamW, stepped) with a sharded ResumableLoader, saving asynchronously
+  every 2 steps; rank 0 writes the full (unsharded) model and optimizer state of every saved step to
+  ``ref-<step>.pt`` beside the run root.
+- ``load``: restore each given root at this world size into a fresh model and an optimizer that never
+  stepped, compare the full state with the reference, then consume the rest of the loader's epoch.
+- ``fail``: rank 1's chunk writes fail in the middle of a save (async, then sync saves), then rank 0's
+  manifest publish fails; each failed save is followed by one that must succeed. Last, a save whose background
+  commit waits on rank 1's writes while the training loop keeps running collectives.
+- ``corrupt``: save steps A < B, flip a bit in a chunk only B references that holds a shard written by rank 1,
+  restore: every rank must fall back to A together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import trainguard as tg
+import trainguard.storage.local as local
+from trainguard.catalog import read_manifest
+from trainguard.format import TensorEntry, step_dir_name
+from trainguard.incremental.chunkstore import ChunkStore
+from trainguard.integrity.verify import verify
+from trainguard.recovery.events import read_events
+
+DATASET_SIZE = 108  # the rest of the epoch after 4 steps at 2 or 4 ranks splits evenly over 1-4 ranks
+BATCH = 3
+
+
+# -- the job: a tiny MLP, sharded with FSDP2 ------------------------------------------------------------------
+class Net(nn.Module):
+    """Widths 70 and 7 shard unevenly over 3 and 4 ranks; ``scale`` is a replicated buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 70)
+        self.l2 = nn.Linear(70, 70)
+        self.l3 = nn.Linear(70, 7)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x))))) * self.scale
+
+
+class Ids(torch.utils.data.Dataset):
+    """Sample i is the tensor ``i`` (so what a rank consumed is visible in its batches)."""
+
+    def __len__(self) -> int:
+        return DATASET_SIZE
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+FEATURES = torch.randn(DATASET_SIZE, 16, generator=torch.Generator().manual_seed(1))
+
+
+def build(rank: int, ws: int) -> dict[str, Any]:
+    torch.manual_seed(0)  # same initial weights on every rank, as a real job has before fully_shard
+    model = Net()
+    for m in (model.l1, model.l2, model.l3):
+        fully_shard(m)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    torch.manual_seed(100 + rank)  # ranks draw different numbers: RNGState must restore each rank's own
+    loader = tg.ResumableLoader(Ids(), batch_size=BATCH, shuffle=True, seed=5, rank=rank, world_size=ws)
+    state = {
+        "app": tg.ModelOptimizerState(model, optim),
+        "rng": tg.RNGState(),
+        "loader": loader,
+        "extra": {"replicated": torch.arange(1000, dtype=torch.float32), "note": "same on every rank"},
+    }
+    return {"model": model, "optim": optim, "loader": loader, "state": state, "batches": iter(loader)}
+
+
+def train_step(job: dict[str, Any]) -> list[int]:
+    ids = next(job["batches"])
+    x = FEATURES[ids] + 0.01 * torch.randn(len(ids), 16)  # draws from this rank's torch RNG
+    loss = job["model"](x).square().mean()
+    loss.backward()
+    job["optim"].step()
+    job["optim"].zero_grad()
+    return [int(i) for i in ids]
+
+
+def full_state(job: dict[str, Any]) -> dict[str, Any]:
+    """The unsharded model and optimizer state (collective; full on rank 0, empty elsewhere)."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(job["model"], job["optim"], options=opts)
+    return {"model": msd, "optim": osd}
+
+
+def flat_items(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flat_items(v, f"{prefix}{k}/"))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(flat_items(v, f"{prefix}{i}/"))
+        return out
+    return {prefix.rstrip("/"): obj}
+
+
+def differences(got: Any, want: Any) -> list[str]:
+    """Paths where ``got`` and ``want`` differ (tensors bitwise, with dtype and shape)."""
+    a, b = flat_items(got), flat_items(want)
+    diff = sorted(set(a) ^ set(b))
+    for k in sorted(set(a) & set(b)):
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x, y)
+            )
+        else:
+            same = x == y
+        if not same:
+            diff.append(k)
+    return diff
+
+
+def rng_digest() -> str:
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+# -- scenarios -------------------------------------------------------------------------------------------------
+def scenario_save(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    job = build(rank, ws)
+    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(2))
+    consumed: list[int] = []
+    saved: dict[int, dict[str, Any]] = {}
+    pendings = []
+    for step in range(1, spec["steps"] + 1):
+        consumed += train_step(job)
+        pending = mgr.maybe_save(step, job["state"])
+        if pending is not None:
+            pendings.append(pending)
+            saved[step] = {"rng": rng_digest(), "loader": job["loader"].state_dict()}
+            full = full_state(job)
+            if rank == 0:
+                torch.save(full, root.parent / f"ref-{step}.pt")
+    results = [p.wait() for p in pendings]
+    mgr.close()
+    return {
+        "consumed": consumed,
+        "saved": saved,
+        "bytes_written": {str(r.step): r.bytes_written for r in results},
+        "manifest_bytes": {str(r.step): r.bytes for r in results} if rank == 0 else {},
+    }
+
+
+def scenario_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name, root in spec["roots"].items():
+        root = Path(root)
+        job = build(rank, ws)
+        mgr = tg.CheckpointManager(root, read_only=True)
+        step = mgr.restore_latest(job["state"])
+        mgr.close()
+        full = full_state(job)
+        diff = None
+        if rank == 0:
+            diff = differences(full, torch.load(root.parent / f"ref-{step}.pt", weights_only=True))
+        rest = [int(i) for batch in job["loader"] for i in batch]  # the rest of the epoch on this rank
+        res[name] = {
+            "step": step,
+            "differences": diff,
+            "optim_steps": sorted({int(s["step"]) for s in job["optim"].state.values()}),
+            "rng": rng_digest(),
+            "rest": rest,
+        }
+    return res
+
+
+class Injector:
+    """Replaces ``trainguard.storage.local.write_file`` (the seam every chunk and manifest write goes
+    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``fail_manifest``: the
+    manifest's write raises EIO; ``gate``: every write first waits for ``gate``; ``none``: pass through."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.calls = 0
+        self.injected = 0
+        self.gate = threading.Event()
+        self.real = local.write_file
+        if mode != "gate":
+            self.gate.set()
+
+    def __enter__(self) -> Injector:
+        def fake(*a: Any, **k: Any) -> None:
+            self.calls += 1
+            if self.mode == "fail" or (self.mode == "fail_manifest" and "manifest" in Path(a[0]).name):
+                self.injected += 1
+                raise OSError(errno.EIO, "injected write failure", str(a[0]))
+            self.gate.wait(60)
+            self.real(*a, **k)
+
+        local.write_file = fake
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        local.write_file = self.real
+
+
+def scenario_fail(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    job = build(rank, ws)
+    res: dict[str, Any] = {}
+    step = 0
+    # (failing rank, injection, async): rank 1's chunk writes fail, or rank 0's manifest publish (the commit)
+    modes = {"async": (1, "fail", True), "sync": (1, "fail", False), "commit": (0, "fail_manifest", True)}
+    for mode, (bad_rank, injection, async_save) in modes.items():
+        mgr = tg.CheckpointManager(root, async_save=async_save, save_policy=tg.EveryNSteps(10**9))
+        r: dict[str, Any] = res.setdefault(mode, {})
+        step += 1
+        train_step(job)
+        ok_step = step
+        mgr.save(ok_step, job["state"]).wait()
+        step += 1
+        train_step(job)
+        failed_step = step
+        with Injector(injection if rank == bad_rank else "none") as inj:
+            try:
+                handle = mgr.save(failed_step, job["state"])  # sync: raises here
+                r["returned"] = True
+                handle.wait()  # async: raises here
+                r["error"] = None
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                r["error"] = {
+                    "type": type(e).__name__,
+                    "is_save_error": isinstance(e, tg.SaveError),
+                    "message": str(e),
+                    "step": getattr(e, "step", None),
+                    "rank_errors": {str(k): repr(v) for k, v in getattr(e, "rank_errors", {}).items()},
+                }
+        r["injected"] = inj.injected
+        dist.barrier()
+        if rank == 0:
+            r["failed_step_dir"] = (root / step_dir_name(failed_step)).exists()
+            rep = verify(root)
+            r["verify_after_failure"] = {"ok": rep.ok, "checked": rep.checked}
+        step += 1
+        train_step(job)
+        r["next"] = mgr.save(step, job["state"]).wait().step  # the next save succeeds on every rank
+        mgr.close()
+        if rank == 0:
+            rep = verify(root)
+            r["verify_after_next"] = {"ok": rep.ok, "checked": rep.checked}
+        r["steps"] = [ok_step, failed_step, step]
+    # A background commit that waits on rank 1 does not hold up the training loop's collectives.
+    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(10**9))
+    with Injector("gate" if rank == 1 else "none") as inj:
+        step += 1
+        train_step(job)  # new values: rank 1 has chunks to write
+        handle = mgr.save(step, job["state"])
+        for _ in range(3):
+            train_step(job)  # FSDP all-gathers and reduce-scatters on the default group
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        done_while_training = handle.done()
+        inj.gate.set()
+        result = handle.wait()
+    mgr.close()
+    res["overlap"] = {
+        "done_while_training": done_while_training,
+        "all_reduce": float(t.item()),
+        "committed": result.step,
+        "gated_writes": inj.calls if rank == 1 else None,
+    }
+    return res
+
+
+def scenario_corrupt(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    a, b = 2, 4
+    job = build(rank, ws)
+    # 4 KiB chunks: a shard of l2 (at least 17 x 70 float32) gets chunks of its own instead of a shared pack
+    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(2), chunk_size_bytes=4096)
+    for step in range(1, b + 1):
+        train_step(job)
+        pending = mgr.maybe_save(step, job["state"])
+        if pending is not None:
+            full = full_state(job)
+            if rank == 0:
+                torch.save(full, root.parent / f"ref-{step}.pt")
+    mgr.close()
+    res: dict[str, Any] = {}
+    if rank == 0:
+        ma, mb = read_manifest(root, a), read_manifest(root, b)
+        only_b = set(mb.chunks) - set(ma.chunks)
+        # A chunk whose every byte belongs to shards starting past row 0 of dim-0-sharded tensors: written by
+        # rank 1 (ranks never share a chunk they write) and, at the same world size, read back by rank 1 alone.
+        users: dict[str, list[tuple[str, bool]]] = {}
+        for e in mb.entries.values():
+            segs = []
+            if isinstance(e, TensorEntry):
+                for sh in e.shards:
+                    segs += [(seg.chunk, len(e.shards) > 1 and sh.offsets[0] > 0) for seg in sh.segments]
+            elif e.segments:
+                segs += [(seg.chunk, False) for seg in e.segments]
+            for h, rank1 in segs:
+                users.setdefault(h, []).append((e.fqn, rank1))
+        candidates = sorted(h for h in only_b if all(r1 for _, r1 in users.get(h, [("", False)])))
+        h = candidates[0]
+        rec = mb.chunks[h]
+        path = root / rec.path
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+        res["corrupted"] = {"chunk": rec.path, "hash": h, "fqns": sorted({f for f, _ in users[h]})}
+    dist.barrier()
+    job = build(rank, ws)
+    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(2))
+    read: set[str] = set()  # chunks this rank reads (every chunk read ends in ChunkStore.readinto)
+    real_readinto = ChunkStore.readinto
+
+    def recording_readinto(self: ChunkStore, rec: Any, *a: Any, **k: Any) -> None:
+        read.add(rec.hash)
+        real_readinto(self, rec, *a, **k)
+
+    ChunkStore.readinto = recording_readinto  # type: ignore[method-assign]
+    try:
+        res["restored"] = mgr.restore_latest(job["state"])
+    finally:
+        ChunkStore.readinto = real_readinto  # type: ignore[method-assign]
+    res["chunks_read"] = sorted(read)
+    full = full_state(job)
+    if rank == 0:
+        res["differences"] = differences(full, torch.load(root.parent / f"ref-{a}.pt", weights_only=True))
+    res["skipped"] = mgr.last_restore.skipped
+    # Training goes on: the next save of step B replaces the corrupt checkpoint.
+    for step in range(res["restored"] + 1, b + 1):
+        train_step(job)
+        mgr.maybe_save(step, job["state"])
+    mgr.close()
+    full = full_state(job)
+    if rank == 0:
+        ref_b = torch.load(root.parent / f"ref-{b}.pt", weights_only=True)
+        res["retrained_differences"] = differences(full, ref_b)
+        res["events"] = [
+            {k: e.get(k) for k in ("rank", "step", "chunk", "tensors")}
+            for e in read_events(root, event="restore_skipped")
+        ]
+        rep = verify(root)
+        res["verify_after_resave"] = {"ok": rep.ok, "checked": rep.checked}
+    return res
+
+
+SCENARIOS = {
+    "save": scenario_save,
+    "load": scenario_load,
+    "fail": scenario_fail,
+    "corrupt": scenario_corrupt,
+}
+
+
+def main() -> int:
+    scenario, spec_path, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    try:
+        res = SCENARIOS[scenario](json.loads(spec_path.read_text()), out, rank, ws)
+        res.update(rank=rank, world_size=ws)
+    except Exception:  # noqa: BLE001 - reported to the test
+        res = {"error": f"rank {rank}: {traceback.format_exc()}"}
+    tmp = out / f".{scenario}-rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(res))
+    os.replace(tmp, out / f"{scenario}-rank{rank}.json")
+    if "error" in res:
+        os._exit(1)  # a peer may be stuck in a collective: do not wait for it in destroy_process_group
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
