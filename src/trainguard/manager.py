@@ -355,6 +355,10 @@ class CheckpointManager:
 
     def _work(self) -> None:
         """Background persist loop: one save at a time, in order. Survives a failed save and reports it."""
+        try:  # lower this thread's CPU priority (its writer threads inherit it): training keeps the CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         while True:
             job = self._queue.get()
             if job is None:
