@@ -34,7 +34,9 @@ def slow_disk(monkeypatch, seconds: float, gate: threading.Event | None = None) 
     return calls
 
 
-def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_save_time(tmp_path, monkeypatch):
+def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_save_time(
+    tmp_path, monkeypatch
+):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -108,7 +110,9 @@ def test_a_single_buffer_set_stages_only_when_no_save_is_persisting(tmp_path, mo
         mgr.wait()
 
 
-def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_commits_nothing(tmp_path, monkeypatch):
+def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_commits_nothing(
+    tmp_path, monkeypatch
+):
     real = local.write_file
     fail = {"on": True}
 
@@ -123,7 +127,9 @@ def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_comm
         p2 = mgr.save(2, {"w": {"t": torch.randn(1 << 18)}})
         with pytest.raises(tg.SaveError, match="injected I/O error"):
             p2.wait()
-        p3 = mgr.save(3, {"w": {"t": torch.randn(1 << 18)}})  # the error of 2 was seen via wait: not raised again
+        p3 = mgr.save(
+            3, {"w": {"t": torch.randn(1 << 18)}}
+        )  # the error of 2 was seen via wait: not raised again
         for _ in range(200):
             if p3.done():
                 break

@@ -67,6 +67,7 @@ def test_retention_frees_chunks_no_checkpoint_references_and_keeps_shared_ones(t
     with tg.CheckpointManager(tmp_path, keep=1) as mgr:
         for s in range(1, 4):
             mgr.save(s, {"m": {"frozen": frozen, "live": torch.full((1 << 19,), float(s))}})
+        mgr.wait()  # retention runs in the background persist, after each commit
         chunk_files = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file()]
         assert len(chunk_files) == 2, "one shared frozen chunk plus the newest live chunk"
         out: dict = {"m": {}}

@@ -51,6 +51,20 @@ class DemoConfig:
     ] = ()  # extra arguments for the training script (e.g. a smaller model in tests)
 
     def __post_init__(self) -> None:
+        if self.save_every < 1:
+            raise ConfigError(f"--save-every must be >= 1, got {self.save_every}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError(f"--heartbeat-timeout must be > 0 seconds, got {self.heartbeat_timeout_s}")
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"--out {self.out} exists and is not a directory; pass a directory")
+        need = max(
+            4 * self.save_every, self.save_every + self.failures * (self.save_every + 2) + self.save_every
+        )
+        if self.steps < need:
+            raise ConfigError(
+                f"--steps {self.steps} is too few for {self.failures} failures with --save-every "
+                f"{self.save_every}; use at least {need}"
+            )
         if self.steps < 4 * self.save_every:
             raise ConfigError(
                 f"--steps must be at least {4 * self.save_every} (4 checkpoint intervals), got {self.steps}"

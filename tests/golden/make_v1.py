@@ -12,8 +12,12 @@ import trainguard as tg
 def golden_state() -> dict:
     g = torch.Generator().manual_seed(0)
     return {
-        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.arange(3, dtype=torch.bfloat16),
-                  "mask": torch.tensor([True, False]), "big": torch.arange(300_000, dtype=torch.int32)},
+        "model": {
+            "w": torch.randn(4, 3, generator=g),
+            "b": torch.arange(3, dtype=torch.bfloat16),
+            "mask": torch.tensor([True, False]),
+            "big": torch.arange(300_000, dtype=torch.int32),
+        },
         "meta": {"epoch": 2, "betas": (0.9, 0.95), "name": "golden", 7: "int key"},
     }
 

@@ -207,10 +207,10 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
             if not bad:
                 click.echo(f"step {s}: ok")
             for c in bad:
-                names = ", ".join(c["tensors"][:6]) + (" ..." if len(c["tensors"]) > 6 else "")
-                click.echo(f"step {s}: CORRUPT {c['problem']}" + (f" (holds {names})" if names else ""))
+                click.echo(f"step {s}: CORRUPT {c['problem']}")
+        n_bad = len({c["step"] for c in report.corrupt})
+        verdict = "OK" if report.ok else f"FAILED: {n_bad} of"
         click.echo(
-            f"{'OK' if report.ok else 'FAILED'}: {len(report.checked)} checkpoint(s), "
-            f"{human_bytes(report.bytes_read)} re-read"
+            f"{verdict} {len(report.checked)} checkpoint(s) checked, {human_bytes(report.bytes_read)} re-read"
         )
     sys.exit(0 if report.ok else 1)

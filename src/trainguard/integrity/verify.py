@@ -89,6 +89,7 @@ def verify(
                     report.bytes_read += rec.length
                 except CorruptCheckpointError as e:
                     results[h] = str(e)
+                    report.bytes_read += rec.length
             done += rec.length
             if progress is not None:
                 progress(done, total)
