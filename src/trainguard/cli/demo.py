@@ -100,13 +100,12 @@ SHORT = {
 
 
 def print_summary(s: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..demo import KIND_LABELS
-    from .inspect import human_bytes
+    from .inspect import console, human_bytes
 
-    c = Console()
+    c = console()
     ck = s["checkpoints"]
     c.print(
         f"\n[bold]trainguard demo[/]: {s['steps']} steps, final train loss {s['final_loss']:.4f}, "

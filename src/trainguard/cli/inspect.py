@@ -24,6 +24,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def console() -> Any:
+    """A rich console that does not cut tables to 80 columns when the output is a pipe or a CI log."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=200, highlight=False)
+
+
 def _root(root: str) -> Path:
     p = Path(root)
     if not p.is_dir():
@@ -57,7 +65,6 @@ def ls_cmd(root: str, as_json: bool) -> None:
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"checkpoints in {p}")
@@ -75,7 +82,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
             _fmt_s(ev.get("persist_s")),
             (i.problem or "")[:80],
         )
-    Console().print(table if infos else f"no checkpoints in {p}")
+    console().print(table if infos else f"no checkpoints in {p}")
 
 
 def _fmt_s(x: Any) -> str:
@@ -132,10 +139,9 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    c = Console()
+    c = console()
     c.print(
         f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
         f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
