@@ -423,3 +423,17 @@ def test_a_real_manager_job_killed_mid_run_resumes_and_reports_every_phase(tmp_p
     assert (rec.restored_step, rec.steps_lost, rec.first_step_source) == (20, 5, "manager")
     assert all(rec.phases[p] is not None and rec.phases[p] >= 0 for p in PHASES)
     assert rec.ttr_s >= sum(rec.phases.values())
+
+
+def test_a_job_that_dies_before_its_first_heartbeat_gives_up_after_the_no_progress_limit(tmp_path):
+    from trainguard.recovery.supervisor import EXIT_NO_PROGRESS, Backoff, Supervisor, SupervisorConfig
+
+    cfg = SupervisorConfig(
+        max_restarts=10,
+        max_no_progress_restarts=2,
+        root=tmp_path,
+        backoff=Backoff(initial_s=0.01, max_s=0.02, factor=2.0),
+    )
+    result = Supervisor([sys.executable, "-c", "raise SystemExit(1)"], cfg, echo=lambda m: None).run()
+    assert result.exit_code == EXIT_NO_PROGRESS and result.reason == "no_progress"
+    assert len(result.attempts) == 3, "the first attempt and two restarts, not ten"

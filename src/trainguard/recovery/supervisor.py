@@ -17,7 +17,10 @@ progress and resets when one does.
 
 Progress is the heartbeat step: a restart made progress when its attempt reported a step above every earlier
 attempt's. An attempt that never beats makes no progress; the no-progress limit only applies once some
-attempt has beaten (a job that never calls the heartbeat is governed by ``max_restarts`` alone).
+attempt has beaten, except that attempts dying within ``EARLY_DEATH_S`` of starting without a single heartbeat
+(a job that cannot start: an ImportError, a typo) also count, so such a job stops after the no-progress limit
+instead of backing off through every ``max_restarts`` (a job that never beats but runs longer is governed by
+``max_restarts`` alone).
 
 SIGTERM and SIGINT sent to the supervisor are forwarded to the job's process group; the supervisor then
 waits up to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting.
@@ -51,6 +54,7 @@ from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, Heartbeat, read_heartbeats
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
+EARLY_DEATH_S = 60.0  # an attempt that dies this soon without a heartbeat counts against --no-progress-limit
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_MAX_RESTARTS = 3
@@ -62,7 +66,8 @@ EXIT_CODES: dict[str, str] = {
     "0": "COMMAND exited 0 (possibly after restarts)",
     "2": "usage error (no COMMAND, bad option)",
     "3": "gave up: the job failed again after --max-restarts restarts",
-    "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance)",
+    "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance, or "
+    "the job died within 60 s of starting without any heartbeat)",
     "127": "COMMAND could not be started (not found or not executable)",
     "128+N": "stopped by signal N, forwarded to the job, no restart (130 SIGINT, 143 SIGTERM)",
 }
@@ -283,6 +288,7 @@ class Supervisor:
         )
         best_step: int | None = None
         no_progress = 0
+        early_deaths = 0  # attempts in a row that died before any heartbeat, within EARLY_DEATH_S of starting
         pending: PendingRecovery | None = None
         attempt = 0
         while True:
@@ -316,6 +322,8 @@ class Supervisor:
                 best_step = result.last_step
             if attempt > 0:
                 no_progress = 0 if progressed else no_progress + 1
+            early = result.last_step is None and result.t_end - result.t_start < EARLY_DEATH_S
+            early_deaths = early_deaths + 1 if early else 0
             self._log.write(
                 "failure",
                 attempt=attempt,
@@ -340,6 +348,13 @@ class Supervisor:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
             limit = cfg.max_no_progress_restarts
             if limit and best_step is not None and no_progress >= limit:
+                return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
+            if limit and best_step is None and early_deaths > limit:
+                # a job that cannot even start (an ImportError, a typo) fails fast instead of backing off for minutes
+                self._echo(
+                    f"[trainguard] the job died {early_deaths} times in a row before its first heartbeat, "
+                    f"each within {EARLY_DEATH_S:.0f} s of starting"
+                )
                 return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
             if attempt >= cfg.max_restarts:
                 return self._finish("gave_up", "max_restarts", EXIT_MAX_RESTARTS)
