@@ -107,9 +107,11 @@ def test_a_job_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, reference, 
     train(tmp_path, "--die-at-step", str(kill_at), expect_kill=True)
     before = losses(tmp_path)
     assert before[-1]["step"] == kill_at
-    # saves persist in the background: the newest committed checkpoint may trail the last policy step
-    newest = tg.CheckpointManager(tmp_path, read_only=True).latest_step()
-    assert newest is not None and kill_at - 3 * SAVE_EVERY <= newest <= kill_at and newest % SAVE_EVERY == 0
+    # Saves persist in the background: at the kill the newest committed checkpoint may trail the last policy
+    # step, by at most the two saves the staging buffers allow in flight (and none may have committed yet).
+    newest = tg.CheckpointManager(tmp_path, read_only=True).latest_step() or 0
+    last_policy_step = (kill_at // SAVE_EVERY) * SAVE_EVERY
+    assert last_policy_step - 2 * SAVE_EVERY <= newest <= kill_at and newest % SAVE_EVERY == 0
     train(tmp_path)
     log = losses(tmp_path)
     resumed = log[len(before) :]

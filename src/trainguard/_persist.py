@@ -54,15 +54,7 @@ def persist(
     writer = TrainguardWriter(mgr.store, partial, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
-            if mgr.dist.enabled:
-                dcp.save(
-                    flat,
-                    storage_writer=writer,
-                    planner=TrainguardSavePlanner(),
-                    process_group=mgr.dist.io_group,
-                )
-            else:
-                dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), no_dist=True)
+            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
         ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]

@@ -142,15 +142,9 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
     reader = TrainguardReader(mgr.store, m)
     try:
         with quiet_dcp():
-            if mgr.dist.enabled:
-                dcp.load(
-                    template,
-                    storage_reader=reader,
-                    planner=TrainguardLoadPlanner(),
-                    process_group=mgr.dist.io_group,
-                )
-            else:
-                dcp.load(template, storage_reader=reader, planner=TrainguardLoadPlanner(), no_dist=True)
+            dcp.load(
+                template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
+            )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if isinstance(err, CorruptCheckpointError) and mgr.dist.is_coordinator:

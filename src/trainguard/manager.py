@@ -312,7 +312,7 @@ class CheckpointManager:
             flat, paths, top = _statefn.collect(state)
             handle = PendingSave(step)
             try:
-                result = self._persist(step, flat, paths, top, metrics, metadata, t0, blocking=True)
+                result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
             except SaveError as e:
                 handle._set_error(e)
                 handle._error_seen = True
@@ -365,7 +365,8 @@ class CheckpointManager:
                 return
             handle, bufset, staged, paths, top, metrics, metadata, t0 = job
             try:
-                result = self._persist(
+                result = _persist.persist(
+                    self,
                     handle.step,
                     staged,
                     paths,
@@ -396,23 +397,6 @@ class CheckpointManager:
                     self._stager.release(bufset)
                 self._in_flight.discard(handle.step)
                 self._in_flight_t.pop(handle.step, None)
-
-    def _persist(
-        self,
-        step: int,
-        flat: dict[str, Any],
-        paths: Mapping[str, Any],
-        top: dict[str, dict[str, Any]],
-        metrics: Mapping[str, Any] | None,
-        metadata: Mapping[str, Any] | None,
-        t0: float,
-        *,
-        blocking: bool,
-        staging_s: float | None = None,
-    ) -> SaveResult:
-        return _persist.persist(
-            self, step, flat, paths, top, metrics, metadata, t0, blocking=blocking, staging_s=staging_s
-        )
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
         _restore.load(self, step, state)

@@ -37,6 +37,10 @@ class DistContext:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    def dcp_kwargs(self) -> dict[str, Any]:
+        """How ``dcp.save``/``dcp.load`` reach the other ranks: our ``io_group``, or ``no_dist`` alone."""
+        return {"process_group": self.io_group} if self.enabled else {"no_dist": True}
+
     def broadcast_ints(self, values: list[int] | None) -> list[int]:
         """Rank 0's list of ints on every rank (``values`` is ignored elsewhere)."""
         if not self.enabled:
