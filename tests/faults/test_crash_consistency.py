@@ -205,14 +205,13 @@ def test_random_sigkills_never_lose_or_damage_a_committed_checkpoint(forkserver,
         trials.append(check_after_kill(ledger, log, None, None))
     assert ledger is not None
     final_check(ledger)
-    # The kills landed where they matter: many in the middle of a save (about 3 in 4 on an idle machine), many
-    # after the victim had committed something itself, and some while uncommitted chunks were published.
+    # The kills landed where they matter: many in the middle of a save (about 3 in 4 on an idle machine) and
+    # many after the victim had committed something itself. (Kills that leave uncommitted chunks published
+    # happen in some random trials, not reliably on a loaded machine: the deterministic ``chunk_published``
+    # kill point below covers that window every time.)
     mid_save = [t for t in trials if t.inflight is not None]
     assert len(mid_save) >= RANDOM_TRIALS // 3, [t.inflight for t in trials]
     assert sum(1 for t in trials if t.committed_by_victim) >= 5, [t.committed_by_victim for t in trials]
-    assert any(t.orphans_at_kill for t in trials), (
-        "no kill left an uncommitted chunk behind: kills too early?"
-    )
 
 
 # (kill point, occurrence, was the step in flight committed?) The occurrence counts within one victim: the
