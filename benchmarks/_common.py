@@ -24,6 +24,33 @@ GB = 1e9  # throughput is reported in GB/s (10^9 bytes), as dd and disk vendors 
 _BLOCK_BYTES = 64 << 20
 
 
+# One transformer layer of the synthetic state dicts both save/load benchmarks build (name, shape): large
+# matrices, medium ones, and the many small tensors (biases, norms, 0-d) a real state_dict holds.
+_D, _FFN = 1024, 4096
+TRANSFORMER_LAYER: list[tuple[str, tuple[int, ...]]] = [
+    ("attention.wq.weight", (_D, _D)),
+    ("attention.wk.weight", (_D, _D)),
+    ("attention.wv.weight", (_D, _D)),
+    ("attention.wo.weight", (_D, _D)),
+    ("feed_forward.w1.weight", (_FFN, _D)),
+    ("feed_forward.w2.weight", (_D, _FFN)),
+    ("feed_forward.w3.weight", (_FFN, _D)),
+    ("attention.wq.bias", (_D,)),
+    ("attention.wk.bias", (_D,)),
+    ("attention.wv.bias", (_D,)),
+    ("attention.wo.bias", (_D,)),
+    ("feed_forward.w1.bias", (_FFN,)),
+    ("feed_forward.w2.bias", (_D,)),
+    ("attention_norm.weight", (_D,)),
+    ("ffn_norm.weight", (_D,)),
+    ("attention.freqs", (512, 64)),
+    ("attention.rel_pos_bias", (32, _D)),
+    ("moe.router.weight", (8, _D)),
+    ("adapter.down.weight", (128, _D)),
+    ("attention.logit_scale", ()),
+]
+
+
 def timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[float, T]:
     """Run ``fn(*args, **kwargs)`` and return ``(wall seconds, result)``."""
     t0 = time.perf_counter()

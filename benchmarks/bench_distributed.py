@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
+    TRANSFORMER_LAYER,
     default_scratch_parent,
     drop_caches,
     dump_json,
@@ -90,29 +91,7 @@ def state_spec(total_bytes: int) -> list[tuple[str, tuple[int, ...], str]]:
         ("vision_proj.weight", (rows(16384), 4096), "bfloat16"),
         ("pos_embeddings.weight", (rows(8192), 2048), "float32"),
     ]
-    d, ffn = 1024, 4096
-    layer = [
-        ("attention.wq.weight", (d, d)),
-        ("attention.wk.weight", (d, d)),
-        ("attention.wv.weight", (d, d)),
-        ("attention.wo.weight", (d, d)),
-        ("feed_forward.w1.weight", (ffn, d)),
-        ("feed_forward.w2.weight", (d, ffn)),
-        ("feed_forward.w3.weight", (ffn, d)),
-        ("attention.wq.bias", (d,)),
-        ("attention.wk.bias", (d,)),
-        ("attention.wv.bias", (d,)),
-        ("attention.wo.bias", (d,)),
-        ("feed_forward.w1.bias", (ffn,)),
-        ("feed_forward.w2.bias", (d,)),
-        ("attention_norm.weight", (d,)),
-        ("ffn_norm.weight", (d,)),
-        ("attention.freqs", (512, 64)),
-        ("attention.rel_pos_bias", (32, d)),
-        ("moe.router.weight", (8, d)),
-        ("adapter.down.weight", (128, d)),
-        ("attention.logit_scale", ()),
-    ]
+    layer = TRANSFORMER_LAYER
     total = sum(nbytes(s, t) for _, s, t in spec)
     i = 0
     while True:

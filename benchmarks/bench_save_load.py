@@ -40,6 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _common import (
     COMPARE_COLUMNS,
+    TRANSFORMER_LAYER,
     compare_rows,
     default_scratch_parent,
     drop_caches,
@@ -87,29 +88,7 @@ def make_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     add("output.weight", (rows(32768), 2048), torch.bfloat16)  # 128 MiB
     add("vision_proj.weight", (rows(16384), 4096), torch.bfloat16)  # 128 MiB
     add("pos_embeddings.weight", (rows(8192), 2048), torch.float32)  # 64 MiB
-    d, ffn = 1024, 4096
-    layer = [
-        ("attention.wq.weight", (d, d)),
-        ("attention.wk.weight", (d, d)),
-        ("attention.wv.weight", (d, d)),
-        ("attention.wo.weight", (d, d)),
-        ("feed_forward.w1.weight", (ffn, d)),
-        ("feed_forward.w2.weight", (d, ffn)),
-        ("feed_forward.w3.weight", (ffn, d)),
-        ("attention.wq.bias", (d,)),
-        ("attention.wk.bias", (d,)),
-        ("attention.wv.bias", (d,)),
-        ("attention.wo.bias", (d,)),
-        ("feed_forward.w1.bias", (ffn,)),
-        ("feed_forward.w2.bias", (d,)),
-        ("attention_norm.weight", (d,)),
-        ("ffn_norm.weight", (d,)),
-        ("attention.freqs", (512, 64)),
-        ("attention.rel_pos_bias", (32, d)),
-        ("moe.router.weight", (8, d)),
-        ("adapter.down.weight", (128, d)),
-        ("attention.logit_scale", ()),
-    ]
+    layer = TRANSFORMER_LAYER
     i = 0
     while True:
         dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
