@@ -25,7 +25,9 @@ gradient clipping. Deterministic on CPU: a run killed at any step and resumed co
 ``{"attempt": k, "step": s, "kind": "kill_step" | "kill_during_save" | "hang" | "corrupt_newest"}``; the fault
 of attempt k (``TRAINGUARD_RESTART_COUNT``) fires at step s. Under torchrun an optional ``"rank": r`` (default 0)
 picks the rank that is killed, hangs or corrupts (``corrupt_newest`` needs rank 0); every rank takes part in
-the ``kill_during_save`` save and rank r dies in the middle of writing it.
+the ``kill_during_save`` save and rank r dies in the middle of writing it. ``"after_commit": true`` on a
+``kill_step`` fault first waits for the save in flight to commit, so the newest checkpoint at the kill is the
+last one the policy asked for (tests use it; an asynchronous save may otherwise still be persisting).
 """
 
 from __future__ import annotations
@@ -250,6 +252,8 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
         flush=True,
     )
     if kind == "kill_step":  # SIGKILL in the middle of a training step
+        if fault.get("after_commit") and pending is not None:
+            pending.wait()
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":  # stop beating; the supervisor's heartbeat timeout kills the process group
         while True:

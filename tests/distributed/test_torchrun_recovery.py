@@ -39,7 +39,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("torchrun")
     faulted, reference = d / "faulted", d / "reference"
     plan = d / "plan.json"
-    plan.write_text(json.dumps([{"attempt": 0, "step": KILL_AT, "kind": "kill_step", "rank": KILL_RANK}]))
+    plan.write_text(
+        json.dumps(
+            [{"attempt": 0, "step": KILL_AT, "kind": "kill_step", "rank": KILL_RANK, "after_commit": True}]
+        )
+    )
     ref = subprocess.Popen(  # the uninterrupted run, concurrently
         train_cmd(reference), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env()
     )
