@@ -283,9 +283,8 @@ def run_once(
         with trainguard.CheckpointManager(sync_root, fsync=True, async_save=False) as sync_mgr:
             saves[SAVES[6]], (_, res) = timed(save_trainguard, sync_mgr, 1, sd)
         log(f"  rep {rep}: {SAVES[6]:<40} {saves[SAVES[6]]:6.2f} s ({res.bytes_written} B written)")
+        raw_write_floor(byte_views(sd), ballast)  # untimed; freed right before the 2nd save
         prev[:] = [sync_root]
-        free_previous()
-        raw_write_floor(byte_views(sd), ballast)
         with trainguard.CheckpointManager(root, fsync=True) as mgr:
             # step 1: the first save of a fresh manager into an empty root (like the one-shot saves);
             # step 2: every tensor changed (a training job's steady state: staging buffers exist already);

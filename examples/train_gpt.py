@@ -367,7 +367,8 @@ with open(log_path if rank == 0 else os.devnull, "a") as log:  # rank 0 writes t
             fire(fault["kind"], step, mgr, pending)
 
 # -- end: always checkpoint the final state, report validation loss ---------------------------------------------
-if loss is not None and step not in [i.step for i in mgr.checkpoints() if i.status == "valid"]:
+# (decided from the save handles, the same on every rank, not from a directory scan each rank makes alone)
+if loss is not None and (pending is None or pending.step != step or pending.skipped):
     mgr.save(step, state, metrics={"loss": loss_v})
 mgr.close()
 model.eval()

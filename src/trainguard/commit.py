@@ -1,7 +1,8 @@
 """The commit protocol (docs/FORMAT.md "Commit protocol").
 
-1. Every rank writes its chunks (temporary file in the save's partial directory, fsync, rename into
-   ``chunks/``) and fsyncs the chunk directories; ``write_data`` returns only then.
+1. Every rank writes its chunks as temporary files in the save's partial directory, makes them durable
+   (one ``syncfs`` by default, or an fsync per file), renames them into ``chunks/`` and makes the renames
+   durable; ``write_data`` returns only then.
 2. DCP gathers every rank's results to the coordinator; only if no rank failed does it call ``finish``.
 3. The coordinator builds the manifest, creates ``step-N/`` (fsync of the root), and publishes
    ``step-N/manifest.json`` with tmp + fsync + rename + directory fsync. Its presence is the commit.

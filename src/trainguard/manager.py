@@ -38,7 +38,7 @@ from .errors import (
 )
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
-from .incremental.chunkstore import ChunkStore
+from .incremental.chunkstore import DURABILITY_MODES, ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
 from .results import RestoreTimings, SaveResult
@@ -59,6 +59,10 @@ class CheckpointManager:
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
         read_only: open without the write lock (list, verify and restore only).
         fsync: make every save durable (default True).
+        durability: how chunk files are made durable: ``"batched"`` (default: one ``syncfs(2)`` of the run
+            root's filesystem per rank per save, after all chunks are written, then the renames into
+            ``chunks/``; per-file fsyncs where ``syncfs`` is missing) or ``"per_file"`` (fsync every chunk
+            file and directory). ``syncfs`` also flushes other processes' dirty data on that filesystem.
         chunk_size_bytes: largest chunk, in bytes (default 64 MiB).
         save_on_preemption: on SIGTERM, save at the next ``maybe_save`` and exit cleanly.
         async_save: persist in a background thread; the caller blocks only for the copy into staging buffers
@@ -83,6 +87,7 @@ class CheckpointManager:
         keep: int | RetentionPolicy | None = None,
         read_only: bool = False,
         fsync: bool = True,
+        durability: str = "batched",
         chunk_size_bytes: int = 64 << 20,
         save_on_preemption: bool = False,
         async_save: bool = True,
@@ -104,7 +109,9 @@ class CheckpointManager:
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
-        self.store = ChunkStore(self.root, fsync=fsync)
+        if durability not in DURABILITY_MODES:
+            raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
+        self.store = ChunkStore(self.root, fsync=fsync, durability=durability)
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")

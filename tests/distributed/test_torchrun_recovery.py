@@ -54,6 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     try:
         sup = run(supervised, timeout_s=480)
+        (d / "supervisor.out").write_text(sup.stdout)  # kept for a post-mortem of a failed run
         ref_out, _ = ref.communicate(timeout=480)
     finally:
         if ref.poll() is None:

@@ -3,8 +3,8 @@
 Tensors of at least ``pack_threshold_bytes`` get chunks of their own (split every ``chunk_size_bytes``), so an
 unchanged tensor maps to the same chunk in the next checkpoint and is not written again. Smaller tensors and
 values are packed together into shared chunks. Strictly-JSON values of up to ``inline_value_bytes`` go into the
-manifest itself. Every chunk is fsynced before ``write_data`` returns; the manifest is published by the
-``commit`` callback in ``finish``, on the coordinator only, after all ranks wrote.
+manifest itself. Every chunk is durable before ``write_data`` returns (:meth:`ChunkStore.sync`); the manifest
+is published by the ``commit`` callback in ``finish``, on the coordinator only, after all ranks wrote.
 """
 
 from __future__ import annotations
@@ -127,8 +127,11 @@ class TrainguardWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
         try:
-            fut.set_result(self._write_all(plan, planner))
+            results = self._write_all(plan, planner)
+            self.store.sync(step=self.step)  # durable and visible under chunks/ before the commit
+            fut.set_result(results)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
+            self.store.drop_unpublished(self.tmp_dir)
             fut.set_exception(e)  # type: ignore[arg-type]
         return fut
 
@@ -227,5 +230,4 @@ class TrainguardWriter(StorageWriter):
                         storage_data={"segments": segs, "chunks": dict(parts)},
                     )
                 )
-        self.store.sync()
         return results

@@ -2,8 +2,12 @@
 
 A chunk's name is the xxh3-128 hash of its bytes; its CRC32C and length go into the manifest. Writing a chunk
 that already exists with the right length is skipped (identical tensors are written once across checkpoints).
-New chunks are written to a temporary file in the save's partial directory, fsynced, and renamed into place,
-so a chunk file under ``chunks/`` is always complete.
+New chunks are written to a temporary file in the save's partial directory, made durable, and renamed into
+place, so a chunk file under ``chunks/`` is always complete and durable (deduplication against it is safe after
+a machine crash). Durability is either batched (default on Linux: :meth:`ChunkStore.sync` makes every
+temporary file of the save durable with one ``syncfs(2)`` of the run root's filesystem, then renames them all
+and syncs again; one journal commit instead of one per file) or per file (``fsync`` of each temporary file in
+``put`` and of each touched directory in ``sync``).
 
 Invariants for garbage collection: a chunk referenced by a save in progress is *pinned* from the moment the
 save decides to reference it until it commits or fails; :meth:`ChunkStore.collect` never deletes a pinned chunk.
@@ -11,9 +15,12 @@ save decides to reference it until it commits or fails; :meth:`ChunkStore.collec
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import secrets
 import stat
+import sys
 import threading
 import time
 from collections import Counter
@@ -34,24 +41,73 @@ def content_hash(buf: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(buf)
 
 
+DURABILITY_MODES = ("batched", "per_file")
+
+
+def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNCFS = _load_syncfs()
+
+
+def syncfs(path: str | os.PathLike[str]) -> bool:
+    """Flush every dirty page and metadata change of the filesystem holding ``path`` (Linux ``syncfs(2)``;
+    it reports writeback errors since Linux 5.8). Returns False where ``syncfs`` is unavailable.
+
+    Raises:
+        OSError: the flush failed (e.g. EIO, ENOSPC).
+    """
+    if _SYNCFS is None:
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+    return True
+
+
 class ChunkStore:
     """Chunks of one run root.
 
     Args:
         root: the run root directory.
-        fsync: fsync chunk files and directories (default True; False only for tests and benchmarks that
-            measure without durability).
+        fsync: make chunk files and directories durable (default True; False only for tests and benchmarks
+            that measure without durability).
+        durability: ``"batched"`` (default; new chunks become visible under ``chunks/`` only in
+            :meth:`sync`, after one ``syncfs(2)``; falls back to per-file fsyncs where ``syncfs`` is missing)
+            or ``"per_file"`` (each chunk fsynced and renamed into place by ``put``). ``syncfs`` also flushes
+            other processes' dirty data on the same filesystem; choose ``"per_file"`` on a filesystem shared
+            with heavy unrelated writers.
 
     Thread-safe: ``put`` may run from many threads at once.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "batched"
+    ) -> None:
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
         self.dir = self.root / CHUNKS_DIR
         self.fsync = fsync
+        self.durability = durability
         self._lock = threading.Lock()
         self._pins: Counter[str] = Counter()
         self._dirty_dirs: set[Path] = set()
+        self._unpublished: list[tuple[Path, Path]] = []  # (temporary file, final path), batched mode
 
     # -- writing ------------------------------------------------------------------------------------------
     def put(
@@ -76,11 +132,14 @@ class ChunkStore:
                 except OSError:
                     pass
                 return rec, False
-            final.parent.mkdir(parents=True, exist_ok=True)
             tmp = tmp_dir / f"{h}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
+            batched = self.durability == "batched"
             try:
-                _local.write_file(tmp, view, fsync=self.fsync)  # via the module: one seam for fault injection
-                os.replace(tmp, final)
+                # via the module: one seam for fault injection
+                _local.write_file(tmp, view, fsync=self.fsync and not batched)
+                if not batched:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp, final)
             except OSError as e:
                 try:
                     tmp.unlink()
@@ -88,22 +147,56 @@ class ChunkStore:
                     pass
                 raise_if_full(e, final, step)
             with self._lock:
-                self._dirty_dirs.add(final.parent)
+                if batched:
+                    self._unpublished.append((tmp, final))
+                else:
+                    self._dirty_dirs.add(final.parent)
             return rec, True
         except BaseException:
             self.unpin([h])
             raise
 
-    def sync(self) -> None:
-        """fsync every chunk directory touched since the last call (after all puts, before the commit)."""
+    def sync(self, *, step: int | None = None) -> None:
+        """Make every chunk written since the last call durable and visible under ``chunks/`` (after all
+        puts, before the commit). Batched mode: one ``syncfs`` of the temporary files, the renames into
+        ``chunks/``, one more ``syncfs`` for the renames (per-file fsyncs where ``syncfs`` is unavailable).
+
+        Raises:
+            StorageFullError: ENOSPC or EDQUOT while flushing.
+            OSError: the flush failed (e.g. EIO); nothing of this save is renamed into ``chunks/`` then.
+        """
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
+            pending, self._unpublished = self._unpublished, []
+        try:
+            if pending:
+                if self.fsync and not syncfs(self.root):
+                    for tmp, _ in pending:  # no syncfs here: one fsync per file
+                        fd = os.open(tmp, os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                for tmp, final in pending:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp, final)
+                    dirs.add(final.parent)
+                if self.fsync and syncfs(self.root):
+                    return  # the renames and the new directories are durable
+        except OSError as e:
+            raise_if_full(e, self.dir, step)
         if not self.fsync:
             return
         for d in dirs:
             fsync_dir(d)
         if dirs:
             fsync_dir(self.dir)
+
+    def drop_unpublished(self, tmp_dir: Path) -> None:
+        """Forget the batched chunks written into ``tmp_dir`` by a save that failed before :meth:`sync`
+        (their temporary files go with the save's partial directory)."""
+        with self._lock:
+            self._unpublished = [(t, f) for t, f in self._unpublished if t.parent != tmp_dir]
 
     def unpin(self, hashes: Iterable[str]) -> None:
         with self._lock:
