@@ -183,3 +183,66 @@ def test_a_sigkill_during_a_background_persist_loses_only_that_checkpoint(tmp_pa
     from trainguard.integrity.verify import verify
 
     assert verify(tmp_path).ok
+
+
+def big_state(n: int = 4) -> dict[str, torch.Tensor]:
+    """``n`` tensors of 2 MiB each (each gets a chunk of its own)."""
+    g = torch.Generator().manual_seed(7)
+    return {f"w{i}": torch.randn(1 << 19, generator=g) for i in range(n)}
+
+
+def test_the_persist_writes_staged_tensors_while_the_rest_are_still_being_copied(tmp_path, monkeypatch):
+    from trainguard.staging import StagingGate
+
+    wrote_chunk = threading.Event()
+    real_write = local.write_file
+
+    def write_file(path, buf, *, fsync=True):
+        real_write(path, buf, fsync=fsync)
+        if path.name.endswith(".tmp"):
+            wrote_chunk.set()
+
+    real_release = StagingGate.release
+    overlapped: list[bool] = []
+
+    def release(self, fqn):  # after the first tensor is staged, hold the copying until a chunk is written
+        real_release(self, fqn)
+        if not overlapped:
+            overlapped.append(wrote_chunk.wait(20))
+
+    monkeypatch.setattr(local, "write_file", write_file)
+    monkeypatch.setattr(StagingGate, "release", release)
+    state = big_state()
+    with tg.CheckpointManager(tmp_path) as mgr:
+        pending = mgr.save(1, {"model": state})
+        result = pending.wait()
+    assert overlapped == [True], "no chunk was written before staging finished"
+    assert result.bytes_written >= 4 * (2 << 20)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest({"model": got}) == 1
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_failure_while_copying_into_staging_raises_in_the_caller_and_commits_nothing(tmp_path, monkeypatch):
+    from trainguard.staging import BufferSet
+
+    real_copy = BufferSet.copy
+    calls = {"n": 0}
+
+    def failing_copy(copies, gate=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second save: copy the first tensor, then fail
+            real_copy(copies[:1], gate)
+            raise RuntimeError("injected: device-to-host copy failed")
+        real_copy(copies, gate)
+
+    monkeypatch.setattr(BufferSet, "copy", staticmethod(failing_copy))
+    with tg.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": big_state()}).wait()
+        with pytest.raises(RuntimeError, match="injected"):
+            mgr.save(2, {"model": big_state()})
+        mgr.wait()  # the background half of the failed save is not raised a second time
+        assert [c.step for c in mgr.checkpoints() if c.status == "valid"] == [1]
+        assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2]
+        mgr.save(2, {"model": big_state()}).wait()  # the next save of that step succeeds
+        assert [c.step for c in mgr.checkpoints() if c.status == "valid"] == [1, 2]
