@@ -159,6 +159,7 @@ class TrainguardWriter(StorageWriter):
         pack: list[tuple[Any, memoryview, str | None]] = []  # (item, bytes, codec for values)
         pack_size = 0
         futures: list[tuple[Any, _CFuture[list[tuple[str, dict[str, Any]]]], int]] = []
+        packs: list[tuple[list[tuple[Any, int, int, str | None]], _CFuture[tuple[str, dict[str, Any]]]]] = []
         keep_alive: list[Any] = []  # tensors whose memory the views point into
 
         gate = self.gate
@@ -181,12 +182,7 @@ class TrainguardWriter(StorageWriter):
                     blob[off : off + len(view)] = view
                     placed.append((item, off, len(view), codec))
                     off += len(view)
-                h, info = self._put(memoryview(blob))
-                for item, o, n, codec in placed:
-                    sd: dict[str, Any] = {"segments": [[h, o, n]], "chunks": {h: info}}
-                    if codec is not None:
-                        sd["codec"] = codec
-                    results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=sd))
+                packs.append((placed, pool.submit(self._put, memoryview(blob))))  # written by the pool too
                 pack, pack_size = [], 0
 
             for item in plan.items:
@@ -230,6 +226,13 @@ class TrainguardWriter(StorageWriter):
                 pack.append((item, view, codec))
                 pack_size += n
             flush_pack()
+            for placed, pfut in packs:
+                h, info = pfut.result()
+                for item, o, n, codec in placed:
+                    sd: dict[str, Any] = {"segments": [[h, o, n]], "chunks": {h: info}}
+                    if codec is not None:
+                        sd["codec"] = codec
+                    results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=sd))
             for item, fut, n in futures:
                 parts = fut.result()
                 segs = [[h, 0, info["length"]] for h, info in parts]
