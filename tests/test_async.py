@@ -192,7 +192,7 @@ def big_state(n: int = 4) -> dict[str, torch.Tensor]:
 
 
 def test_the_persist_writes_staged_tensors_while_the_rest_are_still_being_copied(tmp_path, monkeypatch):
-    from trainguard.staging import StagingGate, buffers
+    from trainguard.staging import StagingGate
 
     wrote_chunk = threading.Event()
     real_write = local.write_file
@@ -202,19 +202,16 @@ def test_the_persist_writes_staged_tensors_while_the_rest_are_still_being_copied
         if path.name.endswith(".tmp"):
             wrote_chunk.set()
 
-    real_release = StagingGate.release_many
+    real_release = StagingGate.release
     overlapped: list[bool] = []
 
-    def release_many(
-        self, fqns
-    ):  # after the first group is staged, hold the copying until a chunk is written
-        real_release(self, fqns)
+    def release(self, fqn):  # after the first tensor is staged, hold the copying until a chunk is written
+        real_release(self, fqn)
         if not overlapped:
             overlapped.append(wrote_chunk.wait(20))
 
     monkeypatch.setattr(local, "write_file", write_file)
-    monkeypatch.setattr(StagingGate, "release_many", release_many)
-    monkeypatch.setattr(buffers, "COPY_GROUP_BYTES", 1 << 20)  # one 2 MiB tensor per copy group
+    monkeypatch.setattr(StagingGate, "release", release)
     state = big_state()
     with tg.CheckpointManager(tmp_path) as mgr:
         pending = mgr.save(1, {"model": state})
@@ -249,19 +246,3 @@ def test_a_failure_while_copying_into_staging_raises_in_the_caller_and_commits_n
         assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2]
         mgr.save(2, {"model": big_state()}).wait()  # the next save of that step succeeds
         assert [c.step for c in mgr.checkpoints() if c.status == "valid"] == [1, 2]
-
-
-def test_staging_copy_groups_keep_order_and_stay_within_the_group_size():
-    from trainguard.staging.buffers import COPY_GROUP_BYTES, _groups
-
-    sizes = [1 << 20, 300 << 20, 8, 100 << 20, 100 << 20, 100 << 20, 0]  # bytes (uint8 tensors)
-    copies = [
-        (f"t{i}", torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
-        for i, n in enumerate(sizes)
-    ]
-    groups = _groups(copies)
-    assert [fqn for g in groups for fqn, _, _ in g] == [f"t{i}" for i in range(len(sizes))]
-    for g in groups:
-        total = sum(b.numel() for _, b, _ in g)
-        assert total <= COPY_GROUP_BYTES or len(g) == 1
-    assert len(groups) == 4  # [1 MiB], [300 MiB alone], [8 B, 100, 100 MiB], [100 MiB, 0 B]

@@ -84,18 +84,16 @@ class BufferSet:
 
     @staticmethod
     def copy(copies: list[tuple[str, torch.Tensor, torch.Tensor]], gate: StagingGate | None = None) -> None:
-        """Make the copies of :meth:`prepare`, in groups of up to :data:`COPY_GROUP_BYTES`, one
-        ``torch._foreach_copy_`` call per group (the GIL is released once per group, not once per tensor: a
-        persist thread busy in Python cannot stretch the copy). On CPU each group is released to ``gate``
-        once copied, so the background persist writes it while the next groups are copied; CUDA copies are
+        """Make the copies of :meth:`prepare`. On CPU each buffer is released to ``gate`` as soon as it is
+        filled (the background persist writes it while the next ones are copied); on CUDA the copies are
         non-blocking and synchronized once at the end. The caller then calls ``gate.release_all``."""
         cuda = False
-        for group in _groups(copies):
-            on_cuda = group[0][2].device.type == "cuda"
+        for fqn, buf, src in copies:
+            on_cuda = src.device.type == "cuda"
             cuda |= on_cuda
-            torch._foreach_copy_([b for _, b, _ in group], [t for _, _, t in group], non_blocking=on_cuda)
+            buf.copy_(src, non_blocking=on_cuda)
             if gate is not None and not cuda:
-                gate.release_many([fqn for fqn, _, _ in group])
+                gate.release(fqn)
         if cuda:
             torch.cuda.current_stream().synchronize()
 
@@ -104,26 +102,6 @@ class BufferSet:
         out, copies = self.prepare(flat)
         self.copy(copies)
         return out
-
-
-COPY_GROUP_BYTES = 256 << 20
-"""Staging copies are made (and released to the persist) in groups of about this many bytes."""
-
-
-def _groups(
-    copies: list[tuple[str, torch.Tensor, torch.Tensor]],
-) -> list[list[tuple[str, torch.Tensor, torch.Tensor]]]:
-    """Consecutive runs of copies from one device, each up to COPY_GROUP_BYTES (a larger tensor alone)."""
-    out: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = []
-    size = 0
-    for c in copies:
-        n = c[1].numel() * c[1].element_size()
-        if not out or size + n > COPY_GROUP_BYTES or out[-1][0][2].device != c[2].device:
-            out.append([])
-            size = 0
-        out[-1].append(c)
-        size += n
-    return out
 
 
 class StagingGate:
@@ -141,11 +119,8 @@ class StagingGate:
         self.staging_s: float | None = None
 
     def release(self, fqn: str) -> None:
-        self.release_many([fqn])
-
-    def release_many(self, fqns: list[str]) -> None:
         with self._cond:
-            self._ready.update(fqns)
+            self._ready.add(fqn)
             self._cond.notify_all()
 
     def release_all(self, staging_s: float | None = None) -> None:
