@@ -26,7 +26,6 @@ from .storage.local import remove_tree
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
-    from .staging import StagingGate
 
 
 def persist(
@@ -41,12 +40,8 @@ def persist(
     *,
     blocking: bool,
     staging_s: float | None = None,
-    gate: StagingGate | None = None,
 ) -> SaveResult:
-    """Write chunks, commit, apply retention (in the caller's thread or the background worker).
-
-    ``gate`` (background saves) blocks the writer on each tensor until the caller's thread has staged it.
-    """
+    """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
     partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     partial.mkdir()
     manifest_box: list[Manifest] = []
@@ -56,15 +51,7 @@ def persist(
         mgr._publish(m)
         manifest_box.append(m)
 
-    writer = TrainguardWriter(
-        mgr.store,
-        partial,
-        commit,
-        mgr.options,
-        step,
-        paths=dict(paths),
-        gate=gate.wait if gate is not None else None,
-    )
+    writer = TrainguardWriter(mgr.store, partial, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -89,8 +76,6 @@ def persist(
     finally:
         mgr.store.unpin(writer.hashes)
         remove_tree(partial)
-    if gate is not None:
-        staging_s = gate.wait_all()  # set by the caller once every copy was made
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed

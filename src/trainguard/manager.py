@@ -44,7 +44,7 @@ from .recovery.events import EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
-from .staging import PendingSave, Stager, StagingGate
+from .staging import PendingSave, Stager
 
 log = logging.getLogger("trainguard")
 
@@ -341,30 +341,18 @@ class CheckpointManager:
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
             flat, paths, top = _statefn.collect(state)
-            staged, copies = bufset.prepare(flat)  # buffers allocated, values encoded: nothing copied yet
+            staged = bufset.stage(flat)
         except BaseException:
             self._stager.release(bufset)  # type: ignore[union-attr]
             raise
-        # Queue the save now: the background writer persists each tensor as soon as it is copied below.
-        gate = StagingGate()
-        handle = PendingSave(step, 0.0)
+        staging_s = time.perf_counter() - t0
+        handle = PendingSave(step, staging_s)
         self._in_flight.add(step)
         self._in_flight_t[step] = time.time()
         self._pending.append(handle)
+        self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
         self._ensure_worker()
-        self._queue.put((handle, bufset, staged, paths, top, metrics, metadata, t0, gate))
-        try:
-            bufset.copy(copies, gate)
-        except BaseException as e:
-            handle._error_seen = True  # raised here; the background failure it causes is not raised again
-            gate.fail(e)
-            raise
-        staging_s = time.perf_counter() - t0
-        handle.staging_s = staging_s
-        self.save_policy.record_save(
-            step, now_s=now0, block_s=staging_s, persist_s=None
-        )  # before the commit's
-        gate.release_all(staging_s)
+        self._queue.put((handle, bufset, staged, paths, top, metrics, metadata, t0))
         return handle
 
     def _ensure_worker(self) -> None:
@@ -382,10 +370,19 @@ class CheckpointManager:
             job = self._queue.get()
             if job is None:
                 return
-            handle, bufset, staged, paths, top, metrics, metadata, t0, gate = job
+            handle, bufset, staged, paths, top, metrics, metadata, t0 = job
             try:
                 result = _persist.persist(
-                    self, handle.step, staged, paths, top, metrics, metadata, t0, blocking=False, gate=gate
+                    self,
+                    handle.step,
+                    staged,
+                    paths,
+                    top,
+                    metrics,
+                    metadata,
+                    t0,
+                    blocking=False,
+                    staging_s=handle.staging_s,
                 )
                 handle._set_result(result)
                 self.save_policy.record_save(

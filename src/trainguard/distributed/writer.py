@@ -72,8 +72,6 @@ class TrainguardWriter(StorageWriter):
         options: chunking options.
         step: the step being saved (for error messages).
         paths: this rank's ``{fqn: path}`` (see :mod:`trainguard.state.flatten`).
-        gate: called with a tensor's fqn before its bytes are read; blocks until the caller's thread has
-            staged it (see :class:`trainguard.staging.StagingGate`). None: everything is staged already.
     """
 
     def __init__(
@@ -84,10 +82,8 @@ class TrainguardWriter(StorageWriter):
         options: WriterOptions,
         step: int,
         paths: dict[str, Any] | None = None,
-        gate: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
-        self.gate = gate
         self.store = store
         self.tmp_dir = tmp_dir
         self.commit = commit
@@ -162,11 +158,7 @@ class TrainguardWriter(StorageWriter):
         packs: list[tuple[list[tuple[Any, int, int, str | None]], _CFuture[tuple[str, dict[str, Any]]]]] = []
         keep_alive: list[Any] = []  # tensors whose memory the views point into
 
-        gate = self.gate
-
-        def put_many(fqn: str, views: list[memoryview]) -> list[tuple[str, dict[str, Any]]]:
-            if gate is not None:
-                gate(fqn)
+        def put_many(views: list[memoryview]) -> list[tuple[str, dict[str, Any]]]:
             return [self._put(v) for v in views]
 
         with ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="trainguard-write") as pool:
@@ -217,10 +209,8 @@ class TrainguardWriter(StorageWriter):
                     continue
                 if codec is None and n >= max(opts.pack_threshold_bytes, 1):
                     pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
-                    futures.append((item, pool.submit(put_many, item.index.fqn, pieces), n))
+                    futures.append((item, pool.submit(put_many, pieces), n))
                     continue
-                if codec is None and gate is not None:
-                    gate(item.index.fqn)
                 if pack_size + n > opts.chunk_size_bytes:
                     flush_pack()
                 pack.append((item, view, codec))

@@ -1,16 +1,13 @@
 """Double-buffered staging of a flat state (``{fqn: tensor | value}``) into host memory.
 
 Invariants:
-- After :meth:`BufferSet.stage` (or :meth:`BufferSet.copy`) returns, the staged copy shares no memory with
-  the live state: an optimizer step right after cannot leak into the checkpoint. Tensors are copied into buffers owned by the set; values
+- After :meth:`BufferSet.stage` returns, the staged copy shares no memory with the live state: an optimizer
+  step right after cannot leak into the checkpoint. Tensors are copied into buffers owned by the set; values
   are encoded (JSON or weights-only torch bytes) at once, so a value that cannot be stored fails in the
   caller's thread.
 - Buffers are allocated once per (fqn, shape, dtype) and reused by later saves (first-touch page faults cost
   5-10x a memcpy into reused memory: NOTES.md). Entries that disappear from the state are released.
 - On CUDA, buffers are pinned and copies are non-blocking on the current stream, then synchronized once.
-- Staging and persisting overlap: the manager queues the save after :meth:`BufferSet.prepare` (buffers
-  allocated, values encoded) and the background writer reads each tensor only once :class:`StagingGate`
-  says the caller's thread has copied it, so a save is durable about one staging time sooner.
 - At most ``num_sets`` buffer sets exist; host memory used is ``num_sets`` x the state's tensor bytes at most
   and is reported by :attr:`Stager.nbytes`.
 
@@ -53,107 +50,33 @@ class BufferSet:
             self.buffers[fqn] = buf
         return buf
 
-    def prepare(
-        self, flat: dict[str, Any]
-    ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, torch.Tensor]]]:
-        """Allocate (or reuse) a buffer for every tensor of ``flat`` and encode its values, copying nothing.
-
-        Returns ``(staged, copies)``: the staged flat dict (same keys; tensors are this set's buffers, not yet
-        filled) and the ``(fqn, buffer, source)`` copies :meth:`copy` must make. Raises what encoding an
-        unsafe value raises (before anything was queued).
-        """
+    def stage(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``flat`` into this set's buffers and return the staged flat dict (same keys)."""
         out: dict[str, Any] = {}
-        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        cuda = False
         for fqn, v in flat.items():
             if DTensor is not None and isinstance(v, DTensor):
                 local = v.to_local()
                 buf = self._buffer(fqn, local)
-                copies.append((fqn, buf, local.detach()))
+                cuda |= local.device.type == "cuda"
+                buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
                 out[fqn] = DTensor.from_local(
                     buf, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
                 )
             elif isinstance(v, torch.Tensor):
                 buf = self._buffer(fqn, v)
-                copies.append((fqn, buf, v.detach()))
+                cuda |= v.device.type == "cuda"
+                buf.copy_(v.detach(), non_blocking=v.device.type == "cuda")
                 out[fqn] = buf
             else:
-                out[fqn] = EncodedValue(encode_value(v, fqn))  # a snapshot; unsafe values fail here, early
+                out[fqn] = EncodedValue(
+                    encode_value(v, fqn)
+                )  # a snapshot, and unsafe values fail here, early
         for stale in set(self.buffers) - set(flat):
             del self.buffers[stale]
-        return out, copies
-
-    @staticmethod
-    def copy(copies: list[tuple[str, torch.Tensor, torch.Tensor]], gate: StagingGate | None = None) -> None:
-        """Make the copies of :meth:`prepare`. On CPU each buffer is released to ``gate`` as soon as it is
-        filled (the background persist writes it while the next ones are copied); on CUDA the copies are
-        non-blocking and synchronized once at the end. The caller then calls ``gate.release_all``."""
-        cuda = False
-        for fqn, buf, src in copies:
-            on_cuda = src.device.type == "cuda"
-            cuda |= on_cuda
-            buf.copy_(src, non_blocking=on_cuda)
-            if gate is not None and not cuda:
-                gate.release(fqn)
         if cuda:
             torch.cuda.current_stream().synchronize()
-
-    def stage(self, flat: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``flat`` into this set's buffers and return the staged flat dict (same keys)."""
-        out, copies = self.prepare(flat)
-        self.copy(copies)
         return out
-
-
-class StagingGate:
-    """Lets the background persist read a staged tensor only once the caller has copied it.
-
-    The caller's thread fills the buffers (:meth:`release` per entry, :meth:`release_all` at the end, or
-    :meth:`fail`); writer threads call :meth:`wait` with an entry's fqn before reading its bytes.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._ready: set[str] = set()
-        self._all = False
-        self.error: BaseException | None = None
-        self.staging_s: float | None = None
-
-    def release(self, fqn: str) -> None:
-        with self._cond:
-            self._ready.add(fqn)
-            self._cond.notify_all()
-
-    def release_all(self, staging_s: float | None = None) -> None:
-        """Everything is staged; ``staging_s`` is how long the caller was blocked (seconds)."""
-        with self._cond:
-            self._all = True
-            self.staging_s = staging_s
-            self._cond.notify_all()
-
-    def wait_all(self) -> float | None:
-        """Block until staging finished; returns the caller's blocking time. Raises like :meth:`wait`."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._all or self.error is not None)
-        self._raise()
-        return self.staging_s
-
-    def fail(self, error: BaseException) -> None:
-        """Staging failed in the caller: every waiting and later ``wait`` raises."""
-        with self._cond:
-            self.error = error
-            self._cond.notify_all()
-
-    def wait(self, fqn: str) -> None:
-        """Block until ``fqn`` is staged. Raises RuntimeError if staging failed."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._all or fqn in self._ready or self.error is not None)
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(
-                f"staging failed in the training thread ({type(self.error).__name__}: {self.error})"
-            )
 
 
 class Stager:
