@@ -230,6 +230,38 @@ COMPARE_COLUMNS = [
 ]
 
 
+Verdict = tuple[str, bool, str]  # (target, met, detail)
+
+
+def cache_note(cold: bool) -> str:
+    """How the loads of a run read their data, for the report's header."""
+    if cold:
+        return "page cache dropped before each load (cold, from disk)"
+    return "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
+
+
+def report_json(
+    *, load_start: float, scratch: Path, nbytes: int, repeat: int, cold: bool, verdicts: Sequence[Verdict]
+) -> dict[str, Any]:
+    """The fields every save/load benchmark's ``--json`` report has; the script adds its rows and runs."""
+    return {
+        "machine": machine_info(),
+        "loadavg_1m_at_start": load_start,
+        "scratch_fs": filesystem_of(scratch),
+        "state_bytes": nbytes,
+        "repeat": repeat,
+        "statistic": "best",
+        "loads_cold": cold,
+        "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts},
+    }
+
+
+def print_targets(verdicts: Sequence[Verdict]) -> None:
+    print("\nTARGETS (trainguard)")
+    for name, ok, det in verdicts:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {det}")
+
+
 def dump_json(obj: Any, file: Any = None) -> None:
     json.dump(obj, file or sys.stdout, indent=2, default=str)
     (file or sys.stdout).write("\n")

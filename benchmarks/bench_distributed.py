@@ -42,6 +42,7 @@ from typing import Any
 
 from _common import (
     TRANSFORMER_LAYER,
+    cache_note,
     default_scratch_parent,
     drop_caches,
     dump_json,
@@ -50,8 +51,10 @@ from _common import (
     gbps,
     log,
     machine_info,
+    print_targets,
     raw_write_floor,
     remove_path,
+    report_json,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -366,26 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                 (f"{w} rank(s): {op} no slower than DCP", tg_s <= dcp_s, f"{tg_s:.2f} s vs {dcp_s:.2f} s")
             )
     nbytes = next(iter(results.values()))["state_bytes"]
-    caching = (
-        "page cache dropped before each load (cold, from disk)"
-        if cold
-        else "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
-    )
     if args.json:
-        dump_json(
-            {
-                "machine": machine_info(),
-                "loadavg_1m_at_start": load_start,
-                "scratch_fs": filesystem_of(parent),
-                "state_bytes": nbytes,
-                "repeat": args.repeat,
-                "statistic": "best",
-                "loads_cold": cold,
-                "rows": rows,
-                "runs": {str(w): r["runs"] for w, r in results.items()},
-                "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts},
-            }
+        report = report_json(
+            load_start=load_start,
+            scratch=parent,
+            nbytes=nbytes,
+            repeat=args.repeat,
+            cold=cold,
+            verdicts=verdicts,
         )
+        report["rows"] = rows
+        report["runs"] = {str(w): r["runs"] for w, r in results.items()}
+        dump_json(report)
         return 0
     info = machine_info()
     print(
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# best of {args.repeat} (median beside it); GB/s = 10^9 bytes of tensor data per second, all ranks"
         " together; targets compare the best times"
     )
-    print(f"# {caching}\n")
+    print(f"# {cache_note(cold)}\n")
     print(
         format_table(
             rows,
@@ -413,9 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
-    print("\nTARGETS (trainguard)")
-    for name, ok, det in verdicts:
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: {det}")
+    print_targets(verdicts)
     return 0
 
 

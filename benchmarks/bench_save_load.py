@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from _common import (
     COMPARE_COLUMNS,
     TRANSFORMER_LAYER,
+    cache_note,
     compare_rows,
     default_scratch_parent,
     drop_caches,
@@ -50,9 +51,11 @@ from _common import (
     fsync_path,
     log,
     machine_info,
+    print_targets,
     raw_read_floor,
     raw_write_floor,
     remove_path,
+    report_json,
     timed,
 )
 
@@ -425,29 +428,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{tg_l:.2f} s vs {best_load[LOADS[3]]:.2f} s",
         ),
     ]
-    caching = (
-        "page cache dropped before each load (cold, from disk)"
-        if cold
-        else "LOADS READ FROM THE PAGE CACHE (drop_caches not permitted): load figures are not disk figures"
-    )
-
     if args.json:
-        dump_json(
-            {
-                "machine": machine_info(),
-                "loadavg_1m_at_start": load_start,
-                "scratch_fs": filesystem_of(parent),
-                "state_bytes": nbytes,
-                "state": shape,
-                "repeat": args.repeat,
-                "statistic": "best",
-                "loads_cold": cold,
-                "save": save_rows,
-                "load": load_rows,
-                "runs": {"save": all_saves, "load": all_loads},
-                "targets": {name: {"met": ok, "detail": det} for name, ok, det in verdicts},
-            }
+        report = report_json(
+            load_start=load_start,
+            scratch=parent,
+            nbytes=nbytes,
+            repeat=args.repeat,
+            cold=cold,
+            verdicts=verdicts,
         )
+        report.update(
+            state=shape,
+            save=save_rows,
+            load=load_rows,
+            runs={"save": all_saves, "load": all_loads},
+        )
+        dump_json(report)
         return 0
     info = machine_info()
     print(
@@ -459,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# best of {args.repeat}; GB/s = 10^9 bytes of tensor data per second; 'of raw' = raw seconds / seconds"
     )
-    print(f"# {caching}\n")
+    print(f"# {cache_note(cold)}\n")
     print("SAVE (durable: fsync in the timed region)")
     print(format_table(save_rows, COMPARE_COLUMNS))
     print(
@@ -469,9 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("LOAD (bitwise checked)")
     print(format_table(load_rows, COMPARE_COLUMNS))
-    print("\nTARGETS (trainguard)")
-    for name, ok, det in verdicts:
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: {det}")
+    print_targets(verdicts)
     return 0
 
 

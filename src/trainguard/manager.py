@@ -38,7 +38,7 @@ from .errors import (
 )
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
-from .incremental.chunkstore import DURABILITY_MODES, ChunkStore
+from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
 from .results import RestoreTimings, SaveResult
@@ -109,9 +109,10 @@ class CheckpointManager:
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
-        if durability not in DURABILITY_MODES:
-            raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
-        self.store = ChunkStore(self.root, fsync=fsync, durability=durability)
+        try:
+            self.store = ChunkStore(self.root, fsync=fsync, durability=durability)
+        except ValueError as e:  # the store checks its own options
+            raise ConfigError(str(e)) from None
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")

@@ -93,10 +93,8 @@ class TrainguardWriter(StorageWriter):
         self.global_paths: dict[str, Any] = {}
         self.rank = 0
         self.is_coordinator = True
-        self.hashes: list[str] = []
-        self.new_hashes: list[
-            str
-        ] = []  # chunks this save wrote (not deduplicated): garbage if it fails  # pinned chunk hashes of this rank; the manager unpins after commit/fail
+        self.hashes: list[str] = []  # pinned chunk hashes of this rank; the manager unpins after commit/fail
+        self.new_hashes: list[str] = []  # chunks this save wrote (not deduplicated): garbage if it fails
         self.bytes_written = 0
         self.bytes_total = 0
         self._lock = threading.Lock()

@@ -7,8 +7,8 @@ place, so a chunk file under ``chunks/`` is always complete and durable (dedupli
 a machine crash). Durability is either batched (default on Linux: each chunk's writeback starts as soon as it
 is written (``sync_file_range``), then :meth:`ChunkStore.sync` makes every temporary file of the save durable
 with one ``syncfs(2)`` of the run root's filesystem, renames them all and syncs again; one journal commit
-instead of one per file) or per file (``fsync`` of each temporary file in
-``put`` and of each touched directory in ``sync``).
+instead of one per file) or per file (``fsync`` of each temporary file in ``put`` and of each touched
+directory in ``sync``).
 
 Invariants for garbage collection: a chunk referenced by a save in progress is *pinned* from the moment the
 save decides to reference it until it commits or fails; :meth:`ChunkStore.collect` never deletes a pinned chunk.
@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import xxhash
@@ -45,28 +46,31 @@ def content_hash(buf: memoryview | bytes) -> str:
 DURABILITY_MODES = ("batched", "per_file")
 
 
-def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load_libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.syncfs
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:  # pragma: no cover - no loadable C library
         return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
+
+
+_LIBC = _load_libc()
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Any:
+    """``name`` from the C library (Linux only; errno kept for error reports), or None where missing."""
+    fn = getattr(_LIBC, name, None) if _LIBC is not None else None
+    if fn is not None:
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     return fn
 
 
-_SYNCFS = _load_syncfs()
-_SYNC_FILE_RANGE = None
-if _SYNCFS is not None:
-    try:
-        _SYNC_FILE_RANGE = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
-        _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        _SYNC_FILE_RANGE.restype = ctypes.c_int
-    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
-        _SYNC_FILE_RANGE = None
+_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
+_SYNC_FILE_RANGE = _libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
