@@ -67,6 +67,19 @@ _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, mea
     help="Run root for the event log; use the job's checkpoint root so the manager's restore timings join "
     "the TTR report. Default: $TRAINGUARD_ROOT, else ./trainguard-run.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics of the run at http://HOST:PORT/metrics while it runs (0: any free port). "
+    "Default: off.",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics endpoint binds to (127.0.0.1: this machine only).",
+)
 @click.option("--poll-interval", type=float, default=0.1, show_default=True, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of the table.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -80,6 +93,8 @@ def run_command(
     backoff_factor: float,
     no_progress_limit: int,
     root: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
     poll_interval: float,
     as_json: bool,
     command: tuple[str, ...],
@@ -107,11 +122,13 @@ def run_command(
             max_no_progress_restarts=no_progress_limit,
             root=root,
             poll_interval_s=poll_interval,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         )
         supervisor = Supervisor(command, config)
+        result = supervisor.run()  # a metrics port that cannot be bound fails here, before any launch
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
-    result = supervisor.run()
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:

@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the process's life
         self._context: dict[str, Any] = {}
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with each record written (e.g. to update metrics); a failing listener is ignored."""
         run_id = os.environ.get("TRAINGUARD_RUN_ID")
         if run_id:
             self._context["run_id"] = run_id
@@ -85,6 +87,11 @@ class EventLog:
             self._fh.flush()
             if self._fsync:
                 os.fsync(self._fh.fileno())
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001, S110 - observers must never break the log or training
+                pass
         return record
 
     def close(self) -> None:

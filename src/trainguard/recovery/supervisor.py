@@ -135,6 +135,9 @@ class SupervisorConfig:
         forward_signals: forward SIGTERM/SIGINT to the job (only possible from the main thread).
         env: extra environment for the job.
         run_id: the run id; None: generated (``YYYYmmdd-HHMMSS-<6 hex>``).
+        metrics_port: serve Prometheus metrics of the run (:mod:`trainguard.observe.metrics`) on this TCP
+            port while it runs (0: any free port, see :attr:`Supervisor.metrics_url`); None: off.
+        metrics_host: the address the metrics endpoint binds to (default 127.0.0.1, this machine only).
     """
 
     max_restarts: int = 10
@@ -148,8 +151,17 @@ class SupervisorConfig:
     forward_signals: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
     run_id: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        port = self.metrics_port
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
+        ):
+            raise ConfigError(
+                f"metrics_port must be an int in 0..65535 (0: any free port), got {self.metrics_port!r}"
+            )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.max_no_progress_restarts, int) or self.max_no_progress_restarts < 0:
@@ -242,6 +254,9 @@ class Supervisor:
         self._job: _Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
+        self._metrics: Any = None
+        self.metrics_url: str | None = None
+        """The scrape URL while :meth:`run` serves metrics (``metrics_port`` set), else None."""
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -251,8 +266,11 @@ class Supervisor:
         Returns:
             The result; its ``exit_code`` is what ``trainguard run`` exits with.
         """
+        server = self._start_metrics()
         self._log = EventLog(self.root, "supervisor")
         self._log.set_context(run_id=self.run_id)
+        if self._metrics is not None:
+            self._log.listeners.append(self._metrics.observe)
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
         previous = self._install_signal_handlers()
@@ -263,6 +281,36 @@ class Supervisor:
                 signal.signal(sig, handler)
             self._log.close()
             shutil.rmtree(self._hb_dir, ignore_errors=True)
+            if server is not None:
+                self._poll_tail(None)
+                self._metrics.refresh()
+                server.close()
+                self.metrics_url = None
+
+    def _start_metrics(self) -> Any:
+        """Start the metrics endpoint when configured; return the server (None when off).
+
+        Raises:
+            ConfigError: the port cannot be bound.
+        """
+        if self.config.metrics_port is None:
+            return None
+        from ..observe.metrics import MetricsServer, RunMetrics
+
+        self._metrics = RunMetrics()
+        server = MetricsServer(self._metrics.registry, self.config.metrics_port, self.config.metrics_host)
+        self.metrics_url = server.url
+        self._echo(f"[trainguard] Prometheus metrics at {server.url}")
+        return server
+
+    def _poll_tail(self, pending: PendingRecovery | None) -> None:
+        """Read the job's new events: feed the metrics and the recovery in progress."""
+        records = self._tail.poll()
+        if self._metrics is not None:
+            self._metrics.observe_all(records)
+        if pending is not None and not pending.done:
+            for rec in records:
+                pending.offer(rec)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop as if ``signum`` had been received: forward it to the job and exit with 128 + signum.
@@ -433,11 +481,11 @@ class Supervisor:
             exited = job.done.wait(cfg.poll_interval_s)
             now = time.time()
             observe()
-            if pending is not None and not pending.done and (exited or time.monotonic() >= next_tail):
+            waiting = pending is not None and not pending.done
+            if (waiting or self._metrics is not None) and (exited or time.monotonic() >= next_tail):
                 next_tail = time.monotonic() + TAIL_INTERVAL_S
-                for rec in self._tail.poll():
-                    pending.offer(rec)
-                if pending.ready(now):
+                self._poll_tail(pending)
+                if pending is not None and not pending.done and pending.ready(now):
                     self._record_recovery(pending)
             if exited:
                 break
