@@ -152,18 +152,22 @@ class RunMetrics(SaveMetrics):
         self._records: list[dict[str, Any]] = []
         self._valid: set[int] = set()
         self._goodput_t = 0.0
+        self._stale = False  # records arrived since the goodput gauge was last computed
 
     def observe(self, rec: dict[str, Any]) -> None:
         with self._lock:
             self._observe(rec)
+            self._stale = True
 
     def observe_all(self, records: list[dict[str, Any]]) -> None:
-        """Update from several records, then refresh the goodput gauge (at most every GOODPUT_EVERY_S)."""
+        """Update from several records (possibly none), then refresh the goodput gauge if records arrived
+        since it was computed (at most every :data:`GOODPUT_EVERY_S`)."""
         with self._lock:
             for rec in records:
                 self._observe(rec)
+            self._stale = self._stale or bool(records)
             now = time.monotonic()
-            if records and now - self._goodput_t >= GOODPUT_EVERY_S:
+            if self._stale and now - self._goodput_t >= GOODPUT_EVERY_S:
                 self._refresh_goodput()
                 self._goodput_t = now
 
@@ -175,6 +179,7 @@ class RunMetrics(SaveMetrics):
     def _refresh_goodput(self) -> None:
         from .figures import goodput
 
+        self._stale = False
         value, _ = goodput(sorted(self._records, key=lambda r: float(r.get("t", 0.0))), samples=1)
         if value is not None:
             self.goodput.set(value)
