@@ -19,7 +19,6 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainguard as tg
-from trainguard.errors import ConfigError
 from trainguard.observe.figures import goodput
 from trainguard.observe.metrics import GOODPUT_EVERY_S
 from trainguard.recovery.events import read_events
@@ -31,7 +30,6 @@ import errno, os, sys, time
 from pathlib import Path
 import torch
 import trainguard as tg
-from trainguard.errors import ConfigError
 import trainguard.storage.local as local
 
 root, work = sys.argv[1], Path(sys.argv[2])
@@ -213,13 +211,3 @@ def test_run_with_a_metrics_port_in_use_or_out_of_range_is_a_usage_error(tmp_pat
             )
             assert r.returncode == 2 and words in r.stderr, r.stderr
             assert not (Path(tmp_path) / "started").exists()  # nothing was launched
-
-
-def test_log_event_refuses_trainguards_own_event_names(tmp_path):
-    mgr = tg.CheckpointManager(tmp_path)
-    with pytest.raises(ConfigError, match="another name"):
-        mgr.log_event("failure", cause="made up")
-    mgr.log_event("fault_injected", kind="hang", step=3)
-    mgr.close()
-    [rec] = read_events(tmp_path, event="fault_injected")
-    assert (rec["kind"], rec["step"], rec["source"]) == ("hang", 3, "manager")

@@ -187,3 +187,17 @@ def test_record_fields_of_other_runs_do_not_leak_into_a_failure_join():
     other["run_id"] = "someone-else"
     [f] = compute_figures([*recs, other])["failures"]
     assert f["kind"] == "kill_step" and RUN in compute_figures(recs)["run"]["run_ids"]
+
+
+def test_text_from_the_event_log_is_escaped_in_the_html_and_cannot_close_the_figures_script():
+    from trainguard.observe.html import render_html
+
+    recs = one_failure_run()
+    evil = "<img src=x onerror=alert(1)></script><!--"
+    for r in recs:
+        if r["event"] == "fault_injected":
+            r["kind"] = evil
+    page = render_html(compute_figures(recs))
+    assert evil not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    blob = page.split('id="trainguard-figures">', 1)[1].split("</script>", 1)[0]
+    assert json.loads(blob)["failures"][0]["kind"] == evil

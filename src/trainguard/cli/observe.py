@@ -93,6 +93,11 @@ def status_cmd(root: str, watch: bool, interval: float, as_json: bool) -> None:
     from rich.live import Live
 
     try:
+        if not c.is_terminal:  # a pipe or a log file: one table per refresh, nothing redrawn in place
+            while True:
+                c.print(render_status(run_status(p)))
+                sys.stdout.flush()
+                time.sleep(interval)
         with Live(render_status(run_status(p)), console=c, refresh_per_second=4, transient=False) as live:
             while True:
                 time.sleep(interval)

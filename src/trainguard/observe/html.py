@@ -171,7 +171,7 @@ def render_html(figs: dict[str, Any]) -> str:
         f"{_e(', '.join(map(str, ck['corrupt_detected'])) or '-')}; failed saves: {ck['save_failures']}.</p>"
     )
     parts.insert(parts.index("<h2>Failures</h2>"), "<h2>Checkpoints</h2>" + saves)
-    blob = json.dumps(figs, default=str).replace("</", "<\\/")
+    blob = json.dumps(figs, default=str).replace("<", "\\u003c")  # no "</script>" or "<!--" in the page
     parts.append(f'<script type="application/json" id="trainguard-figures">{blob}</script>')
     parts.append(f"<script>{_CHECK_JS}</script></body></html>")
     return "\n".join(parts)

@@ -8,13 +8,14 @@ are read, chunk data is not).
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from ..catalog import scan, step_dirs
 from ..recovery.events import read_events
-from ..recovery.heartbeat import read_heartbeats
+from ..recovery.heartbeat import MAX_SLOTS, RECORD_SIZE_BYTES, Heartbeat, read_heartbeats
 
 _STEP_EVENTS = ("first_step", "progress", "save")
 
@@ -47,7 +48,7 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
     starts = [r for r in mine if r.get("event") == "job_start"]
     step, step_t, source = None, None, None
     if starts and status == "running":
-        beats = read_heartbeats(str(starts[-1].get("heartbeat_file", "")))
+        beats = _heartbeats(starts[-1].get("heartbeat_file"))
         if beats:
             newest = max(beats, key=lambda b: b.t)
             step, step_t, source = max(b.step for b in beats), newest.t, "heartbeat"
@@ -95,6 +96,20 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         if last_rec is None
         else {"ttr_s": last_rec.get("ttr_s"), "steps_lost": last_rec.get("steps_lost")},
     }
+
+
+def _heartbeats(path: object) -> list[Heartbeat]:
+    """The beats of a heartbeat file named by the event log, read only when it is a regular file of at most
+    MAX_SLOTS slots (a FIFO, a device or a huge file there is ignored rather than blocking or filling memory)."""
+    if not isinstance(path, str) or not path:
+        return []
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SLOTS * RECORD_SIZE_BYTES:
+        return []
+    return read_heartbeats(path)
 
 
 def _age(seconds: float | None) -> str:
