@@ -211,3 +211,50 @@ def test_run_with_a_metrics_port_in_use_or_out_of_range_is_a_usage_error(tmp_pat
             )
             assert r.returncode == 2 and words in r.stderr, r.stderr
             assert not (Path(tmp_path) / "started").exists()  # nothing was launched
+
+
+def test_trainguard_run_metrics_port_serves_the_run_to_a_scraper_while_it_runs(tmp_path):
+    with socket.socket() as s:  # a free port (released just before the supervisor binds it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = (
+        "import os, urllib.request; from pathlib import Path\n"
+        "k = os.environ['TRAINGUARD_RESTART_COUNT']\n"
+        "if k == '0': raise SystemExit(3)\n"
+        f"text = urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10).read().decode()\n"
+        "Path('scraped.txt').write_text(text)\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard",
+            "run",
+            "--root",
+            str(tmp_path / "root"),
+            "--metrics-port",
+            str(port),
+            "--backoff",
+            "0.01",
+            "--json",
+            "--",
+            sys.executable,
+            "-c",
+            job,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"Prometheus metrics at http://127.0.0.1:{port}/metrics" in r.stderr
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families((tmp_path / "scraped.txt").read_text())
+        for s in f.samples
+    }
+    # the second attempt saw the first one's failure (exit 3) and the restart already counted
+    assert samples[("trainguard_failures_total", frozenset({("cause", "exit")}))] == 1
+    assert samples[("trainguard_restarts_total", frozenset())] == 1
+    assert samples[("trainguard_last_valid_step", frozenset())] == -1
