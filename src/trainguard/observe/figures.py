@@ -214,7 +214,13 @@ def _productive_intervals(attempts: list[_Attempt]) -> list[tuple[float, float, 
     return out
 
 
-def goodput(records: list[dict[str, Any]], *, samples: int = GOODPUT_SAMPLES) -> tuple[float | None, list]:
+def goodput(
+    records: list[dict[str, Any]],
+    *,
+    samples: int = GOODPUT_SAMPLES,
+    _attempts_: list[_Attempt] | None = None,
+    _spans: list[tuple[float, float]] | None = None,
+) -> tuple[float | None, list]:
     """Goodput of the run and its curve over time (see the module docstring).
 
     Args:
@@ -225,8 +231,8 @@ def goodput(records: list[dict[str, Any]], *, samples: int = GOODPUT_SAMPLES) ->
         ``(goodput, [[seconds since the run's start, goodput], ...])``; goodput is None when no step completed
         or the wall time is 0.
     """
-    spans = wall_spans(records)
-    intervals = _productive_intervals(_attempts(records))
+    spans = _spans if _spans is not None else wall_spans(records)
+    intervals = _productive_intervals(_attempts_ if _attempts_ is not None else _attempts(records))
     if not spans or not intervals:
         return None, []
     t0, t1 = spans[0][0], spans[-1][1]
@@ -282,7 +288,11 @@ def _mean(values: list[float]) -> float | None:
 
 
 def checkpoint_interval(
-    records: list[dict[str, Any]], failures: list[dict[str, Any]], wall_s: float
+    records: list[dict[str, Any]],
+    failures: list[dict[str, Any]],
+    wall_s: float,
+    *,
+    _attempts_: list[_Attempt] | None = None,
 ) -> dict[str, Any]:
     """The measured checkpoint interval against the Young/Daly optimum for the run's own C, L and MTBF.
 
@@ -300,7 +310,7 @@ def checkpoint_interval(
     """
     from ..planning import expected_waste_fraction, optimal_interval_s, young_interval_s
 
-    attempts = _attempts(records)
+    attempts = _attempts_ if _attempts_ is not None else _attempts(records)
     blocks = [b for a in attempts for s in a.saves if (b := _num(s.get("block_s"))) is not None]
     persists = [p for a in attempts for s in a.saves if (p := _num(s.get("persist_s"))) is not None]
     c, lat = _median(blocks), _median(persists)
@@ -418,16 +428,13 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         }
     )
     saved_steps = sorted({s["step"] for s in saves})
+    deletions: dict[int, list[float]] = {}
+    for r in recs:
+        if r.get("event") == "retention_delete" and _int(r.get("step")) is not None:
+            deletions.setdefault(int(r["step"]), []).append(float(r["t"]))
     retention = []
     for s in saves:
-        gone = next(
-            (
-                r["t"]
-                for r in recs
-                if r.get("event") == "retention_delete" and r.get("step") == s["step"] and r["t"] >= s["t"]
-            ),
-            None,
-        )
+        gone = min((t for t in deletions.get(s["step"], []) if t >= s["t"]), default=None)
         retention.append({"step": s["step"], "from_s": s["t_s"], "to_s": None if gone is None else gone - t0})
     blocks = [s["block_s"] for s in saves if s["block_s"] is not None]
     persists = [s["persist_s"] for s in saves if s["persist_s"] is not None]
@@ -493,8 +500,8 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
             }
         )
 
-    good, curve = goodput(recs)
     attempts = _attempts(recs)
+    good, curve = goodput(recs, _attempts_=attempts, _spans=spans)
     progress = [
         {
             "attempt": a.key[1] if not a.key[0].startswith("pid:") else None,
@@ -539,7 +546,7 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
             "restarts": [float(r["t"]) - t0 for r in job_starts[1:]],
         },
     }
-    out["interval"] = checkpoint_interval(recs, failures, wall_s)
+    out["interval"] = checkpoint_interval(recs, failures, wall_s, _attempts_=attempts)
     return out
 
 

@@ -43,7 +43,22 @@ DEFAULT_HOST = "127.0.0.1"
 TTR_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 SAVE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 GOODPUT_EVERY_S = 2.0
-"""The goodput gauge is recomputed from the records at most this often (it reads them all)."""
+"""The goodput gauge is recomputed from the records at most this often (it reads them all), and at most every
+20 times its last computation's duration."""
+_GOODPUT_FIELDS = (
+    "t",
+    "event",
+    "run_id",
+    "restart_count",
+    "pid",
+    "rank",
+    "step",
+    "persist_s",
+    "block_s",
+    "last_step",
+    "t_death",
+)
+"""What :func:`.figures.goodput` reads: the records kept for it are cut down to these fields."""
 
 
 class SaveMetrics:
@@ -152,6 +167,7 @@ class RunMetrics(SaveMetrics):
         self._records: list[dict[str, Any]] = []
         self._valid: set[int] = set()
         self._goodput_t = 0.0
+        self._goodput_cost_s = 0.0  # seconds the last goodput recomputation took
         self._stale = False  # records arrived since the goodput gauge was last computed
 
     def observe(self, rec: dict[str, Any]) -> None:
@@ -167,7 +183,8 @@ class RunMetrics(SaveMetrics):
                 self._observe(rec)
             self._stale = self._stale or bool(records)
             now = time.monotonic()
-            if self._stale and now - self._goodput_t >= GOODPUT_EVERY_S:
+            # A long run's log makes the recomputation slower: keep it under ~5% of one core.
+            if self._stale and now - self._goodput_t >= max(GOODPUT_EVERY_S, 20 * self._goodput_cost_s):
                 self._refresh_goodput()
                 self._goodput_t = now
 
@@ -180,13 +197,15 @@ class RunMetrics(SaveMetrics):
         from .figures import goodput
 
         self._stale = False
+        t0 = time.perf_counter()
         value, _ = goodput(sorted(self._records, key=lambda r: float(r.get("t", 0.0))), samples=1)
+        self._goodput_cost_s = time.perf_counter() - t0
         if value is not None:
             self.goodput.set(value)
 
     def _observe(self, rec: dict[str, Any]) -> None:
         super().observe(rec)
-        self._records.append(rec)
+        self._records.append({k: rec[k] for k in _GOODPUT_FIELDS if k in rec})
         name, step = rec.get("event"), rec.get("step")
         if name == "restart":
             self.restarts.inc()
