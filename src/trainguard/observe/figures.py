@@ -396,7 +396,8 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         ``persist_s``, ``bytes``, ``stored_bytes``, ``bytes_written``, ``chunks``, ``restart_count``),
         ``save_failures``, ``checkpoints`` (totals and retention), ``interval``
         (:func:`checkpoint_interval`), ``run`` (start, end, wall time, attempts, restarts, status, last step)
-        and ``timeline`` (steps over time per attempt, restarts). Times ``*_s`` are seconds since the run's
+        and ``timeline`` (steps over time per attempt, commits, failures, restarts, and each recovery at its
+        first step after the restore: ``[t_s, restored_step]``). Times ``*_s`` are seconds since the run's
         first event; ``t`` is seconds since the epoch.
     """
     recs = [r for r in records if _num(r.get("t")) is not None]
@@ -544,6 +545,11 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
             "commits": [[s["t_s"], s["step"]] for s in saves],
             "failures": [[f["t_s"], f["last_step"]] for f in failures],
             "restarts": [float(r["t"]) - t0 for r in job_starts[1:]],
+            "recoveries": [
+                [f["t_s"] + f["ttr_s"], f["restored_step"]]
+                for f in failures
+                if f["ttr_s"] is not None and f["restored_step"] is not None
+            ],
         },
     }
     out["interval"] = checkpoint_interval(recs, failures, wall_s, _attempts_=attempts)

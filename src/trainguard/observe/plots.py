@@ -50,7 +50,7 @@ def _placeholder(ax: Any, text: str) -> None:
 
 
 def timeline(figs: dict[str, Any]) -> tuple[bytes, bool]:
-    """Steps over wall time per attempt, with checkpoint commits, failures and restarts marked."""
+    """Steps over wall time per attempt, with checkpoint commits, failures, restarts and recoveries marked."""
     fig = _figure(4.2)
     ax = fig.add_subplot()
     tl = figs["timeline"]
@@ -74,6 +74,11 @@ def timeline(figs: dict[str, Any]) -> tuple[bytes, bool]:
     fails = [f for f in tl["failures"] if f[1] is not None]
     if fails:
         ax.plot([f[0] for f in fails], [f[1] for f in fails], "X", ms=10, color="tab:red", label="failure")
+    recs = tl.get("recoveries") or []
+    if recs:
+        ax.plot(
+            [r[0] for r in recs], [r[1] for r in recs], "^", ms=8, color="tab:cyan", label="resumed (TTR end)"
+        )
     for j, t in enumerate(tl["restarts"]):
         ax.axvline(t, color="0.5", ls="--", lw=0.8, label="restart" if j == 0 else None)
     ax.set_xlabel("wall time since the run started (s)")
