@@ -459,7 +459,7 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         (r.get("run_id"), _int(r.get("restart_count"))): r for r in recs if r.get("event") == "recovery"
     }
     injected = [r for r in recs if r.get("event") == "fault_injected"]
-    failures = []
+    failures: list[dict[str, Any]] = []
     for r in recs:
         if r.get("event") != "failure":
             continue

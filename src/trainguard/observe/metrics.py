@@ -21,7 +21,8 @@ name                                type       from
 ``trainguard_save_block_seconds``   histogram  ``save`` events: ``block_s``
 ``trainguard_save_persist_seconds`` histogram  ``save`` events: ``persist_s``
 ``trainguard_checkpoint_bytes``     gauge      ``save`` events: ``bytes`` of the newest checkpoint
-``trainguard_save_failures_total``  counter    ``save_failed`` events
+``trainguard_save_failures_total``  counter    ``save_failed`` events (the supervisor counts rank 0's: a
+                                               failed collective save is logged by every rank)
 ==================================  =========  ==============================================================
 
 The HTTP endpoint binds to 127.0.0.1 unless told otherwise: metrics name steps and paths of a run, and
@@ -73,6 +74,7 @@ class SaveMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.rank0_only = False  # count every save_failed seen (a manager sees only its own rank's)
         self.save_block = Histogram(
             "trainguard_save_block_seconds",
             "Seconds each checkpoint save blocked training (staging copy; the whole save if synchronous).",
@@ -115,7 +117,7 @@ class SaveMetrics:
                 self.save_persist.observe(persist)
             if size is not None:
                 self.checkpoint_bytes.set(size)
-        elif name == "save_failed" and rec.get("rank") in (0, None):
+        elif name == "save_failed" and (not self.rank0_only or rec.get("rank") in (0, None)):
             self.save_failures.inc()
 
 
@@ -136,6 +138,7 @@ class RunMetrics(SaveMetrics):
         from prometheus_client import Counter, Gauge, Histogram
 
         super().__init__(registry)
+        self.rank0_only = True  # one failed collective save is one failure, not one per rank
         self.restarts = Counter(
             "trainguard_restarts_total", "Relaunches of the job by the supervisor.", registry=self.registry
         )
