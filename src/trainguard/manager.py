@@ -175,7 +175,7 @@ class CheckpointManager:
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
         self._first_step_logged = False
-        self._progress_t = 0.0
+        self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
         self._manifest_chunks: dict[int, set[str]] = {}
         self._metrics: Any = None
         if read_only:
@@ -303,9 +303,10 @@ class CheckpointManager:
             self._event("first_step", step=step)
         if self.dist.is_coordinator:
             now = time.monotonic()
-            if now - self._progress_t >= PROGRESS_INTERVAL_S:
-                if self._progress_t:
-                    self._event("progress", step=step)
+            if self._progress_t is None:
+                self._progress_t = now
+            elif now - self._progress_t >= PROGRESS_INTERVAL_S:
+                self._event("progress", step=step)
                 self._progress_t = now
         if self._preemption and self.dist.any(preemption_requested()):  # every rank agrees on the step
             self._event("preemption", step=step)
