@@ -201,3 +201,31 @@ def test_text_from_the_event_log_is_escaped_in_the_html_and_cannot_close_the_fig
     assert evil not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
     blob = page.split('id="trainguard-figures">', 1)[1].split("</script>", 1)[0]
     assert json.loads(blob)["failures"][0]["kind"] == evil
+
+
+def test_odd_files_in_the_event_log_folder_are_skipped_not_read(tmp_path):
+    import os
+
+    write_log(tmp_path, one_failure_run())
+    os.mkfifo(tmp_path / "events" / "stuck.jsonl")  # would block a reader forever
+    (tmp_path / "events" / "zero.jsonl").symlink_to("/dev/zero")  # would never end
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["failures"][0]["kind"] == "kill_step"
+
+
+def test_the_supervisors_tail_skips_a_fifo_in_the_event_log_folder(tmp_path):
+    import os
+
+    from trainguard.recovery.ttr import EventTail
+
+    tail = EventTail(tmp_path, RUN)
+    write_log(tmp_path, one_failure_run())
+    os.mkfifo(tmp_path / "events" / "stuck.jsonl")  # opening it for reading would block the supervisor
+    got = tail.poll()
+    assert [r["event"] for r in got][:2] == ["supervisor_start", "job_start"] and len(got) == 18

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +101,14 @@ class EventLog:
                 self._fh.close()
 
 
+def is_regular_file(path: Path) -> bool:
+    """True when ``path`` is (or links to) a regular file; False for FIFOs, devices, directories, errors."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
 def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> Iterator[dict[str, Any]]:
     """Yield every event recorded under ``root`` in time order.
 
@@ -112,6 +121,8 @@ def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> It
     if not d.is_dir():
         return iter(())
     for f in sorted(d.glob("*.jsonl")):
+        if not is_regular_file(f):
+            continue  # a FIFO or a device named *.jsonl would block or never end: not an event file
         try:
             text = f.read_text(encoding="utf-8", errors="replace")
         except OSError:
