@@ -19,8 +19,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainguard as tg
-from trainguard.observe.figures import goodput
+from trainguard.observe.figures import goodput, report_figures
 from trainguard.observe.metrics import GOODPUT_EVERY_S
+from trainguard.observe.status import run_status
 from trainguard.recovery.events import read_events
 from trainguard.recovery.supervisor import TAIL_INTERVAL_S, Backoff, Supervisor, SupervisorConfig
 from trainguard.recovery.ttr import PHASES
@@ -111,6 +112,8 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
         assert url is not None and urlparse(url).hostname == "127.0.0.1"
         m = scrape(url)
         ev = read_events(root)
+        live = report_figures(str(root))  # the report and the status of a root still being written
+        status = run_status(root)
     finally:
         (tmp_path / "release").touch()
         thread.join(120)
@@ -141,6 +144,23 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
     assert m[("trainguard_last_valid_step", frozenset())] == 20 == max(s["step"] for s in saves)
     assert 0 < m[("trainguard_goodput_ratio", frozenset())] <= 1
     assert m[("trainguard_goodput_ratio", frozenset())] == pytest.approx(goodput(ev)[0], rel=1e-6)
+    assert live["run"]["status"] == "running" and status["status"] == "running"
+    [f] = live["failures"]
+    assert (f["kind"], f["cause"], f["step"], f["restored_step"], f["steps_lost"]) == (
+        "kill_step",
+        "signal",
+        12,
+        10,
+        2,
+    )
+    assert f["ttr_s"] == pytest.approx(rec["ttr_s"]) and live["goodput"] == pytest.approx(goodput(ev)[0])
+    assert (status["step"], status["step_source"], status["restarts"], status["attempt"]) == (
+        20,
+        "heartbeat",
+        1,
+        1,
+    )
+    assert status["newest_valid"]["step"] == 20 and status["saves_in_flight"] == []
     # the endpoint is gone with the run, and its port is free again
     assert sup.metrics_url is None
     with pytest.raises(urllib.error.URLError):
