@@ -44,6 +44,18 @@ FAILURE_FIELDS = ("kind", "cause", "step", "steps_lost", "ttr_s", "phases")
 GOODPUT_SAMPLES = 60
 """Points of the goodput-over-time curve."""
 
+TIMELINE_POINTS = 4000
+"""The timeline keeps at most about this many (time, step) points over all attempts (evenly thinned; the first
+and last point of each attempt always kept). Goodput is computed from every point."""
+
+
+def _thin(points: list[Any], most: int) -> list[Any]:
+    """At most ``most`` of ``points``, evenly spaced by index, always keeping the first and the last."""
+    if len(points) <= most:
+        return points
+    step = (len(points) - 1) / (most - 1)
+    return [points[round(i * step)] for i in range(most)]
+
 
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float):
@@ -507,7 +519,9 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         {
             "attempt": a.key[1] if not a.key[0].startswith("pid:") else None,
             "restored_step": a.start_step(),
-            "points": [[t - t0, s] for t, s in a.trajectory()],
+            "points": [
+                [t - t0, s] for t, s in _thin(a.trajectory(), max(50, TIMELINE_POINTS // len(attempts)))
+            ],
         }
         for a in attempts
     ]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._time import iso
+from ..planning.units import format_duration
 from ..recovery.ttr import PHASES
 from .plots import PHASE_LABELS, PLOTS
 
@@ -72,6 +73,21 @@ def _bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return str(n)
+
+
+def _steps(steps: list[int], most: int = 12) -> str:
+    """A list of steps for the page: all of them, or the count with the first and last few."""
+    if not steps:
+        return "-"
+    if len(steps) <= most:
+        return _e(", ".join(map(str, steps)))
+    return _e(f"{len(steps)} ({', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))})")
+
+
+def _stall(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{1000 * seconds:.1f} ms" if seconds < 10 else format_duration(seconds, digits=3)
 
 
 def _failure_table(figs: dict[str, Any]) -> str:
@@ -132,13 +148,13 @@ def render_html(figs: dict[str, Any]) -> str:
     good = figs["goodput"]
     kpis = [
         ("status", run["status"]),
-        ("wall time", f"{run['wall_s']:.1f} s"),
+        ("wall time", format_duration(run["wall_s"], digits=3)),
         ("last step", run["last_step"] if run["last_step"] is not None else "-"),
         ("failures", len(figs["failures"])),
         ("restarts", run["restarts"]),
         ("goodput", f"{100 * good:.1f} %" if good is not None else "-"),
         ("checkpoints", ck["count"]),
-        ("mean stall", f"{1000 * ck['mean_block_s']:.1f} ms" if ck["mean_block_s"] is not None else "-"),
+        ("mean stall", _stall(ck["mean_block_s"])),
     ]
     parts = [
         "<!DOCTYPE html>",
@@ -165,10 +181,9 @@ def render_html(figs: dict[str, Any]) -> str:
             parts.append(_interval_table(figs["interval"]))
     saves = (
         f"<p>{ck['count']} checkpoints committed, {_bytes(ck['bytes'])} referenced in total, "
-        f"{_bytes(ck['bytes_written'])} new bytes written; retained now: "
-        f"{_e(', '.join(map(str, ck['retained'])) or '-')}; deleted by retention: "
-        f"{_e(', '.join(map(str, ck['deleted'])) or '-')}; corrupt and skipped at resume: "
-        f"{_e(', '.join(map(str, ck['corrupt_detected'])) or '-')}; failed saves: {ck['save_failures']}.</p>"
+        f"{_bytes(ck['bytes_written'])} new bytes written; retained now: {_steps(ck['retained'])}; deleted by "
+        f"retention: {_steps(ck['deleted'])}; corrupt and skipped at resume: {_steps(ck['corrupt_detected'])}; "
+        f"failed saves: {ck['save_failures']}.</p>"
     )
     parts.insert(parts.index("<h2>Failures</h2>"), "<h2>Checkpoints</h2>" + saves)
     blob = json.dumps(figs, default=str).replace("<", "\\u003c")  # no "</script>" or "<!--" in the page

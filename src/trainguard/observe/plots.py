@@ -49,6 +49,20 @@ def _placeholder(ax: Any, text: str) -> None:
         side.set_color("0.8")
 
 
+MANY = 40
+"""Above this many saves (or recoveries) the plots switch from one labelled bar each to a numeric axis."""
+
+
+def _time_unit(figs: dict[str, Any]) -> tuple[float, str]:
+    """(divisor, unit) for wall-time axes: seconds, minutes or hours, by the run's length."""
+    span = figs["run"]["t_end"] - figs["run"]["t_start"]
+    if span > 2 * 3600:
+        return 3600.0, "h"
+    if span > 120:
+        return 60.0, "min"
+    return 1.0, "s"
+
+
 def timeline(figs: dict[str, Any]) -> tuple[bytes, bool]:
     """Steps over wall time per attempt, with checkpoint commits, failures, restarts and recoveries marked."""
     fig = _figure(4.2)
@@ -57,31 +71,41 @@ def timeline(figs: dict[str, Any]) -> tuple[bytes, bool]:
     if not any(a["points"] for a in tl["attempts"]):
         _placeholder(ax, "no training step recorded yet")
         return _png(fig)
+    div, unit = _time_unit(figs)
     for i, a in enumerate(tl["attempts"]):
         pts = a["points"]
-        label = f"attempt {a['attempt']}" if a["attempt"] is not None else f"process {i}"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", lw=1.6, label=label)
+        label: str | None = f"attempt {a['attempt']}" if a["attempt"] is not None else f"process {i}"
+        if len(tl["attempts"]) > 12:
+            label = None if i else "attempts"
+        ax.plot([p[0] / div for p in pts], [p[1] for p in pts], "-", lw=1.6, label=label)
     if tl["commits"]:
         ax.plot(
-            [c[0] for c in tl["commits"]],
+            [c[0] / div for c in tl["commits"]],
             [c[1] for c in tl["commits"]],
             "o",
-            ms=4,
+            ms=4 if len(tl["commits"]) <= 200 else 1.5,
             mfc="none",
             color="tab:green",
             label="checkpoint committed",
         )
     fails = [f for f in tl["failures"] if f[1] is not None]
     if fails:
-        ax.plot([f[0] for f in fails], [f[1] for f in fails], "X", ms=10, color="tab:red", label="failure")
+        ax.plot(
+            [f[0] / div for f in fails], [f[1] for f in fails], "X", ms=10, color="tab:red", label="failure"
+        )
     recs = tl.get("recoveries") or []
     if recs:
         ax.plot(
-            [r[0] for r in recs], [r[1] for r in recs], "^", ms=8, color="tab:cyan", label="resumed (TTR end)"
+            [r[0] / div for r in recs],
+            [r[1] for r in recs],
+            "^",
+            ms=8,
+            color="tab:cyan",
+            label="resumed (TTR end)",
         )
     for j, t in enumerate(tl["restarts"]):
-        ax.axvline(t, color="0.5", ls="--", lw=0.8, label="restart" if j == 0 else None)
-    ax.set_xlabel("wall time since the run started (s)")
+        ax.axvline(t / div, color="0.5", ls="--", lw=0.8, label="restart" if j == 0 else None)
+    ax.set_xlabel(f"wall time since the run started ({unit})")
     ax.set_ylabel("training step")
     ax.set_title("Timeline: steps, checkpoints, failures and restarts")
     ax.grid(alpha=0.3)
@@ -97,16 +121,29 @@ def save_times(figs: dict[str, Any]) -> tuple[bytes, bool]:
     if not saves:
         _placeholder(ax, "no checkpoint committed yet")
         return _png(fig)
-    x = list(range(len(saves)))
     block = [1000 * (s["block_s"] or 0.0) for s in saves]
     persist = [1000 * (s["persist_s"] or 0.0) for s in saves]
-    ax.bar(
-        [i - 0.2 for i in x], block, width=0.4, label="blocking stall (training waits)", color="tab:orange"
-    )
-    ax.bar(
-        [i + 0.2 for i in x], persist, width=0.4, label="persist (background, to durable)", color="tab:blue"
-    )
-    ax.set_xticks(x, [str(s["step"]) for s in saves], rotation=90 if len(saves) > 20 else 0, fontsize=8)
+    if len(saves) > MANY:
+        steps = [s["step"] for s in saves]
+        ax.plot(steps, block, ".", ms=3, label="blocking stall (training waits)", color="tab:orange")
+        ax.plot(steps, persist, ".", ms=3, label="persist (background, to durable)", color="tab:blue")
+    else:
+        x = list(range(len(saves)))
+        ax.bar(
+            [i - 0.2 for i in x],
+            block,
+            width=0.4,
+            label="blocking stall (training waits)",
+            color="tab:orange",
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            persist,
+            width=0.4,
+            label="persist (background, to durable)",
+            color="tab:blue",
+        )
+        ax.set_xticks(x, [str(s["step"]) for s in saves], rotation=90 if len(saves) > 20 else 0, fontsize=8)
     ax.set_xlabel("checkpoint step")
     ax.set_ylabel("milliseconds")
     if max(persist + block) > 50 * max(min(b for b in block if b > 0) if any(block) else 1.0, 1e-3):
@@ -128,24 +165,45 @@ def sizes(figs: dict[str, Any]) -> tuple[bytes, bool]:
         return _png(fig)
     mib = 1 << 20
     steps = [s["step"] for s in saves]
-    x = list(range(len(saves)))
-    ax.plot(x, [(s["bytes"] or 0) / mib for s in saves], "o-", label="logical (referenced)")
-    ax.plot(x, [(s["stored_bytes"] or 0) / mib for s in saves], "s--", mfc="none", label="stored")
-    ax.bar(
-        x, [(s["bytes_written"] or 0) / mib for s in saves], width=0.5, alpha=0.6, label="new bytes written"
-    )
-    ax.set_xticks(x, [str(s) for s in steps], fontsize=8, rotation=90 if len(saves) > 20 else 0)
+    many = len(saves) > MANY
+    x = steps if many else list(range(len(saves)))
+    mark = "." if many else "o"
+    ax.plot(x, [(s["bytes"] or 0) / mib for s in saves], mark + "-", label="logical (referenced)")
+    ax.plot(x, [(s["stored_bytes"] or 0) / mib for s in saves], "--", label="stored")
+    written = [(s["bytes_written"] or 0) / mib for s in saves]
+    if many:
+        ax.plot(x, written, ".", ms=3, alpha=0.8, label="new bytes written")
+        ax.set_xlabel("checkpoint step")
+    else:
+        ax.bar(x, written, width=0.5, alpha=0.6, label="new bytes written")
+        ax.set_xticks(x, [str(s) for s in steps], fontsize=8, rotation=90 if len(saves) > 20 else 0)
     ax.set_ylabel("MiB")
     ax.set_title("Checkpoint sizes per save")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    end = figs["run"]["t_end"] - figs["run"]["t_start"]
-    for i, r in enumerate(figs["checkpoints"]["retention"]):
-        to = r["to_s"] if r["to_s"] is not None else end
-        kept = r["to_s"] is None
-        rx.barh(i, max(to - r["from_s"], end * 0.002), left=r["from_s"], color="tab:green" if kept else "0.7")
-    rx.set_yticks(range(len(saves)), [str(s) for s in steps], fontsize=7)
-    rx.set_xlabel("wall time since the run started (s)")
+    div, unit = _time_unit(figs)
+    end = (figs["run"]["t_end"] - figs["run"]["t_start"]) / div
+    retention = figs["checkpoints"]["retention"]
+    height = 0.8
+    ys: list[float] = []
+    widths: list[float] = []
+    lefts: list[float] = []
+    colours: list[str] = []
+    for i, r in enumerate(retention):  # one barh call: thousands of checkpoints stay fast
+        lo = r["from_s"] / div
+        to = r["to_s"] / div if r["to_s"] is not None else end
+        ys.append(r["step"] if many else i)
+        widths.append(max(to - lo, end * 0.002))
+        lefts.append(lo)
+        colours.append("tab:green" if r["to_s"] is None else "0.7")
+    if many:  # one line per checkpoint: a LineCollection draws thousands fast, Rectangles do not
+        rights = [a + w for a, w in zip(lefts, widths, strict=True)]
+        rx.hlines(ys, lefts, rights, colors=colours, linewidth=2)
+    else:
+        rx.barh(ys, widths, left=lefts, height=height, color=colours)
+    if not many:
+        rx.set_yticks(range(len(retention)), [str(r["step"]) for r in retention], fontsize=7)
+    rx.set_xlabel(f"wall time since the run started ({unit})")
     rx.set_ylabel("step")
     rx.set_title("Retention: each checkpoint from commit to deletion (green: still kept)")
     rx.grid(alpha=0.3, axis="x")
@@ -160,7 +218,10 @@ def recoveries(figs: dict[str, Any]) -> tuple[bytes, bool]:
     if not rows:
         _placeholder(ax, "no completed recovery")
         return _png(fig)
-    labels = [f"{i + 1}: {f['kind']}\nstep {f['step']}" for i, f in enumerate(rows)]
+    if len(rows) > MANY:
+        labels = [str(i + 1) for i in range(len(rows))]
+    else:
+        labels = [f"{i + 1}: {f['kind']}\nstep {f['step']}" for i, f in enumerate(rows)]
     bottoms = [0.0] * len(rows)
     for phase in PHASES:
         vals = [f["phases"].get(phase) or 0.0 for f in rows]
@@ -187,11 +248,12 @@ def goodput(figs: dict[str, Any]) -> tuple[bytes, bool]:
     if not curve:
         _placeholder(ax, "no training step recorded yet")
         return _png(fig)
-    ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], "-", color="tab:purple", lw=2)
+    div, unit = _time_unit(figs)
+    ax.plot([c[0] / div for c in curve], [100 * c[1] for c in curve], "-", color="tab:purple", lw=2)
     for f in figs["failures"]:
-        ax.axvline(f["t_s"], color="tab:red", ls=":", lw=1)
+        ax.axvline(f["t_s"] / div, color="tab:red", ls=":", lw=1)
     ax.set_ylim(0, 105)
-    ax.set_xlabel("wall time since the run started (s)")
+    ax.set_xlabel(f"wall time since the run started ({unit})")
     ax.set_ylabel("goodput (%)")
     total = figs["goodput"]
     ax.set_title(f"Goodput over time (final {100 * total:.1f} %; dotted: failures)" if total else "Goodput")
