@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from trainguard.observe.figures import compute_figures, report_figures, wall_spans
 from trainguard.planning import daly_interval_s, optimal_interval_s
 
-from .eventlog import PHASES_1, RUN, mgr, one_failure_run, sup, write_log
+from .eventlog import PHASES_1, RUN, mgr, one_failure_run, save, sup, write_log
 
 
 def test_a_failure_is_joined_with_its_injected_kind_and_its_recovery():
@@ -229,3 +230,27 @@ def test_the_supervisors_tail_skips_a_fifo_in_the_event_log_folder(tmp_path):
     os.mkfifo(tmp_path / "events" / "stuck.jsonl")  # opening it for reading would block the supervisor
     got = tail.poll()
     assert [r["event"] for r in got][:2] == ["supervisor_start", "job_start"] and len(got) == 18
+
+
+def test_a_long_run_keeps_the_report_small_and_its_goodput_exact():
+    from trainguard.observe.figures import TIMELINE_POINTS
+    from trainguard.observe.html import render_html
+
+    recs = [sup(0.0, "supervisor_start"), sup(0.1, "job_start", restart_count=0)]
+    recs += [mgr(1.0, "restore", 0, step=None), mgr(2.0, "first_step", 0, step=1)]
+    for i in range(1, 30_000):  # a step per second, progress every 10 s, a 0.5 s save every 1000 steps
+        if i % 10 == 0:
+            recs.append(mgr(2.0 + i, "progress", 0, step=1 + i))
+        if (1 + i) % 1000 == 0:
+            recs.append(save(2.0 + i + 3.0, 1 + i, 0, block=0.5, persist=3.0))
+    recs.append(sup(30_010.0, "success", restart_count=0, last_step=30_000))
+    figs = compute_figures(recs)
+    points = figs["timeline"]["attempts"][0]["points"]
+    assert len(points) <= TIMELINE_POINTS and points[0] == [2.0, 1] and points[-1][1] == 30_000
+    # 30 000 steps, 30 saves stalling 0.5 s each, over 30 010 s; step 1 took one step time (1 s) before t = 2
+    assert figs["goodput"] == pytest.approx((30_001.0 - 1.0 - 15.0) / 30_010.0, rel=1e-6)
+    page = render_html(figs)
+    assert len(page) < 1_500_000
+    # no failure: the recovery plot and the interval plot say so instead of plotting
+    empty = re.findall(r'id="plot-(\w+)" data-has-data="no"', page)
+    assert empty == ["recoveries", "interval"] and page.count('data-has-data="yes"') == 4
