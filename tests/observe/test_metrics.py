@@ -77,6 +77,27 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     }
 
 
+def reachable_elsewhere(port: int) -> list[str]:
+    """The machine's other IPv4 addresses (not 127.0.0.1) on which ``port`` accepts a connection."""
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        addrs = set()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:  # the outward address (nothing is sent)
+        try:
+            u.connect(("10.255.255.255", 1))
+            addrs.add(u.getsockname()[0])
+        except OSError:
+            pass
+    open_on = []
+    for addr in sorted(addrs - {"127.0.0.1"}):
+        with socket.socket() as s:
+            s.settimeout(2)
+            if s.connect_ex((addr, port)) == 0:
+                open_on.append(addr)
+    return open_on
+
+
 def wait_until(pred, timeout_s: float, what: str) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -111,6 +132,7 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
         url = sup.metrics_url
         assert url is not None and urlparse(url).hostname == "127.0.0.1"
         m = scrape(url)
+        assert not reachable_elsewhere(urlparse(url).port)  # bound to the loopback address only
         ev = read_events(root)
         live = report_figures(str(root))  # the report and the status of a root still being written
         status = run_status(root)

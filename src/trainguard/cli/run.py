@@ -71,14 +71,8 @@ _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, mea
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="Serve Prometheus metrics of the run at http://HOST:PORT/metrics while it runs (0: any free port). "
-    "Default: off.",
-)
-@click.option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address the metrics endpoint binds to (127.0.0.1: this machine only).",
+    help="Serve Prometheus metrics of the run at http://127.0.0.1:PORT/metrics while it runs (this machine "
+    "only; 0: any free port). Default: off.",
 )
 @click.option("--poll-interval", type=float, default=0.1, show_default=True, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of the table.")
@@ -94,7 +88,6 @@ def run_command(
     no_progress_limit: int,
     root: str | None,
     metrics_port: int | None,
-    metrics_host: str,
     poll_interval: float,
     as_json: bool,
     command: tuple[str, ...],
@@ -123,7 +116,6 @@ def run_command(
             root=root,
             poll_interval_s=poll_interval,
             metrics_port=metrics_port,
-            metrics_host=metrics_host,
         )
         supervisor = Supervisor(command, config)
         result = supervisor.run()  # a metrics port that cannot be bound fails here, before any launch

@@ -25,8 +25,8 @@ name                                type       from
                                                failed collective save is logged by every rank)
 ==================================  =========  ==============================================================
 
-The HTTP endpoint binds to 127.0.0.1 unless told otherwise: metrics name steps and paths of a run, and
-Prometheus scrapes through a local agent or a port forward.
+The HTTP endpoint binds to 127.0.0.1 only: metrics describe a run (steps, timings) and the endpoint has no
+authentication; Prometheus scrapes through a local agent or a port forward.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..recovery.ttr import PHASES
 
-DEFAULT_HOST = "127.0.0.1"
-"""Address the metrics endpoint binds to by default."""
+HOST = "127.0.0.1"
+"""The only address the metrics endpoint binds to."""
 
 TTR_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 SAVE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -238,24 +238,23 @@ class MetricsServer:
     Args:
         registry: the prometheus-client registry to serve.
         port: TCP port (0: any free port; see :attr:`port`).
-        host: bind address (default 127.0.0.1, this machine only).
 
     Raises:
         ConfigError: the port is out of range or cannot be bound (in use, no permission).
     """
 
-    def __init__(self, registry: Any, port: int, host: str = DEFAULT_HOST) -> None:
+    def __init__(self, registry: Any, port: int) -> None:
         from prometheus_client import start_http_server
 
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"metrics port must be an int in 0..65535, got {port!r}")
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            self._server, self._thread = start_http_server(port, addr=HOST, registry=registry)
         except OSError as e:
             raise ConfigError(
-                f"cannot serve metrics on {host}:{port}: {e}; pick a free port (or 0 for any free port)"
+                f"cannot serve metrics on {HOST}:{port}: {e}; pick a free port (or 0 for any free port)"
             ) from e
-        self.host = host
+        self.host = HOST
         self.port = int(self._server.server_address[1])
 
     @property

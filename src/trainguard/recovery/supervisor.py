@@ -136,8 +136,8 @@ class SupervisorConfig:
         env: extra environment for the job.
         run_id: the run id; None: generated (``YYYYmmdd-HHMMSS-<6 hex>``).
         metrics_port: serve Prometheus metrics of the run (:mod:`trainguard.observe.metrics`) on this TCP
-            port while it runs (0: any free port, see :attr:`Supervisor.metrics_url`); None: off.
-        metrics_host: the address the metrics endpoint binds to (default 127.0.0.1, this machine only).
+            port of 127.0.0.1 (this machine only) while it runs (0: any free port, see
+            :attr:`Supervisor.metrics_url`); None: off.
     """
 
     max_restarts: int = 10
@@ -152,7 +152,6 @@ class SupervisorConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     run_id: str | None = None
     metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         port = self.metrics_port
@@ -298,7 +297,7 @@ class Supervisor:
         from ..observe.metrics import MetricsServer, RunMetrics
 
         self._metrics = RunMetrics()
-        server = MetricsServer(self._metrics.registry, self.config.metrics_port, self.config.metrics_host)
+        server = MetricsServer(self._metrics.registry, self.config.metrics_port)
         self.metrics_url = server.url
         self._echo(f"[trainguard] Prometheus metrics at {server.url}")
         return server
