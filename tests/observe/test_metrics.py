@@ -131,6 +131,15 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
         time.sleep(2 * TAIL_INTERVAL_S + GOODPUT_EVERY_S + 0.5)  # the supervisor reads the tail, refreshes
         url = sup.metrics_url
         assert url is not None and urlparse(url).hostname == "127.0.0.1"
+        # on a loaded machine the supervisor may lag: give it until the gauge has caught up with the log
+        wait_until(
+            lambda: (
+                scrape(url).get(("trainguard_goodput_ratio", frozenset()))
+                == pytest.approx(goodput(read_events(root))[0], rel=1e-6)
+            ),
+            30,
+            "the goodput gauge to catch up with the event log",
+        )
         m = scrape(url)
         assert not reachable_elsewhere(urlparse(url).port)  # bound to the loopback address only
         ev = read_events(root)

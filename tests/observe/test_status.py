@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -101,13 +102,25 @@ def test_status_watch_refreshes_as_the_run_moves_and_stops_cleanly_on_ctrl_c(tmp
         text=True,
         env=run_env() | {"COLUMNS": "120"},
     )
-    time.sleep(4.0)
-    _beat(hb, 99)  # the job moved on: the next refresh shows it
-    time.sleep(2.0)
-    os.kill(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "5 (heartbeat" in out and "99 (heartbeat" in out and "step 20" in out
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def shown(text: str, timeout_s: float = 60.0) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and text not in "".join(out):
+            time.sleep(0.1)
+        return text in "".join(out)
+
+    try:
+        assert shown("5 (heartbeat") and shown("step 20")
+        _beat(hb, 99)  # the job moved on: a later refresh shows it
+        assert shown("99 (heartbeat")
+    finally:
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        reader.join(10)
+    assert proc.returncode == 0, proc.stderr.read()
 
 
 def test_an_odd_heartbeat_file_named_in_the_log_is_ignored_not_read(tmp_path):
