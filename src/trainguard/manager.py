@@ -40,7 +40,7 @@ from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
-from .recovery.events import EventLog
+from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
@@ -51,34 +51,6 @@ log = logging.getLogger("trainguard")
 PROGRESS_INTERVAL_S = 10.0
 """``maybe_save`` logs a ``progress`` event (rank 0 only) at most this often: the step over wall time that
 ``trainguard report`` plots between checkpoints (about 45 MB of event log per 30 days of training)."""
-
-OWN_EVENTS = frozenset(
-    {
-        "manager_start",
-        "save",
-        "save_failed",
-        "save_skipped",
-        "replace_corrupt",
-        "restore",
-        "restore_skipped",
-        "first_step",
-        "progress",
-        "retention_delete",
-        "cleanup",
-        "preemption",
-        "adaptive_interval",
-        "supervisor_start",
-        "job_start",
-        "failure",
-        "restart",
-        "recovery",
-        "success",
-        "give_up",
-        "stop",
-        "spawn_error",
-    }
-)
-"""Event names trainguard itself writes; :meth:`CheckpointManager.log_event` refuses them."""
 
 
 class CheckpointManager:
@@ -266,7 +238,8 @@ class CheckpointManager:
         the fault fires: a line is handed to the OS at once, so it survives a SIGKILL right after.
 
         Args:
-            event: the event name (not one of trainguard's own, see :data:`OWN_EVENTS`).
+            event: the event name (not one of trainguard's own:
+                :data:`trainguard.recovery.events.OWN_EVENTS`).
             **fields: JSON-serializable fields.
 
         Raises:

@@ -47,3 +47,17 @@ def test_log_event_on_a_read_only_manager_says_it_has_no_event_log(tmp_path):
     ro = tg.CheckpointManager(tmp_path, read_only=True)
     with pytest.raises(tg.TrainguardError, match="no event log"):
         ro.log_event("note")
+
+
+def test_every_event_trainguard_writes_is_reserved_and_documented(repo):
+    import re
+
+    from trainguard.recovery.events import OWN_EVENTS
+
+    src = "\n".join(p.read_text() for p in (repo / "src" / "trainguard").rglob("*.py"))
+    written = set(re.findall(r'(?:_event|\.write)\(\s*"([a-z_]+)"', src))
+    assert len(written) >= 20 and written <= OWN_EVENTS, written - OWN_EVENTS
+    fmt = (repo / "docs" / "FORMAT.md").read_text()
+    assert all(f"| `{name}` |" in fmt for name in OWN_EVENTS), [
+        n for n in OWN_EVENTS if f"| `{n}` |" not in fmt
+    ]

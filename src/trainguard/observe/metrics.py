@@ -232,6 +232,12 @@ class RunMetrics(SaveMetrics):
         self.last_valid_step.set(max(self._valid) if self._valid else -1)
 
 
+def check_port(port: object) -> None:
+    """Raise :class:`~trainguard.errors.ConfigError` unless ``port`` is a TCP port number (0: any free port)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"metrics port must be an int in 0..65535 (0: any free port), got {port!r}")
+
+
 class MetricsServer:
     """An HTTP endpoint serving a registry in the Prometheus text format at ``/metrics`` (any path works).
 
@@ -246,8 +252,7 @@ class MetricsServer:
     def __init__(self, registry: Any, port: int) -> None:
         from prometheus_client import start_http_server
 
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError(f"metrics port must be an int in 0..65535, got {port!r}")
+        check_port(port)
         try:
             self._server, self._thread = start_http_server(port, addr=HOST, registry=registry)
         except OSError as e:

@@ -27,6 +27,34 @@ from .._time import iso
 
 EVENTS_DIR = "events"
 
+OWN_EVENTS = frozenset(
+    {
+        "manager_start",
+        "save",
+        "save_failed",
+        "save_skipped",
+        "replace_corrupt",
+        "restore",
+        "restore_skipped",
+        "first_step",
+        "progress",
+        "retention_delete",
+        "cleanup",
+        "preemption",
+        "adaptive_interval",
+        "supervisor_start",
+        "job_start",
+        "failure",
+        "restart",
+        "recovery",
+        "success",
+        "give_up",
+        "stop",
+        "spawn_error",
+    }
+)
+"""Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""
+
 
 class EventLog:
     """Append-only writer of one process's events.

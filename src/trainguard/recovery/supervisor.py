@@ -154,13 +154,10 @@ class SupervisorConfig:
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        port = self.metrics_port
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
-        ):
-            raise ConfigError(
-                f"metrics_port must be an int in 0..65535 (0: any free port), got {self.metrics_port!r}"
-            )
+        if self.metrics_port is not None:
+            from ..observe.metrics import check_port
+
+            check_port(self.metrics_port)
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.max_no_progress_restarts, int) or self.max_no_progress_restarts < 0:
