@@ -104,7 +104,7 @@ def _failure_table(figs: dict[str, Any]) -> str:
             str(i + 1),
             f'<td class="l kind">{_e(f["kind"])}</td>',
             f'<td class="l">{_e(cause)}</td>',
-            "yes" if f.get("injected") else "no",
+            f'<td class="injected">{"yes" if f.get("injected") else "no"}</td>',
             _e(f["step"] if f["step"] is not None else "-"),
             _e(f["last_step"] if f["last_step"] is not None else "-"),
             _e(f["restored_step"] if f["restored_step"] is not None else "-"),
