@@ -16,6 +16,7 @@ from typing import Any
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     NoValidCheckpointError,
     RootLockedError,
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "ConfigError",
     "CorruptCheckpointError",
     "EveryNSteps",
     "EveryTSeconds",
