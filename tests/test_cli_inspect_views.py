@@ -114,7 +114,10 @@ def test_ls_info_and_verify_on_a_parent_folder_name_the_runs_inside_it(tmp_path)
     for cmd, code in (("ls", 0), ("verify", 1), ("info", 1)):
         r = CliRunner().invoke(main, [cmd, str(parent)])
         assert r.exit_code == code, (cmd, r.output)
-        assert str(parent / "cnn") in r.output and str(parent / "sweep" / "lr-0.1") in r.output, (cmd, r.output)
+        assert str(parent / "cnn") in r.output and str(parent / "sweep" / "lr-0.1") in r.output, (
+            cmd,
+            r.output,
+        )
         assert f"trainguard {cmd} {parent / 'cnn'}" in r.output
 
 
