@@ -78,7 +78,11 @@ def _console() -> Any:
 
 
 @main.command("plan")
-@click.option("--checkpoint-time", type=DURATION, help="C: how long a save blocks training, with a unit (e.g. 7s, 5min).")
+@click.option(
+    "--checkpoint-time",
+    type=DURATION,
+    help="C: how long a save blocks training, with a unit (e.g. 7s, 5min).",
+)
 @click.option("--persist-time", type=DURATION, help="L: save start to durable, for async saves (e.g. 2min).")
 @click.option(
     "--restart-time", type=DURATION, help="R: detection to training again [default: the load time]."
@@ -270,7 +274,12 @@ def _print_plan(p: dict[str, Any]) -> None:
 
 
 @main.command("simulate")
-@click.option("--checkpoint-time", type=DURATION, required=True, help="C: how long a save blocks training, with a unit (e.g. 7s).")
+@click.option(
+    "--checkpoint-time",
+    type=DURATION,
+    required=True,
+    help="C: how long a save blocks training, with a unit (e.g. 7s).",
+)
 @click.option("--mtbf", type=POSITIVE_DURATION, required=True, help="The job's mean time between failures.")
 @click.option("--persist-time", type=DURATION, help="L: save start to durable, for async saves.")
 @click.option(

@@ -148,6 +148,29 @@ class ResumableLoader:
             yield batch
         s.epoch, s.start = s.epoch + 1, 0
 
+    def forever(self) -> Iterator[Any]:
+        """Batches without end, epoch after epoch, for a loop counted in steps rather than epochs.
+
+        ``for step in range(start + 1, total + 1): x, y = next(batches)`` with ``batches = loader.forever()``
+        never stops at an epoch end; the position saved with the loader stays exact (the epoch number and
+        the samples delivered in it). Create the iterator *after* ``restore_latest``, so it starts from the
+        restored position.
+
+        Raises:
+            ConfigError: an epoch yields no batch (``drop_last=True`` with fewer samples than ``batch_size``
+                on this rank), so the iterator would spin forever.
+        """
+        while True:
+            delivered = False
+            for batch in self:
+                delivered = True
+                yield batch
+            if not delivered:
+                raise ConfigError(
+                    f"ResumableLoader.forever(): an epoch of {len(self.sampler)} samples on this rank yields no "
+                    f"batch of {self.batch_size} with drop_last=True; lower batch_size or set drop_last=False"
+                )
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
