@@ -239,7 +239,8 @@ class CheckpointManager:
             The PendingSave, or None when no save was due.
 
         Raises:
-            What ``save`` raises, including the error of an earlier background save.
+            TrainguardError: what ``save`` raises (``SaveError``, ``CheckpointExistsError``, ``ConfigError``),
+                including the error of an earlier background save.
         """
         from .recovery.heartbeat import heartbeat, preemption_requested
 

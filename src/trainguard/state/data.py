@@ -37,9 +37,10 @@ class ResumableSampler(Sampler[int]):
         num_samples: dataset length (> 0).
         shuffle: shuffle each epoch (order from ``seed`` and the epoch number).
         seed: the shuffle seed.
-        rank, world_size: when given, the sampler yields only this rank's share of every epoch (samples
+        rank: this rank; the sampler yields only its share of every epoch (samples
             ``start + rank, start + rank + world_size, ...`` of the global order), as DistributedSampler does
             without padding.
+        world_size: the number of ranks sharing every epoch (1: one process takes all samples).
 
     State (``state_dict``): ``epoch`` and ``start`` (global samples of the epoch already consumed).
     """
@@ -89,10 +90,14 @@ class ResumableLoader:
     Args:
         dataset: a map-style dataset.
         batch_size: samples per batch (per rank).
-        shuffle, seed: per-epoch order (see :func:`epoch_permutation`).
+        shuffle: shuffle every epoch; the order is a function of ``(seed, epoch)`` (see
+            :func:`epoch_permutation`).
+        seed: the shuffle seed.
         drop_last: drop the last incomplete batch of each epoch.
-        rank, world_size: shard every epoch across ranks (the global position is shared; resuming at another
-            world size continues the same global order, so no sample of the epoch is repeated or skipped).
+        rank: this rank when every epoch is sharded across ranks (the global position is shared; resuming at
+            another world size continues the same global order, so no sample of the epoch is repeated or
+            skipped).
+        world_size: the number of ranks sharing every epoch.
         **loader_kwargs: passed to DataLoader (num_workers, collate_fn, pin_memory, ...). Workers get a base seed
             derived from ``(seed, epoch)`` so the global torch RNG is never drawn from by the loader.
     """
