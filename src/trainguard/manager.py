@@ -103,7 +103,8 @@ class CheckpointManager:
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
         if not isinstance(self.save_policy, SavePolicy):
             raise ConfigError(
-                f"save_policy must have should_save()/record_save(), got {type(save_policy).__name__}"
+                f"save_policy must have should_save()/record_save() (e.g. tg.EveryNSteps(100)), got "
+                f"{type(save_policy).__name__}"
             )
         self.retention = as_retention(keep)
         self.options = WriterOptions(
