@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ..catalog import find_run_roots, inspect_step, read_manifest, scan, step_dirs
+from ..catalog import find_run_roots, inspect_step, is_run_root, read_manifest, scan, step_dirs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import MANIFEST_NAME, TensorEntry, step_dir_name
 from ..recovery.events import read_events
@@ -70,6 +70,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"checkpoints in {p}")
@@ -87,7 +88,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
             i.time or "",
             _fmt_s(ev.get("block_s")),
             _fmt_s(ev.get("persist_s")),
-            i.problem or "",
+            escape(i.problem or ""),
         )
     if infos:
         console().print(table)
@@ -97,6 +98,8 @@ def ls_cmd(root: str, as_json: bool) -> None:
 
 def _runs_hint(p: Path, command: str) -> str:
     """Where ``p`` holds no checkpoints: the run roots inside it, and the command to run on one of them."""
+    if is_run_root(p):
+        return " yet"
     runs = find_run_roots(p)
     if not runs:
         return " (not a run root: it holds no step-N directories, chunks/ or events/)"
