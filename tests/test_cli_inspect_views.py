@@ -4,7 +4,10 @@ a problem is never cut, a folder that is not a run root never passes a check, an
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +98,16 @@ def test_ls_never_cuts_the_problem_column_so_every_number_stays_whole(tmp_path):
     flat = " ".join(r.output.replace("│", " ").split())
     for token in problem.split():
         assert token in flat, (token, r.output)
+    # an 80-column terminal: every number (times, sizes, the CRC32C values) whole, no ellipsis
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "80"}
+    out = subprocess.run(
+        [sys.executable, "-m", "trainguard", "ls", str(tmp_path)], capture_output=True, text=True, env=env
+    ).stdout
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out, out
+    words = out.replace("│", " ").split()
+    for token in problem.split():
+        assert token in words, (token, out)
 
 
 def test_verify_on_an_empty_folder_fails_instead_of_passing(tmp_path):

@@ -74,10 +74,11 @@ def ls_cmd(root: str, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"checkpoints in {p}")
-    for col in ("step", "status", "size", "time", "block s", "persist s"):
-        table.add_column(col, justify="right" if col in ("step", "size", "block s", "persist s") else "left")
-    # The problem is never cut: it wraps at spaces (a long path folds visibly onto the next line).
-    table.add_column("problem", overflow="fold", ratio=1, min_width=30)
+    for col in ("step", "status", "size", "time (UTC)", "block s", "persist s"):
+        # fold: a value that does not fit wraps onto the next line, never cut with an ellipsis
+        right = col in ("step", "size", "block s", "persist s")
+        table.add_column(col, justify="right" if right else "left", overflow="fold")
+    problems = []
     for i in infos:
         ev = timings.get(i.step, {})
         color = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}[i.status]
@@ -85,13 +86,18 @@ def ls_cmd(root: str, as_json: bool) -> None:
             str(i.step),
             f"[{color}]{i.status}[/]",
             human_bytes(i.bytes),
-            i.time or "",
+            (i.time or "")[:19].replace("T", " "),
             _fmt_s(ev.get("block_s")),
             _fmt_s(ev.get("persist_s")),
-            escape(i.problem or ""),
         )
+        if i.problem:
+            problems.append(f"step {i.step} [{color}]{i.status}[/]: {escape(i.problem)}")
     if infos:
-        console().print(table)
+        c = console()
+        c.print(table)
+        # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
+        for line in problems:
+            c.print(line, highlight=False, overflow="fold")
     else:
         click.echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
 
