@@ -265,7 +265,7 @@ def _print_info(summary: dict[str, Any]) -> None:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in summary["metrics"].items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # wrap, never cut a name or a shape
     table.add_column("value", overflow="fold")
     for row in summary["entries"]:
         if row["kind"] == "tensor":
