@@ -52,14 +52,17 @@ def biggest_chunk(root, step):
     return root / max(m.chunks.values(), key=lambda c: c.length).path
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "recorded-crc-mismatch"])
 def test_info_on_a_step_with_a_missing_or_short_chunk_exits_1_and_names_the_problem(tmp_path, damage):
     make_run(tmp_path)
     chunk = biggest_chunk(tmp_path, 2)
     if damage == "missing":
         chunk.unlink()
-    else:
+    elif damage == "truncated":
         chunk.write_bytes(chunk.read_bytes()[:-3])
+    else:  # a full read found a mismatch and recorded it (docs/FORMAT.md corrupt marker)
+        marker = {"problem": f"chunk chunks/{chunk.parent.name}/{chunk.name} fails CRC32C", "chunk": None}
+        (tmp_path / "step-000000002" / "corrupt.json").write_text(json.dumps(marker))
     ls = json.loads(cli("ls", str(tmp_path), "--json").output)
     assert ls[-1]["status"] == "corrupt"
 
