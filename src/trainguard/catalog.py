@@ -173,6 +173,14 @@ def find_run_roots(parent: str | os.PathLike[str], *, max_depth: int = 2, limit:
 
     Used to name the runs of a folder given where a run root was expected (``trainguard ls runs/``). Does
     not descend into a run root nor follow symlinks; stops after ``limit`` roots.
+
+    Args:
+        parent: the folder to search.
+        max_depth: how many levels below ``parent`` to look (1: its direct subfolders).
+        limit: the most run roots returned.
+
+    Returns:
+        The run roots found, in path order.
     """
     found: list[Path] = []
 

@@ -233,8 +233,9 @@ class CheckpointManager:
             metrics: numbers recorded in the manifest (e.g. loss; ``KeepBest`` ranks by them).
             force: save whatever the policy says, e.g. ``force=step == total_steps`` so the final steps of a
                 run whose length is not a multiple of the interval are not lost at a normal end. No second
-                save when this step is already committed or being saved. Under torch.distributed pass the
-                same value on every rank.
+                save when this step is already committed or being saved; a forced save waits for a free
+                staging buffer even with ``when_busy="skip"``. Under torch.distributed pass the same value on
+                every rank.
 
         Returns:
             The PendingSave, or None when no save was due.

@@ -161,6 +161,9 @@ class ResumableLoader:
         the samples delivered in it). Create the iterator *after* ``restore_latest``, so it starts from the
         restored position.
 
+        Yields:
+            The batches the ``DataLoader`` would yield (``batch_size`` samples, collated), without end.
+
         Raises:
             ConfigError: an epoch yields no batch (``drop_last=True`` with fewer samples than ``batch_size``
                 on this rank), so the iterator would spin forever.
