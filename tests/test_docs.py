@@ -47,3 +47,19 @@ def test_the_nav_lists_existing_pages_one_per_concern_and_the_cli_page_is_genera
     assert {"PLANNING.md", "FORMAT.md", "cli.md"} <= set(listed)
     assert ":module: trainguard.cli.main" in (REPO / "docs" / "cli.md").read_text()
     assert config["strict"] is True
+
+
+def test_the_readme_names_every_public_name_and_lists_every_exported_error():
+    readme = (REPO / "README.md").read_text()
+
+    def named(n: str) -> bool:
+        return any(x in readme for x in (f"`{n}", f"tg.{n}", f"trainguard.{n}"))
+
+    assert not [n for n in tg.__all__ if not named(n)]
+    errors = readme.split("**Errors**")[1].split("\n\n")[0]
+    exported = [n for n in tg.__all__ if n.endswith("Error")]
+    assert "CheckpointNotFoundError" in exported and "ConfigError" in exported
+    assert not [n for n in exported if n not in errors], (
+        "name every exported error in the README's error list"
+    )
+    assert "tg.ResumableSampler(" in readme
