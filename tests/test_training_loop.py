@@ -126,6 +126,10 @@ def test_keep_best_satisfies_the_retention_protocol_and_rejects_bad_settings():
     ("value", "advice"),
     [
         (DataLoader(TensorDataset(torch.arange(8.0))), "tg.ResumableLoader"),
+        (
+            {"train": {"it": DataLoader(TensorDataset(torch.arange(8.0)))}},
+            "'loader' at ['train']['it'] holds a value",
+        ),
         (iter(DataLoader(TensorDataset(torch.arange(8.0)))), "tg.ResumableLoader"),
         (RandomSampler(range(8)), "tg.ResumableSampler"),
         (torch.Generator(), "tg.RNGState()"),

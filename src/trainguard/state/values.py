@@ -66,7 +66,10 @@ def instead_of(value: Any) -> str:
             "delivered) is saved and restored exactly; or torchdata's StatefulDataLoader"
         )
     if isinstance(value, Sampler):
-        return "use tg.ResumableSampler(len(dataset), shuffle=..., seed=...), whose position is saved and restored"
+        return (
+            "use tg.ResumableLoader, or tg.ResumableSampler(len(dataset), shuffle=..., seed=...) whose "
+            "state_dict() holds the epoch and the position your loop advances"
+        )
     if type(value).__name__.endswith("DataLoaderIter"):
         return "save the loader, not its iterator: use tg.ResumableLoader, whose position is its state"
     if isinstance(value, torch.Generator):
@@ -95,21 +98,60 @@ def encode_value(value: Any, fqn: str) -> bytes:
     return TAG_TORCH + data
 
 
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.Tensor,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+
+
+def _culprit(x: Any, where: str = "", depth: int = 0) -> tuple[str, Any]:
+    """The first value inside containers ``x`` that is not a plain value, and where it is (``"['a'][0]"``)."""
+    if depth < 50 and isinstance(x, dict):
+        for k, v in x.items():
+            found = _culprit(v, f"{where}[{k!r}]", depth + 1)
+            if found[1] is not None:
+                return found
+    elif depth < 50 and isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            found = _culprit(v, f"{where}[{i}]", depth + 1)
+            if found[1] is not None:
+                return found
+    elif not isinstance(x, _PLAIN):
+        return where, x
+    return where, None
+
+
 def unsupported_value(value: Any, fqn: str, cause: BaseException | None = None) -> ConfigError:
     """The error for a state entry that cannot be stored: names it, its type, and what to use instead."""
+    where, inner = _culprit(value)
+    at = ""
+    if inner is not None and where:  # name the object inside the container, not the container
+        at, value = f" at {where}", inner
     kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
     why = ""
     if cause is not None:
         # torch's own advice (weights_only=False, add_safe_globals) would run code on load: keep only the fact.
         text = plain_text(str(cause))
         found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        if found:
+        if found and found.group(1) != kind:
             why = f" (it contains {found.group(1)}, which torch.load(weights_only=True) refuses to build)"
+        elif found:
+            why = ""
         else:
             first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
             why = f" ({first[:160]})" if first and not first.startswith("Weights only load failed") else ""
     return ConfigError(
-        f"state entry {fqn!r} is a {kind}, which cannot be saved without pickle of arbitrary classes{why}; "
+        f"state entry {fqn!r}{at} holds a value of type {kind}, which cannot be saved without pickle of arbitrary "
+        f"classes{why}; "
         f"{instead_of(value)}"
     )
 
