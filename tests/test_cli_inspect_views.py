@@ -160,3 +160,13 @@ def test_info_elides_a_long_value_visibly_and_json_keeps_all_of_it(tmp_path):
     out = json.loads(cli("info", str(tmp_path), "--json").stdout)
     value = next(e["value"] for e in out["entries"] if e["fqn"] == "extra")
     assert value == {"history": [1234567.125] * 200, "tag": [1, 2]}
+
+
+def test_info_json_is_strict_json_even_with_a_nan_metric_or_value(tmp_path):
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2), "stats": {"best": float("inf")}}, metrics={"loss": float("nan")})
+    r = cli("info", str(tmp_path), "--json")
+    assert r.exit_code == 0
+    out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert out["metrics"] == {"loss": "nan"}
+    assert next(e["value"] for e in out["entries"] if e["fqn"] == "stats") == {"best": "inf"}

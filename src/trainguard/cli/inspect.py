@@ -161,8 +161,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "format_version": m.format_version,
         "bytes": m.bytes,
         "chunks": len(m.chunks),
-        "metrics": m.metrics,
-        "metadata": m.metadata,
+        "metrics": json_safe(m.metrics),
+        "metadata": json_safe(m.metadata),
         "top_level": m.top_level,
         "entries": entries,
     }
