@@ -166,7 +166,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "top_level": m.top_level,
         "entries": entries,
     }
-    bad = status.status != "valid"
+    bad = status.status in ("corrupt", "incomplete")  # a status that only lacks a full read is not a failure
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
         if bad:
