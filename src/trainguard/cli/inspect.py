@@ -260,7 +260,8 @@ def _print_info(summary: dict[str, Any]) -> None:
         f"format v{summary['format_version']}  {human_bytes(summary['bytes'])} in {summary['chunks']} chunks"
     )
     if summary["status"] != "valid":
-        c.print(f"[red]{summary['status']}[/]: {escape(str(summary['problem']))}")
+        problem = f": {escape(str(summary['problem']))}" if summary["problem"] else ""
+        c.print(f"[red]{summary['status']}[/]{problem}")
     if summary["metrics"]:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in summary["metrics"].items()))
     table = Table()
