@@ -250,7 +250,8 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
     # Recorded where it happens, before it fires: `trainguard report` joins it to the supervisor's failure.
     mgr.log_event("fault_injected", kind=kind, step=step)
     print(
-        f"[fault] attempt {attempt}: {kind} at step {step}" + (f" on rank {rank}" if distributed else ""),
+        f"[fault] attempt {attempt}: {kind} after step {step - 1 if kind == 'kill_step' else step}"
+        + (f" on rank {rank}" if distributed else ""),
         flush=True,
     )
     if kind == "kill_step":  # SIGKILL in the middle of a training step

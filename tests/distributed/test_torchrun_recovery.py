@@ -76,7 +76,11 @@ def test_a_killed_rank_brings_torchrun_down_and_the_supervisor_relaunches_it(run
     from trainguard.observe.figures import report_figures
 
     [f] = report_figures(str(runs["faulted"]))["failures"]
-    assert (f["kind"], f["cause"], f["step"], f["injected"]) == ("kill_step", "exit", KILL_AT, True)
+    assert (f["kind"], f["cause"], f["injected"]) == ("kill_step", "exit", True)
+    assert (f["step"], f["injected_step"]) == (
+        KILL_AT - 1,
+        KILL_AT,
+    )  # killed in step KILL_AT: after the one before
     [fault] = read_events(runs["faulted"], event="fault_injected")
     assert fault["rank"] == KILL_RANK
 

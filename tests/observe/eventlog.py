@@ -57,7 +57,7 @@ def save(
 
 
 def one_failure_run() -> list[dict[str, Any]]:
-    """A supervised run: steps 1-25 in attempt 0 (saves at 10 and 20), SIGKILL injected at step 25, attempt 1
+    """A supervised run: steps 1-25 in attempt 0 (saves at 10 and 20), SIGKILL injected in step 26, attempt 1
     restores step 20 and trains to 30 (save at 30), retention deletes step 10; 100 s .. 140 s."""
     return [
         sup(100.0, "supervisor_start", command=["x"], root="r", config={}),
@@ -67,7 +67,7 @@ def one_failure_run() -> list[dict[str, Any]]:
         mgr(102.0, "first_step", 0, step=1),
         save(111.0, 10, 0),
         save(121.0, 20, 0, written=300),
-        mgr(125.0, "fault_injected", 0, kind="kill_step", step=25),
+        mgr(125.0, "fault_injected", 0, kind="kill_step", step=26),
         sup(
             125.1,
             "failure",

@@ -19,13 +19,9 @@ from .eventlog import PHASES_1, RUN, mgr, one_failure_run, save, sup, write_log
 def test_a_failure_is_joined_with_its_injected_kind_and_its_recovery():
     figs = compute_figures(one_failure_run())
     [f] = figs["failures"]
-    assert (f["kind"], f["cause"], f["injected"], f["step"], f["last_step"]) == (
-        "kill_step",
-        "signal",
-        True,
-        25,
-        25,
-    )
+    assert (f["kind"], f["cause"], f["injected"]) == ("kill_step", "signal", True)
+    # killed in step 26: the failure hit after step 25, the last one the job reported (as `trainguard run` says)
+    assert (f["step"], f["injected_step"], f["last_step"]) == (25, 26, 25)
     assert (f["restored_step"], f["steps_lost"], f["ttr_s"]) == (20, 5, 3.5)
     assert f["phases"] == PHASES_1
     assert f["t_s"] == pytest.approx(25.0)  # t_death since the run's first event
@@ -34,7 +30,7 @@ def test_a_failure_is_joined_with_its_injected_kind_and_its_recovery():
 def test_a_failure_that_was_not_injected_takes_its_cause_as_kind():
     recs = [r for r in one_failure_run() if r["event"] != "fault_injected"]
     [f] = compute_figures(recs)["failures"]
-    assert (f["kind"], f["injected"], f["step"]) == ("signal", False, 25)
+    assert (f["kind"], f["injected"], f["step"], f["injected_step"]) == ("signal", False, 25, None)
 
 
 def test_goodput_is_the_time_spent_on_surviving_steps_less_save_stalls_over_wall_time():

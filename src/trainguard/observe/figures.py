@@ -402,7 +402,9 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
 
     Returns:
         A JSON-ready dict with ``failures`` (each: ``kind`` (the injected fault's kind, else the cause),
-        ``cause``, ``injected``, ``attempt``, ``step``, ``last_step``, ``restored_step``, ``steps_lost``,
+        ``cause``, ``injected``, ``attempt``, ``step`` (the last step done before it: the heartbeat, else the
+        injected fault's step), ``injected_step`` (the ``step`` its ``fault_injected`` event logged, or None),
+        ``last_step``, ``restored_step``, ``steps_lost``,
         ``ttr_s``, ``phases``, ``exit_code``, ``signal``, ``t``, ``t_s``), ``goodput`` (float in (0, 1] or
         None), ``goodput_timeline``, ``saves`` (each: ``step``, ``t``, ``t_s``, ``start_s``, ``block_s``,
         ``persist_s``, ``bytes``, ``stored_bytes``, ``bytes_written``, ``chunks``, ``restart_count``),
@@ -500,7 +502,10 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
                 "cause": r.get("cause"),
                 "injected": fault is not None,
                 "attempt": attempt,
-                "step": step if step is not None else last_step,
+                # the step a failure hit is the last step the job reported done (as `trainguard run` says);
+                # the injected fault's own step only when no heartbeat came
+                "step": last_step if last_step is not None else step,
+                "injected_step": step,
                 "last_step": last_step,
                 "restored_step": _int(rec.get("restored_step")) if rec else None,
                 "steps_lost": _int(rec.get("steps_lost")) if rec else None,

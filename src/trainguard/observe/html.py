@@ -91,7 +91,17 @@ def _stall(seconds: float | None) -> str:
 
 
 def _failure_table(figs: dict[str, Any]) -> str:
-    head = ["#", "kind", "cause", "injected", "at step", "last step", "resumed from", "steps lost", "TTR s"]
+    head = [
+        "#",
+        "kind",
+        "cause",
+        "injected",
+        "injected at",
+        "after step",
+        "resumed from",
+        "steps lost",
+        "TTR s",
+    ]
     head += [PHASE_LABELS[p] for p in PHASES]
     rows = []
     for i, f in enumerate(figs["failures"]):
@@ -105,8 +115,8 @@ def _failure_table(figs: dict[str, Any]) -> str:
             f'<td class="l kind">{_e(f["kind"])}</td>',
             f'<td class="l">{_e(cause)}</td>',
             f'<td class="injected">{"yes" if f.get("injected") else "no"}</td>',
+            _e(f["injected_step"] if f.get("injected_step") is not None else "-"),
             _e(f["step"] if f["step"] is not None else "-"),
-            _e(f["last_step"] if f["last_step"] is not None else "-"),
             _e(f["restored_step"] if f["restored_step"] is not None else "-"),
             f'<td class="steps-lost">{_e(f["steps_lost"] if f["steps_lost"] is not None else "-")}</td>',
             _f(f["ttr_s"]),

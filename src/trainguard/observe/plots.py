@@ -221,7 +221,7 @@ def recoveries(figs: dict[str, Any]) -> tuple[bytes, bool]:
     if len(rows) > MANY:
         labels = [str(i + 1) for i in range(len(rows))]
     else:
-        labels = [f"{i + 1}: {f['kind']}\nstep {f['step']}" for i, f in enumerate(rows)]
+        labels = [f"{i + 1}: {f['kind']}\nafter step {f['step']}" for i, f in enumerate(rows)]
     bottoms = [0.0] * len(rows)
     for phase in PHASES:
         vals = [f["phases"].get(phase) or 0.0 for f in rows]
