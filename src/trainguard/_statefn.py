@@ -187,7 +187,8 @@ def build_template(
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
                     template[f] = torch.empty_like(cur, dtype=dtype)  # replaced by what was saved
                 else:
-                    dtypes.append((f, e.dtype, str(cur.dtype).removeprefix("torch.")))
+                    name = f if lf == f else f"{f} (target {lf})"
+                    dtypes.append((name, e.dtype, str(cur.dtype).removeprefix("torch.")))
         if only_saved or only_live or dtypes:
             reports.append(
                 mismatch_message(manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes)

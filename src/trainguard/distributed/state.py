@@ -45,13 +45,12 @@ class ModelOptimizerState:
     def params_by_name(self) -> dict[str, torch.Tensor]:
         """Parameter FQN as in ``state_dict()["optim"]`` (wrapper prefixes removed, as DCP names them) -> the
         live parameter."""
-        try:
-            from torch.distributed.checkpoint.state_dict import _get_fqns
-        except ImportError:  # pragma: no cover - private DCP helper; the same rule without it
-            _get_fqns = None
+        import torch.distributed.checkpoint.state_dict as dsd
+
+        get_fqns = getattr(dsd, "_get_fqns", None)  # private DCP helper; the same rule without it
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
-            for fqn in _get_fqns(self.model, name) if _get_fqns is not None else {canonical_name(name)}:
+            for fqn in get_fqns(self.model, name) if callable(get_fqns) else {canonical_name(name)}:
                 out[fqn] = p
         return out
 
