@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.testing._internal.two_tensor import TwoTensor
 
 import trainguard as tg
 
@@ -241,6 +242,7 @@ UNSTORABLE = {
     "sparse csr": lambda: torch.eye(3).to_sparse_csr(),
     "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
     "meta": lambda: torch.empty(3, device="meta"),
+    "wrapper subclass": lambda: TwoTensor(torch.ones(3), torch.full((3,), 2.0)),
 }
 
 

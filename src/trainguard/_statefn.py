@@ -15,6 +15,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import ConfigError, StateMismatchError
 from .format import Manifest, TensorEntry
@@ -22,6 +23,11 @@ from .state import optim
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, fqn_of, unflatten
 from .state.matching import match_names, mismatch_message
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger("trainguard")
 
@@ -57,7 +63,7 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
 
     Raises:
         ConfigError: the state is not a dict, or holds a tensor whose elements alone do not give its value
-            (quantized, sparse, nested or meta tensors): refused here, before anything is written.
+            (quantized, sparse, nested, meta tensors, tensor subclasses other than DTensor): refused here, before anything is written.
     """
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
@@ -101,6 +107,12 @@ def check_storable(t: torch.Tensor, fqn: str) -> None:
         what, fix = (
             "a meta tensor (it has no data)",
             "materialize it (e.g. module.to_empty() and initialize it)",
+        )
+    elif is_traceable_wrapper_subclass(t) and not (DTensor is not None and isinstance(t, DTensor)):
+        what, fix = (
+            f"a tensor subclass ({type(t).__qualname__}) whose data lives in inner tensors (e.g. torchao's quantized "
+            "and float8 tensors)",
+            "store its inner tensors and parameters (t.__tensor_flatten__()), or a plain tensor (e.g. t.dequantize())",
         )
     else:
         return
