@@ -147,6 +147,13 @@ def test_an_empty_dict_target_takes_everything_as_saved(tmp_path):
     assert torch.equal(target["d"]["n"]["b"], torch.arange(3)) and target["d"]["v"] == 3
 
 
+def test_an_empty_dict_target_takes_a_saved_top_level_tensor_as_saved(tmp_path):
+    save(tmp_path, {"w": torch.arange(4, dtype=torch.int16)})
+    target: dict = {"w": {}}
+    restore(tmp_path, target)
+    assert target["w"].dtype == torch.int16 and torch.equal(target["w"], torch.arange(4, dtype=torch.int16))
+
+
 def test_strict_false_loads_what_matches_converting_dtypes_and_logs_the_differences(tmp_path, caplog):
     save(tmp_path, {"d": {"x": torch.tensor([2.7]), "saved_only": torch.ones(1)}})
     target = {"d": {"x": torch.zeros(1, dtype=torch.int64), "live_only": torch.zeros(1)}}

@@ -185,7 +185,7 @@ def build_template(
                 continue
             dtype = dtype_from_name(e.dtype)
             if not isinstance(cur, torch.Tensor):
-                if lf is not None and not stateful:
+                if lf is not None and not stateful and lf not in empties:
                     dtypes.append((f, e.dtype, f"a {type(cur).__name__}"))
                 template[f] = torch.empty(e.shape, dtype=dtype)
                 continue
