@@ -89,6 +89,22 @@ def test_bf16_moments_come_back_bf16_through_model_optimizer_state(tmp_path):
     assert train(model, optim, 3, seed=7) == train(model2, optim2, 3, seed=7)
 
 
+def test_fp32_moments_of_bf16_parameters_are_not_rounded_to_bf16(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2).to(torch.bfloat16)
+    optim = BF16MomentsAdamW(model.parameters(), moment_dtype=torch.float32)
+    for _ in range(2):
+        model(torch.randn(8, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    save(tmp_path, {"model": model, "optim": optim})
+    torch.manual_seed(1)
+    model2 = torch.nn.Linear(6, 2).to(torch.bfloat16)
+    optim2 = BF16MomentsAdamW(model2.parameters(), moment_dtype=torch.float32)
+    restore(tmp_path, {"model": model2, "optim": optim2})
+    assert_same_optimizer_state(optim, optim2)  # torch alone rounds them to bf16
+
+
 # -- strict keys and dtypes ----------------------------------------------------------------------------------
 def test_a_plain_dict_restores_into_keys_with_a_compile_prefix(tmp_path):
     save(tmp_path, {"model": {"w": torch.arange(3.0), "b": torch.full((2,), 7.0)}})

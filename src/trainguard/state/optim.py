@@ -115,8 +115,17 @@ def param_map_by_order(saved_groups: list[Any], optimizer: torch.optim.Optimizer
 def _put_back(saved: Any, live: Any, key: Any) -> None:
     cur = live[key]
     if isinstance(saved, torch.Tensor) and isinstance(cur, torch.Tensor):
-        if cur.dtype != saved.dtype:
+        if cur.dtype == saved.dtype:
+            return
+        same_layout = (
+            type(saved) is type(cur)
+            and saved.shape == cur.shape
+            and getattr(saved, "placements", None) == getattr(cur, "placements", None)
+        )
+        if same_layout:  # the loaded tensor itself: exact whatever the parameter dtype
             live[key] = saved if saved.device == cur.device else saved.to(device=cur.device)
+        else:  # resharded on the way in (e.g. a full state dict): cast back, exact from a wider dtype
+            live[key] = cur.to(dtype=saved.dtype)
     elif isinstance(saved, Mapping) and isinstance(cur, MutableMapping):
         for k, v in saved.items():
             if k in cur:
