@@ -241,6 +241,15 @@ def test_an_optimizer_that_drops_a_parameters_state_on_load_is_refused(tmp_path)
         restore(tmp_path, {"model": model2, "optim": optim2})
 
 
+def test_model_optimizer_state_whose_optimizer_drops_a_parameters_state_on_load_is_refused(tmp_path):
+    model, optim = bf16_adamw()
+    save(tmp_path, {"app": tg.ModelOptimizerState(model, optim)})
+    model2, optim2 = fresh_model_and_optim()
+    optim2.register_load_state_dict_post_hook(lambda opt: opt.state.pop(opt.param_groups[0]["params"][0]))
+    with pytest.raises(tg.StateMismatchError, match=r"(?s)'app'.*not restored \(3\): 0\.weight\.exp_avg, "):
+        restore(tmp_path, {"app": tg.ModelOptimizerState(model2, optim2)})
+
+
 def test_frozen_parameters_without_optimizer_state_are_not_a_mismatch(tmp_path):
     model, optim = fresh_model_and_optim(0, torch.optim.AdamW)
     model[2].weight.requires_grad_(False)
