@@ -16,9 +16,9 @@ import trainguard as tg
 from .bf16_optim import BF16MomentsAdamW
 
 
-def save(root, state, step: int = 1) -> None:
-    with tg.CheckpointManager(root, async_save=False, fsync=False) as mgr:
-        mgr.save(step, state)
+def save(root, state, step: int = 1, *, async_save: bool = False) -> None:
+    with tg.CheckpointManager(root, async_save=async_save, fsync=False) as mgr:
+        mgr.save(step, state).wait()
 
 
 def restore(root, state, **kw) -> int | None:
@@ -60,10 +60,13 @@ def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimiz
             assert torch.equal(sb[i][k], v), (i, k)
 
 
-def test_bf16_adam_moments_of_fp32_parameters_come_back_bf16_and_the_run_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_bf16_adam_moments_of_fp32_parameters_come_back_bf16_and_the_run_continues_bit_for_bit(
+    tmp_path, async_save
+):
     model, optim = bf16_adamw()
     assert optim.state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16, "precondition"
-    save(tmp_path, {"model": model, "optim": optim})
+    save(tmp_path, {"model": model, "optim": optim}, async_save=async_save)
     model2, optim2 = fresh_model_and_optim()
     assert restore(tmp_path, {"model": model2, "optim": optim2}) == 1
     assert_same_optimizer_state(optim, optim2)
