@@ -185,23 +185,26 @@ def read_torch(src: Path) -> Any:
     try:
         return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any refusal means it would need unpickling arbitrary objects
-        text = plain_text(str(e))
-        import re
-
-        found = re.search(r"GLOBAL (\S+)", text)
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        # torch's own advice (weights_only=False) would run the file's code: keep only the fact.
-        facts = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))]
-        why = (
-            f"it contains {found.group(1)}, which torch.load(weights_only=True) refuses to build"
-            if found
-            else (facts[0] if facts else type(e).__name__)[:200]
-        )
+        why = refusal_reason(e)
         raise UnsafeCheckpointError(
             f"refusing to import {src}: {why}. trainguard loads torch.save files only with "
             "torch.load(weights_only=True), which never runs code from the file; re-save it as plain tensors "
             "(torch.save(model.state_dict(), path)) where it was made, or as safetensors"
         ) from None
+
+
+def refusal_reason(e: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused: the global it would build, else torch's first line of
+    fact. torch's own advice (``weights_only=False``) would run the file's code, so it is left out."""
+    import re
+
+    text = plain_text(str(e))
+    found = re.search(r"GLOBAL (\S+)", text)
+    if found:
+        return f"it contains {found.group(1)}, which torch.load(weights_only=True) refuses to build"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    facts = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))]
+    return (facts[0] if facts else type(e).__name__)[:200]
 
 
 # -- DCP directories ------------------------------------------------------------------------------------------
@@ -295,8 +298,8 @@ def read_dcp(src: Path, *, progress: Callable[[int, int], None] | None = None) -
                 self.state_dict[fqn] = torch.load(value, weights_only=True)
             except Exception as e:  # noqa: BLE001
                 raise UnsafeCheckpointError(
-                    f"DCP value {fqn!r} in {src} is refused by torch.load(weights_only=True): "
-                    f"{plain_text(str(e)).splitlines()[0][:200]}"
+                    f"refusing to import {src}: its value {fqn!r} is refused by torch.load(weights_only=True) "
+                    f"({refusal_reason(e)}); nothing from it was run or imported"
                 ) from None
 
     template: dict[str, Any] = {}
@@ -315,7 +318,7 @@ def read_dcp(src: Path, *, progress: Callable[[int, int], None] | None = None) -
                 planner=SafePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 no_dist=True,
             )
-    except Exception as e:  # noqa: BLE001 - DCP wraps the reader's errors
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         from .._persist import unwrap
 
         raise unwrap(e) from None
