@@ -104,6 +104,8 @@ def import_checkpoint(
         raise ConfigError(f"step must be an int >= 0, got {step!r}")
     if key is not None and all_state:
         raise ConfigError("give either --key or --all, not both")
+    if format == "safetensors":
+        require("safetensors", feature="import --format safetensors")
     src = Path(src)
     if not src.exists():
         raise ConfigError(f"{src} does not exist")
