@@ -30,8 +30,9 @@ for name in {BLOCKED!r}:
 
 def run_blocked(body: str, tmp_path) -> dict:
     code = PRELUDE + textwrap.dedent(body)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), cwd=tmp_path,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), cwd=tmp_path, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -48,7 +48,9 @@ def no_checkpoint(root: Path) -> bool:
 def test_an_armed_torch_save_file_is_refused_with_the_reason_and_never_runs(tmp_path):
     sentinel = tmp_path / "SENTINEL"
     armed_torch_file(tmp_path / "evil.pt", sentinel)
-    with pytest.raises(UnsafeCheckpointError, match=r"refusing to import .*evil.pt: it contains posix.system"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"refusing to import .*evil.pt: it contains posix.system"
+    ):
         import_checkpoint(tmp_path / "evil.pt", tmp_path / "root", format="torch", step=1)
     assert not sentinel.exists()
     assert no_checkpoint(tmp_path / "root")
@@ -57,8 +59,9 @@ def test_an_armed_torch_save_file_is_refused_with_the_reason_and_never_runs(tmp_
 def test_the_cli_refuses_an_armed_pickle_with_exit_1_and_never_runs_it(tmp_path):
     sentinel = tmp_path / "SENTINEL"
     armed_torch_file(tmp_path / "evil.pt", sentinel)
-    r = CliRunner().invoke(cli, ["import", str(tmp_path / "evil.pt"), str(tmp_path / "root"), "--format", "torch",
-                                 "--step", "1"])
+    r = CliRunner().invoke(
+        cli, ["import", str(tmp_path / "evil.pt"), str(tmp_path / "root"), "--format", "torch", "--step", "1"]
+    )
     assert r.exit_code == 1, r.output
     assert "weights_only=True" in r.output and "weights_only=False" not in r.output  # no advice to run it
     assert not sentinel.exists()

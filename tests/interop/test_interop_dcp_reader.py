@@ -26,12 +26,16 @@ def test_plain_dcp_load_with_the_default_planner_restores_tensors_and_values(tmp
     root = tmp_path / "root"
     with tg.CheckpointManager(root) as mgr:
         mgr.save(4, {"model": model, "optim": opt, "meta": {"epoch": 2, "betas": (0.9, 0.99)}}).wait()
-    fresh, fresh_opt = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3)), None
+    fresh = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
     want_opt = opt.state_dict()
     state = {
         "model": fresh.state_dict(),
-        "optim": {"state": {i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in want_opt["state"].items()},
-                  "param_groups": None},
+        "optim": {
+            "state": {
+                i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in want_opt["state"].items()
+            },
+            "param_groups": None,
+        },
         "meta": {"epoch": 0, "betas": None},
     }
     reader = tg.dcp_reader(root)
@@ -45,7 +49,6 @@ def test_plain_dcp_load_with_the_default_planner_restores_tensors_and_values(tmp
             assert torch.equal(state["optim"]["state"][i][k], v), (i, k)
     assert state["optim"]["param_groups"] == want_opt["param_groups"]
     assert state["meta"] == {"epoch": 2, "betas": (0.9, 0.99)}
-    del fresh_opt
 
 
 def test_the_default_step_is_the_newest_valid_one_and_invalid_steps_are_refused(tmp_path):

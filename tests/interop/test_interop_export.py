@@ -57,7 +57,12 @@ def run(tmp_path: Path) -> dict:
     root = tmp_path / "root"
     with tg.CheckpointManager(root) as mgr:
         mgr.save(7, {"model": model, "optim": opt, "epoch": 2}).wait()
-    return {"root": root, "model": model, "opt": opt, "sd": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "root": root,
+        "model": model,
+        "opt": opt,
+        "sd": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def test_safetensors_export_loads_with_the_safetensors_library_and_equals_the_weights_bitwise(run, tmp_path):
@@ -105,8 +110,12 @@ def test_dcp_export_loads_with_plain_dcp_load(run, tmp_path):
     # the whole state, nested as saved: the optimizer's state too
     export(run["root"], tmp_path / "all", format="dcp", all_state=True)
     want_opt = run["opt"].state_dict()
-    target = {"model": {k: torch.zeros_like(v) for k, v in run["sd"].items()}, "optim": {
-        "state": {i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in want_opt["state"].items()}}}
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in run["sd"].items()},
+        "optim": {
+            "state": {i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in want_opt["state"].items()}
+        },
+    }
     dcp.load(target, checkpoint_id=str(tmp_path / "all"), no_dist=True)
     same(target["model"], run["sd"])
     for i, s in want_opt["state"].items():
@@ -172,7 +181,12 @@ def test_a_corrupt_chunk_fails_the_export_naming_it_and_leaves_no_output(run, tm
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x04
     path.write_bytes(bytes(data))
-    for fmt, kw in (("safetensors", {}), ("safetensors", {"max_shard_bytes": 2500}), ("dcp", {}), ("torch", {})):
+    for fmt, kw in (
+        ("safetensors", {}),
+        ("safetensors", {"max_shard_bytes": 2500}),
+        ("dcp", {}),
+        ("torch", {}),
+    ):
         with pytest.raises(CorruptCheckpointError, match="CRC32C|crc32c") as e:
             export(run["root"], tmp_path / "out", format=fmt, **kw)
         assert m.chunks[chunk].path in str(e.value) or e.value.chunk == m.chunks[chunk].path
@@ -196,27 +210,46 @@ def test_export_picks_the_newest_valid_step_and_refuses_an_invalid_one(run, tmp_
 
 def test_progress_reports_bytes_up_to_the_total(run, tmp_path):
     seen: list[tuple[int, int]] = []
-    res = export(run["root"], tmp_path / "s", format="safetensors", max_shard_bytes=2500,
-                 progress=lambda d, t: seen.append((d, t)))
+    res = export(
+        run["root"],
+        tmp_path / "s",
+        format="safetensors",
+        max_shard_bytes=2500,
+        progress=lambda d, t: seen.append((d, t)),
+    )
     assert len(seen) >= 3
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert seen[-1] == (res.bytes, res.bytes)
 
 
 def test_cli_export_json_and_exit_codes(run, tmp_path):
-    r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "o"), "--format", "safetensors",
-                                 "--max-shard-size", "2.5kB", "--json"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(run["root"]),
+            str(tmp_path / "o"),
+            "--format",
+            "safetensors",
+            "--max-shard-size",
+            "2.5kB",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["step"] == 7 and doc["format"] == "safetensors"
     assert "model.safetensors.index.json" in doc["files"]
     r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "o"), "--format", "torch"])
     assert r.exit_code == 2 and "already exists" in r.output
-    r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "p"), "--format", "torch",
-                                 "--step", "8", "--json"])
+    r = CliRunner().invoke(
+        cli, ["export", str(run["root"]), str(tmp_path / "p"), "--format", "torch", "--step", "8", "--json"]
+    )
     assert r.exit_code == 2 and json.loads(r.stdout)["ok"] is False
-    r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "q"), "--format", "safetensors",
-                                 "--max-shard-size", "5"])
+    r = CliRunner().invoke(
+        cli,
+        ["export", str(run["root"]), str(tmp_path / "q"), "--format", "safetensors", "--max-shard-size", "5"],
+    )
     assert r.exit_code == 2 and "no unit" in r.output
     r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "m.pt"), "--format", "torch"])
     assert r.exit_code == 0 and re.search(r"exported step 7 \(model: \d+ tensors", r.output), r.output

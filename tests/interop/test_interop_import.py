@@ -65,9 +65,14 @@ def test_a_nested_dcp_checkpoint_imports_one_key_or_everything(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "epoch": 4, "note": (1, "a")}, checkpoint_id=str(tmp_path / "src"),
-             no_dist=True)
-    with pytest.raises(ConfigError, match=r"not a flat state_dict.*\['model', 'optim', 'epoch', 'note'\].*--key"):
+    dcp.save(
+        {"model": msd, "optim": osd, "epoch": 4, "note": (1, "a")},
+        checkpoint_id=str(tmp_path / "src"),
+        no_dist=True,
+    )
+    with pytest.raises(
+        ConfigError, match=r"not a flat state_dict.*\['model', 'optim', 'epoch', 'note'\].*--key"
+    ):
         import_checkpoint(tmp_path / "src", tmp_path / "root", format="dcp", step=1)
     import_checkpoint(tmp_path / "src", tmp_path / "root", format="dcp", step=1, key="model")
     same(restored_model(tmp_path / "root", 1), model.state_dict())
@@ -105,7 +110,12 @@ def hf_layout_state() -> dict[str, torch.Tensor]:
     }
     for i in range(2):
         p = f"encoder.layer.{i}."
-        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+        for name in (
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+        ):
             sd[p + name + ".weight"] = torch.randn(32, 32, generator=g)
             sd[p + name + ".bias"] = torch.randn(32, generator=g)
         sd[p + "intermediate.dense.weight"] = torch.randn(64, 32, generator=g).to(torch.float16)
@@ -175,12 +185,24 @@ def test_import_refuses_a_layout_it_cannot_read_and_an_existing_step(tmp_path):
 def test_cli_import_json(tmp_path):
     sd = net().state_dict()
     torch.save(sd, tmp_path / "w.pt")
-    r = CliRunner().invoke(cli, ["import", str(tmp_path / "w.pt"), str(tmp_path / "root"), "--format", "torch",
-                                 "--step", "3", "--json"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "import",
+            str(tmp_path / "w.pt"),
+            str(tmp_path / "root"),
+            "--format",
+            "torch",
+            "--step",
+            "3",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["step"] == 3 and doc["entries"] == ["model"] and doc["tensors"] == len(sd)
     same(restored_model(tmp_path / "root", 3), sd)
-    r = CliRunner().invoke(cli, ["import", str(tmp_path / "w.pt"), str(tmp_path / "root"), "--format", "torch",
-                                 "--step", "3"])
+    r = CliRunner().invoke(
+        cli, ["import", str(tmp_path / "w.pt"), str(tmp_path / "root"), "--format", "torch", "--step", "3"]
+    )
     assert r.exit_code == 2 and "overwrite" in r.output

@@ -30,7 +30,12 @@ def _progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     with Progress(
-        label, BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True, console=Console(stderr=True)
+        label,
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+        console=Console(stderr=True),
     ) as prog:
         task = prog.add_task(label, total=None)
         yield lambda done, total: prog.update(task, completed=done, total=total)
@@ -51,11 +56,24 @@ def _fail(e: BaseException, as_json: bool) -> None:
 @click.argument("root")
 @click.argument("out")
 @click.option(
-    "--format", "fmt", required=True, type=click.Choice(["safetensors", "dcp", "torch"]), help="Output format."
+    "--format",
+    "fmt",
+    required=True,
+    type=click.Choice(["safetensors", "dcp", "torch"]),
+    help="Output format.",
 )
 @click.option("--step", type=int, default=None, help="The checkpoint's step (default: the newest valid one).")
-@click.option("--entry", default=None, help="State entry to export (default: `model`, or the model of the only ModelOptimizerState entry).")
-@click.option("--all", "all_state", is_flag=True, help="Export the whole state (optimizer, RNG, data position...), keyed by FQN (dcp, torch).")
+@click.option(
+    "--entry",
+    default=None,
+    help="State entry to export (default: `model`, or the model of the only ModelOptimizerState entry).",
+)
+@click.option(
+    "--all",
+    "all_state",
+    is_flag=True,
+    help="Export the whole state (optimizer, RNG, data position...), keyed by FQN (dcp, torch).",
+)
 @click.option(
     "--max-shard-size",
     default="5GB",
@@ -114,12 +132,20 @@ def export_cmd(
 @click.argument("src")
 @click.argument("root")
 @click.option(
-    "--format", "fmt", required=True, type=click.Choice(["dcp", "torch", "safetensors"]), help="Format of SRC."
+    "--format",
+    "fmt",
+    required=True,
+    type=click.Choice(["dcp", "torch", "safetensors"]),
+    help="Format of SRC.",
 )
 @click.option("--step", type=click.IntRange(min=0), required=True, help="Step of the new checkpoint.")
-@click.option("--entry", default="model", show_default=True, help="State entry the imported state_dict becomes.")
+@click.option(
+    "--entry", default="model", show_default=True, help="State entry the imported state_dict becomes."
+)
 @click.option("--key", default=None, help="Import SRC[KEY] of a nested source (e.g. `state_dict`).")
-@click.option("--all", "all_state", is_flag=True, help="Import each top-level key of a nested source as an entry.")
+@click.option(
+    "--all", "all_state", is_flag=True, help="Import each top-level key of a nested source as an entry."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint of --step.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object describing what was committed.")
 def import_cmd(
@@ -167,4 +193,3 @@ def import_cmd(
         + (f" and {res.values} values" if res.values else "")
         + f" from {src} as step {res.step} under {res.root} (entries: {', '.join(res.entries)})"
     )
-

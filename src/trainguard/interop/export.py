@@ -129,7 +129,9 @@ def export(
     result = ExportResult(m.step, format, str(out), sel.name, len(tensor_keys), len(values), total)
     done = [0]
     if format == "safetensors" and total > max_shard_bytes:
-        result.files = _safetensors_sharded(store, m, sel, tensor_keys, out, max_shard_bytes, progress, done, total)
+        result.files = _safetensors_sharded(
+            store, m, sel, tensor_keys, out, max_shard_bytes, progress, done, total
+        )
         return result
     data = read_selection(store, m, sel, progress=progress, done=done, total=total)
     if format == "safetensors":
@@ -155,6 +157,9 @@ def _save_safetensors(tensors: dict[str, Any], path: Path, step: int) -> None:
         str(path),
         metadata={"format": "pt", "trainguard_step": str(step)},
     )
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors creates 0600 files; an export is for sharing, as torch.save's
 
 
 def _safetensors_sharded(

@@ -167,7 +167,11 @@ def _as_state(
         where = f"{src}[{key!r}]" if key is not None else str(src)
         raise ConfigError(
             f"{where} is not a flat state_dict (str -> tensor); its keys are {keys[:20]}"
-            + ("" if key is not None else "; pass --key NAME to import one of them, or --all to import each as an entry")
+            + (
+                ""
+                if key is not None
+                else "; pass --key NAME to import one of them, or --all to import each as an entry"
+            )
         )
     if not entry:
         raise ConfigError("entry must be a non-empty name")
@@ -183,7 +187,9 @@ def read_torch(src: Path) -> Any:
             the message names what it contains and how to re-save it.
     """
     if src.is_dir():
-        raise ConfigError(f"{src} is a directory; --format torch takes a torch.save file (a DCP directory: --format dcp)")
+        raise ConfigError(
+            f"{src} is a directory; --format torch takes a torch.save file (a DCP directory: --format dcp)"
+        )
     try:
         return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any refusal means it would need unpickling arbitrary objects
@@ -266,7 +272,9 @@ def read_dcp_metadata(src: Path) -> Any:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged pickle
-        raise UnsafeCheckpointError(f"{meta} does not parse as DCP metadata ({type(e).__name__}: {e})") from None
+        raise UnsafeCheckpointError(
+            f"{meta} does not parse as DCP metadata ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(md, Metadata):
         raise UnsafeCheckpointError(f"{meta} holds a {type(md).__name__}, not DCP Metadata")
     for info in (md.storage_data or {}).values():
@@ -353,7 +361,9 @@ def _safetensors_files(src: Path) -> list[Path]:
             raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
         for n in names:
             if not isinstance(n, str) or "/" in n:
-                raise UnsafeCheckpointError(f"{index} names the file {n!r}; only files beside the index are read")
+                raise UnsafeCheckpointError(
+                    f"{index} names the file {n!r}; only files beside the index are read"
+                )
             validate_relpath(n, src)
         return [src / n for n in names]
     found = sorted(src.glob("*.safetensors"))

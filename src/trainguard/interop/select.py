@@ -184,7 +184,10 @@ def read_tensors(store: ChunkStore, m: Manifest, fqns: Iterable[str]) -> dict[st
     try:
         with quiet_dcp():
             dcp.load(
-                template, storage_reader=TrainguardReader(store, m), planner=TrainguardLoadPlanner(), no_dist=True
+                template,
+                storage_reader=TrainguardReader(store, m),
+                planner=TrainguardLoadPlanner(),
+                no_dist=True,
             )
     except BaseException as e:
         raise unwrap(e, m.step, prefer=CorruptCheckpointError) from None
