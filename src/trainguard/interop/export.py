@@ -157,9 +157,10 @@ def _save_safetensors(tensors: dict[str, Any], path: Path, step: int) -> None:
         str(path),
         metadata={"format": "pt", "trainguard_step": str(step)},
     )
+    # safetensors creates 0600 files; an export is for sharing: the usual mode, as torch.save's files get
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # safetensors creates 0600 files; an export is for sharing, as torch.save's
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _safetensors_sharded(
