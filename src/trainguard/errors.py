@@ -76,7 +76,13 @@ class RootLockedError(TrainguardError):
 
 
 class StateMismatchError(TrainguardError, ValueError):
-    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure)."""
+    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure).
+
+    The message lists every difference, the checkpoint's side and the target's: keys on one side only, dtypes
+    that differ, shapes, and optimizer state recorded at save time that the checkpoint or the optimizer lacks.
+    Key and dtype checks run before anything is loaded; restore into an empty dict to take everything as saved,
+    or pass ``strict=False`` to load what matches.
+    """
 
 
 class SaveError(TrainguardError):
