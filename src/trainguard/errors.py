@@ -109,5 +109,10 @@ class StorageFullError(SaveError, OSError):
         return str(self.args[0]) if self.args else super().__str__()
 
 
+class MissingDependencyError(TrainguardError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install
+    (``pip install 'trainguard[safetensors]'``)."""
+
+
 class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
