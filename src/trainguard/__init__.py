@@ -48,7 +48,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("lightning", "hf")  # integrations; each needs its extra (trainguard[lightning], trainguard[hf])
+_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
 
 
 def __getattr__(name: str) -> Any:
