@@ -73,7 +73,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1234)
     data = TensorDataset(torch.randn(40, 16, generator=g), torch.randint(0, 4, (40,), generator=g))
-    loader = tg.lightning.ResumableLoader(
+    loader = tg.lightning.LightningLoader(
         data, batch_size=4, shuffle=True, seed=0
     )  # position saved in `loops`
     model = MLP(args.losses)

@@ -110,7 +110,7 @@ class TrainguardCheckpointIO(CheckpointIO):
     VALID checkpoint of the root, whatever step the pointer names (a save killed before its commit, or a
     corrupt checkpoint, falls back to the previous one); any other pointer restores exactly its step. RNG
     states are restored too. The data position is Lightning's own: a train dataloader with
-    ``state_dict()``/``load_state_dict()`` (``tg.ResumableLoader``) is saved inside ``loops`` and restored
+    ``state_dict()``/``load_state_dict()`` (``tg.lightning.LightningLoader``) is saved inside ``loops`` and restored
     mid-epoch.
 
     ``remove_checkpoint`` (``save_top_k``) removes the pointer only; the trainguard checkpoints follow ``keep``.
@@ -354,7 +354,7 @@ class TrainguardCheckpointIO(CheckpointIO):
                 self._pointer_thread = None
 
 
-class ResumableLoader(_ResumableLoader):
+class LightningLoader(_ResumableLoader):
     """``tg.ResumableLoader`` for Lightning's ``train_dataloader``: the same arguments and saved position.
 
     Lightning ends an epoch by counting ``len(loader)`` batches rather than by exhausting the iterator, so the
@@ -366,7 +366,7 @@ class ResumableLoader(_ResumableLoader):
 
     def __iter__(self) -> Any:
         s = self.sampler
-        if s.start >= s.num_samples:  # the previous epoch was ended by count: start the next one now
+        if len(s) == 0 or (self.drop_last and len(s) < self.batch_size):  # ended by count: start the next one
             s.epoch, s.start = s.epoch + 1, 0
         return super().__iter__()
 
@@ -396,4 +396,4 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
-__all__ = ["ResumableLoader", "TrainguardCheckpointIO", "read_pointer"]
+__all__ = ["LightningLoader", "TrainguardCheckpointIO", "read_pointer"]
