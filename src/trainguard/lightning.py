@@ -30,15 +30,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .errors import MissingDependencyError
+
 try:  # the standalone package first (what the extra installs), then the unified ``lightning`` package
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
         from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
     except ImportError:
-        raise ImportError(
-            "trainguard.lightning needs PyTorch Lightning, which is not installed; install the extra: "
-            "pip install 'trainguard[lightning]'"
+        raise MissingDependencyError(
+            "trainguard.lightning needs the optional package 'pytorch_lightning', which is not installed; "
+            "install it with `pip install 'trainguard[lightning]'`",
+            name="pytorch_lightning",
         ) from None
 
 import torch

@@ -157,11 +157,11 @@ def test_trainguard_imports_without_lightning_and_the_plugin_names_the_extra() -
         "tg.CheckpointManager\n"
         "try:\n"
         "    tg.lightning\n"
-        "except ImportError as e:\n"
-        "    print('ERR', e)\n"
+        "except tg.MissingDependencyError as e:\n"
+        "    print('ERR', isinstance(e, ImportError), e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), timeout=300
     )
     assert out.returncode == 0, out.stderr
-    assert "ERR" in out.stdout and "pip install 'trainguard[lightning]'" in out.stdout
+    assert "ERR True" in out.stdout and "pip install 'trainguard[lightning]'" in out.stdout
