@@ -19,6 +19,7 @@ from .errors import ConfigError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, unflatten
+from .state.per_rank import PerRank, plan_load, saved_by_rank
 
 
 def is_stateful(obj: Any) -> bool:
@@ -55,9 +56,12 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
     top: dict[str, dict[str, Any]] = {}
     for k, v in state.items():
         if is_stateful(v):
-            _warn_if_unsafe_loader(v)
+            inner = v.obj if isinstance(v, PerRank) else v
+            _warn_if_unsafe_loader(inner)
             resolved[k] = v.state_dict()
-            top[k] = {"stateful": True, "type": f"{type(v).__module__}.{type(v).__qualname__}"}
+            top[k] = {"stateful": True, "type": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+            if isinstance(v, PerRank):
+                top[k]["per_rank"] = True
         else:
             resolved[k] = v
             top[k] = {"stateful": False, "type": type(v).__name__}
@@ -65,13 +69,21 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
     return flat, paths, top
 
 
-def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]:
-    """The flat ``{fqn: destination}`` DCP loads into, and the saved paths of those entries.
+def build_template(
+    manifest: Manifest, state: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, PathT], dict[str, list[str]]]:
+    """The flat ``{fqn: destination}`` DCP loads into, the saved paths of the entries handed to the state, and
+    the per-rank entries each PerRank-resharded top-level key needs (see :func:`per_rank.plan_load`).
+
+    Per-rank entries: at the saved world size only this rank's own are loaded (under their logical path);
+    at another world size every rank's are loaded for a ``PerRank(obj, reshard=fn)`` hook.
 
     Raises:
-        StateMismatchError: a requested top-level key is not in the checkpoint, or a live tensor has a
-            different shape than the saved one.
+        StateMismatchError: a requested top-level key is not in the checkpoint, a live tensor has a
+            different shape than the saved one, or per-rank values would need a reshard hook that is missing.
     """
+    skip, reshard = plan_load(manifest, state)
+    resharded = {f for fqns in reshard.values() for f in fqns}
     saved_top: dict[str, list[str]] = {}
     for fqn, e in manifest.entries.items():
         tag, key = e.path[0]
@@ -88,10 +100,15 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
         live = obj.state_dict() if is_stateful(obj) else obj
         live_flat, _ = flatten({k: live})
         for fqn in saved_top[k]:
+            if fqn in skip:
+                continue
             e = manifest.entries[fqn]
-            paths[fqn] = e.path
+            if fqn not in resharded:
+                paths[fqn] = e.path
             if isinstance(e, TensorEntry):
-                cur = live_flat.get(fqn)
+                cur = None if e.rank is not None else live_flat.get(fqn)
+                if e.rank is not None:  # this rank's own value of a per-rank leaf: the live one has its path
+                    cur = live_flat.get(".".join(str(p[1]) for p in e.path))
                 if isinstance(cur, torch.Tensor):
                     if tuple(cur.shape) != tuple(e.shape):
                         raise StateMismatchError(
@@ -103,15 +120,29 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
                     template[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
             else:
                 template[fqn] = None
-    return template, paths
+    return template, paths, reshard
 
 
 def apply(
-    loaded_flat: Mapping[str, Any], paths: Mapping[str, PathT], state: MutableMapping[str, Any], step: int
+    loaded_flat: Mapping[str, Any],
+    paths: Mapping[str, PathT],
+    state: MutableMapping[str, Any],
+    step: int,
+    manifest: Manifest | None = None,
+    reshard: Mapping[str, list[str]] | None = None,
 ) -> None:
     """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects, in-place updates of
-    dicts/lists, replacement of immutable values."""
+    dicts/lists, replacement of immutable values. Top-level keys in ``reshard`` get what their PerRank hook
+    returns from every saved rank's state."""
     nested = unflatten(loaded_flat, paths)
+    for k, fqns in (reshard or {}).items():
+        assert manifest is not None
+        obj = state[k]
+        assert isinstance(obj, PerRank) and obj.reshard is not None
+        from .state.per_rank import job_rank
+
+        rank, ws = job_rank()
+        nested[k] = obj.reshard(saved_by_rank(loaded_flat, paths, fqns, manifest, k), rank, ws)
     for k in list(state.keys()):
         obj = state[k]
         new = nested[k]

@@ -9,11 +9,13 @@ from typing import Any
 
 import click
 
-from ..catalog import read_manifest, scan
+from ..catalog import is_committed, read_manifest, scan, step_dirs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import MANIFEST_NAME, TensorEntry
 from ..recovery.events import read_events
 from .main import main
+
+RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
 
 def human_bytes(n: float) -> str:
@@ -96,18 +98,28 @@ def _fmt_s(x: Any) -> str:
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds."""
     p = _root(root)
-    if step is None:
-        valid = [i.step for i in scan(p) if i.status == "valid"]
-        if not valid:
-            click.echo(f"no valid checkpoint in {p}", err=True)
+    latest = step is None
+    for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
+        if latest:
+            valid = [i.step for i in scan(p) if i.status == "valid"]
+            if not valid:
+                click.echo(f"no valid checkpoint in {p}", err=True)
+                sys.exit(1)
+            step = valid[-1]
+        assert step is not None
+        try:
+            m = read_manifest(p, step)
+            break
+        except CheckpointNotFoundError as e:
+            if not latest:
+                raise click.UsageError(str(e)) from None
+        except CorruptCheckpointError as e:
+            if latest and not is_committed(p, step):
+                continue
+            click.echo(f"step {step}: {e}", err=True)
             sys.exit(1)
-        step = valid[-1]
-    try:
-        m = read_manifest(p, step)
-    except CheckpointNotFoundError as e:
-        raise click.UsageError(str(e)) from None
-    except CorruptCheckpointError as e:
-        click.echo(f"step {step}: {e}", err=True)
+    else:
+        click.echo(f"{p}: the newest checkpoint kept being deleted while being read; try again", err=True)
         sys.exit(1)
     entries: list[dict[str, Any]] = []
     for fqn, ent in m.entries.items():
@@ -124,6 +136,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             )
         else:
             entries.append({"fqn": fqn, "kind": "value", "codec": ent.codec})
+        if ent.rank is not None:
+            entries[-1]["rank"] = ent.rank
     summary = {
         "step": m.step,
         "time": m.time,
@@ -134,6 +148,15 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "metrics": m.metrics,
         "metadata": m.metadata,
         "top_level": m.top_level,
+        "run": None
+        if m.run is None
+        else {
+            "id": m.run.run_id,
+            "resumed_from": None
+            if m.run.resumed_from is None
+            else {"run_id": m.run.resumed_from[0], "step": m.run.resumed_from[1]},
+            "lineage": m.run.to_json()["lineage"],
+        },
         "entries": entries,
     }
     if as_json:
@@ -146,6 +169,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
         f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
     )
+    if m.run is not None:
+        c.print(m.run.describe())
     if m.metrics:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in m.metrics.items()))
     table = Table()
@@ -175,34 +200,40 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     Default: the newest committed checkpoint. Exit 1 if anything is corrupt, naming the chunk and the
     tensors it holds.
     """
-    from ..catalog import step_dirs
     from ..integrity.verify import verify
 
     p = _root(root)
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
-    dirs, _ = step_dirs(p)
-    committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
-    if step is not None:
-        steps: list[int] | None = [step]
-    elif all_steps:
-        steps = None
-    else:
-        steps = [max(committed)] if committed else []
     show = not as_json and sys.stderr.isatty()
-    try:
-        if show:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-            with Progress(
-                "verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
-            ) as prog:
-                task = prog.add_task("verify", total=None)
-                report = verify(p, steps, progress=lambda d, t: prog.update(task, completed=d, total=t))
+    for attempt in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer meanwhile
+        dirs, _ = step_dirs(p)
+        committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
+        if step is not None:
+            steps: list[int] | None = [step]
+        elif all_steps:
+            steps = None
         else:
-            report = verify(p, steps)
-    except CheckpointNotFoundError as e:
-        raise click.UsageError(str(e)) from None
+            steps = [max(committed)] if committed else []
+        try:
+            if show:
+                from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+                with Progress(
+                    "verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+                ) as prog:
+                    task = prog.add_task("verify", total=None)
+
+                    def progress(done: int, total: int, task: Any = task, prog: Any = prog) -> None:
+                        prog.update(task, completed=done, total=total)
+
+                    report = verify(p, steps, progress=progress)
+            else:
+                report = verify(p, steps)
+            break
+        except CheckpointNotFoundError as e:
+            if step is not None or attempt == RACE_RETRIES - 1:
+                raise click.UsageError(str(e)) from None
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import read_manifest, step_dirs
+from ..catalog import is_committed, read_manifest, step_dirs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry
 from ..format.manifest import DTYPE_ITEMSIZE
@@ -56,8 +56,11 @@ def verify(
         steps: the steps to check; None checks all committed ones.
         progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
 
+    A checkpoint that a writer's retention deletes while it is being checked is dropped from the report when
+    ``steps`` is None (it was deleted, not damaged); a requested step raises CheckpointNotFoundError.
+
     Raises:
-        CheckpointNotFoundError: a requested step has no committed checkpoint.
+        CheckpointNotFoundError: a requested step has no committed checkpoint (or was deleted meanwhile).
     """
     store = ChunkStore(root)
     dirs, _ = step_dirs(root)
@@ -68,12 +71,14 @@ def verify(
     report = VerifyReport()
     manifests = {}
     for s in wanted:
-        report.checked.append(s)
         try:
             manifests[s] = read_manifest(root, s)
+            report.checked.append(s)
         except CheckpointNotFoundError:
-            raise
+            if steps is not None:
+                raise
         except CorruptCheckpointError as e:
+            report.checked.append(s)
             report.ok = False
             report.corrupt.append({"step": s, "chunk": None, "tensors": [], "problem": str(e)})
     total = sum(c.length for m in manifests.values() for c in m.chunks.values())
@@ -100,6 +105,15 @@ def verify(
                 )
         _check_values(store, m, s, report, results)
         _check_dtypes(m, s, report)
+    vanished = {c["step"] for c in report.corrupt if not is_committed(root, c["step"])}
+    if vanished:  # deleted by a writer while being checked: its chunks went with it
+        if steps is not None:
+            raise CheckpointNotFoundError(
+                f"the checkpoint of step {min(vanished)} under {root} was deleted while it was being verified"
+            )
+        report.checked = [s for s in report.checked if s not in vanished]
+        report.corrupt = [c for c in report.corrupt if c["step"] not in vanished]
+        report.ok = not report.corrupt
     return report
 
 
@@ -130,11 +144,11 @@ def _check_values(
         if any(chunk_ok.get(seg.chunk) is not None for seg in e.segments):
             continue  # its chunk is already reported
         data = bytearray()
-        for seg in e.segments:
-            if seg.chunk not in cache:
-                cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=step)
-            data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
         try:
+            for seg in e.segments:
+                if seg.chunk not in cache:
+                    cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=step)
+                data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
             decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), fqn)
         except CorruptCheckpointError as err:
             report.ok = False
