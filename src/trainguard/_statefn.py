@@ -106,9 +106,12 @@ def build_template(
             if fqn not in resharded:
                 paths[fqn] = e.path
             if isinstance(e, TensorEntry):
-                cur = None if e.rank is not None else live_flat.get(fqn)
-                if e.rank is not None:  # this rank's own value of a per-rank leaf: the live one has its path
+                if fqn in resharded:  # every saved rank's value: each needs a buffer of its own
+                    cur = None
+                elif e.rank is not None:  # this rank's own value of a per-rank leaf: the live one has its path
                     cur = live_flat.get(".".join(str(p[1]) for p in e.path))
+                else:
+                    cur = live_flat.get(fqn)
                 if isinstance(cur, torch.Tensor):
                     if tuple(cur.shape) != tuple(e.shape):
                         raise StateMismatchError(

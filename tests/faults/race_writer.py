@@ -25,7 +25,9 @@ def main() -> int:
             step += 1
             # 8 KiB + a 2 MiB tensor: a chunk of its own, deleted with its checkpoint (retention frees it)
             big = torch.full((1 << 19,), float(step))
-            mgr.save(step, {"w": {"small": torch.full((2048,), float(step)), "big": big}, "meta": {"step": step}})
+            mgr.save(
+                step, {"w": {"small": torch.full((2048,), float(step)), "big": big}, "meta": {"step": step}}
+            )
             if step == 1:
                 ready.touch()
     print(step)

@@ -83,7 +83,11 @@ def test_latest_step_checkpoints_and_the_cli_never_fail_against_a_writer_with_ke
         if not any(i.status == "valid" for i in mgr.checkpoints()):
             return "checkpoints() listed no valid checkpoint"
         if n % 25 == 0:  # the CLI in-process: ls, info (newest), verify (newest)
-            for args in (["ls", str(root), "--json"], ["info", str(root), "--json"], ["verify", str(root), "--json"]):
+            for args in (
+                ["ls", str(root), "--json"],
+                ["info", str(root), "--json"],
+                ["verify", str(root), "--json"],
+            ):
                 r = runner.invoke(cli_main, args)
                 if r.exit_code != 0:
                     return f"trainguard {args[0]} exited {r.exit_code}: {r.output[-500:]} {r.exception!r}"
@@ -110,7 +114,9 @@ def test_restore_latest_never_fails_against_a_writer_with_keep_1(writer):
             return "restore_latest() returned None though a valid checkpoint always exists"
         restored.append(step)
         w = state["w"]
-        if state["meta"]["step"] != step or not (torch.all(w["small"] == step) and torch.all(w["big"] == step)):
+        if state["meta"]["step"] != step or not (
+            torch.all(w["small"] == step) and torch.all(w["big"] == step)
+        ):
             return f"restored step {step} holds the data of another step"
         return None
 
