@@ -368,6 +368,8 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         epath = _path(raw.get("path"), fqn)
         erank = raw.get("rank")
         if erank is not None:
+            if version < PER_RANK_FORMAT_VERSION:
+                raise _bad(f"{fqn}: a per-rank entry needs format_version {PER_RANK_FORMAT_VERSION}", step)
             erank = _int(erank, f"{fqn} rank", 0, 1 << 24)
         kind = raw.get("kind")
         if kind == "tensor":
