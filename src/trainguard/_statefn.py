@@ -108,7 +108,9 @@ def build_template(
             if isinstance(e, TensorEntry):
                 if fqn in resharded:  # every saved rank's value: each needs a buffer of its own
                     cur = None
-                elif e.rank is not None:  # this rank's own value of a per-rank leaf: the live one has its path
+                elif (
+                    e.rank is not None
+                ):  # this rank's own value of a per-rank leaf: the live one has its path
                     cur = live_flat.get(".".join(str(p[1]) for p in e.path))
                 else:
                     cur = live_flat.get(fqn)
