@@ -59,7 +59,8 @@ class CheckpointManager:
         save_policy: decides the steps ``maybe_save`` saves at (default: every 1000 steps).
         keep: retention: an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to keep all.
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
-        read_only: open without the write lock (list, verify and restore only).
+        read_only: open without the write lock (list, verify and restore only); local by default (no
+            collective, see ``collective``).
         fsync: make every save durable (default True).
         durability: how chunk files are made durable: ``"batched"`` (default: one ``syncfs(2)`` of the run
             root's filesystem per rank per save, after all chunks are written, then the renames into

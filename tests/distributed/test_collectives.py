@@ -48,3 +48,9 @@ def test_a_save_whose_peers_never_join_fails_within_dist_timeout_s(ranks):
     assert dead["elapsed_s"] < PEERS_AWAY_S - 5, (
         dead
     )  # 3 s timeout (plus slack), not 30 min nor the peers' return
+
+
+def test_per_rank_stores_an_object_per_rank_even_when_the_ranks_agree(ranks):
+    entries = ranks[0]["entries"]
+    assert {f: r for f, r in entries.items() if f.startswith("pr.")} == {f"pr.k@rank{r}": r for r in range(4)}
+    assert entries["w.t"] is None and entries["note"] is None  # the rest: stored once

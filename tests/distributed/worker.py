@@ -482,8 +482,11 @@ def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) ->
     # (a) the groups' timeouts: inherited from init_process_group, or dist_timeout_s
     mgr = tg.CheckpointManager(base / "a", async_save=False)
     res["inherited"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
-    mgr.save(1, {"w": {"t": torch.arange(8.0) + 1}, "note": "x"})
+    # "pr" is the same on every rank, but PerRank stores it per rank all the same
+    mgr.save(1, {"w": {"t": torch.arange(8.0) + 1}, "note": "x", "pr": tg.PerRank({"k": torch.ones(2)})})
     mgr.close()
+    if rank == 0:
+        res["entries"] = {fqn: e.rank for fqn, e in read_manifest(base / "a", 1).entries.items()}
     mgr = tg.CheckpointManager(base / "b", async_save=False, dist_timeout_s=3.5)
     res["override"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
     mgr.close()
