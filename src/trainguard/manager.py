@@ -521,12 +521,13 @@ class CheckpointManager:
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint under the root with status (valid / corrupt / incomplete), bytes and time,
         ascending by step. Waits for this manager's pending saves first, so a save just made is listed.
-        Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
+        Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
+        process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
         return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
-        """The newest step whose checkpoint lists as valid, or None."""
+        """The newest step whose checkpoint lists as valid (in a stable scan), or None."""
         valid = [i.step for i in self.checkpoints() if i.status == "valid"]
         return max(valid) if valid else None
 
