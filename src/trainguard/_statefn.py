@@ -18,8 +18,8 @@ import torch
 from .errors import ConfigError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state.dtypes import dtype_from_name
-from .state.flatten import PathT, flatten, unflatten
-from .state.per_rank import PerRank, plan_load, saved_by_rank
+from .state.flatten import PathT, flatten, fqn_of, unflatten
+from .state.per_rank import PerRank, job_rank, plan_load, saved_by_rank
 
 
 def is_stateful(obj: Any) -> bool:
@@ -111,7 +111,7 @@ def build_template(
                 elif (
                     e.rank is not None
                 ):  # this rank's own value of a per-rank leaf: the live one has its path
-                    cur = live_flat.get(".".join(str(p[1]) for p in e.path))
+                    cur = live_flat.get(fqn_of(e.path))
                 else:
                     cur = live_flat.get(fqn)
                 if isinstance(cur, torch.Tensor):
@@ -144,8 +144,6 @@ def apply(
         assert manifest is not None
         obj = state[k]
         assert isinstance(obj, PerRank) and obj.reshard is not None
-        from .state.per_rank import job_rank
-
         rank, ws = job_rank()
         nested[k] = obj.reshard(saved_by_rank(loaded_flat, paths, fqns, manifest, k), rank, ws)
     for k in list(state.keys()):

@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from ..errors import ConfigError, StateMismatchError
-from .flatten import PathT
+from .flatten import PathT, fqn_of
 from .values import encode_value
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def plan_load(manifest: Manifest, state: Mapping[str, Any]) -> tuple[set[str], d
         if isinstance(obj, PerRank) and obj.reshard is not None:
             reshard[k] = [e.fqn for e in entries]
             continue
-        names = sorted({".".join(str(p[1]) for p in e.path) for e in entries})
+        names = sorted({fqn_of(e.path) for e in entries})
         raise StateMismatchError(
             f"state entry {k!r} holds values that differ between ranks ({', '.join(names[:8])}"
             f"{', ...' if len(names) > 8 else ''}), saved per rank at world size {manifest.world_size}; "
