@@ -136,8 +136,10 @@ class CheckpointManager:
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if dist_timeout_s is not None and not (
-            isinstance(dist_timeout_s, (int, float)) and dist_timeout_s > 0
+        if dist_timeout_s is not None and (
+            isinstance(dist_timeout_s, bool)
+            or not isinstance(dist_timeout_s, (int, float))
+            or not 0 < dist_timeout_s < float("inf")
         ):
             raise ConfigError(f"dist_timeout_s must be a number of seconds > 0, got {dist_timeout_s!r}")
         if collective is None:
