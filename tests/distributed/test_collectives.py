@@ -37,6 +37,7 @@ def test_dist_timeout_s_overrides_the_inherited_timeout(ranks):
 
 def test_a_read_only_manager_on_rank_0_alone_lists_and_restores_without_a_collective(ranks):
     alone = ranks[0]["alone"]
+    print(f"rank 0 alone: list + restore in {alone['elapsed_s']:.2f} s")
     assert alone["latest"] == 1 and alone["listed"] == [1] and alone["restored"] == 1
     assert alone["w"] == [float(i + 1) for i in range(8)]
     assert alone["elapsed_s"] < PG_TIMEOUT_S / 2  # it did not wait for the other ranks
@@ -44,6 +45,9 @@ def test_a_read_only_manager_on_rank_0_alone_lists_and_restores_without_a_collec
 
 def test_a_save_whose_peers_never_join_fails_within_dist_timeout_s(ranks):
     dead = ranks[0]["dead_peers"]
+    print(
+        f"rank 0's save with dist_timeout_s=3 and absent peers failed after {dead['elapsed_s']:.1f} s: {dead['error']}"
+    )
     assert dead["error"] is not None
     assert dead["elapsed_s"] < PEERS_AWAY_S - 5, (
         dead
