@@ -73,6 +73,7 @@ def test_resuming_records_the_lineage_in_every_manifest_and_the_event_log(tmp_pa
     assert valid_steps(tmp_path) == [90, 100, 110]
     resume = [e for e in read_events(tmp_path, event="resume")]
     assert [(e["checkpoint_run_id"], e["resumed_from"]) for e in resume] == [(b, {"run_id": a, "step": 100})]
+    assert resume[0]["lineage"] == [[a, 100]]
     saves = {e["step"]: e["checkpoint_run_id"] for e in read_events(tmp_path, event="save")}
     assert saves[100] == a and saves[110] == b
     out = CliRunner().invoke(cli_main, ["info", str(tmp_path), "110", "--json"])

@@ -125,7 +125,12 @@ def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
         log.info(
             "run %s continues after step %d of run %s (it did not restore)", mgr.run.run_id, parent[0], src
         )
-        mgr._event("resume", resumed_from={"run_id": src[0] if src else "", "step": parent[0]}, implicit=True)
+        mgr._event(
+            "resume",
+            resumed_from={"run_id": src[0] if src else "", "step": parent[0]},
+            lineage=mgr.run.to_json()["lineage"],
+            implicit=True,
+        )
 
 
 def check_step_owner(mgr: CheckpointManager, step: int) -> None:

@@ -465,7 +465,9 @@ class CheckpointManager:
         parent = m.run.run_id if m.run is not None else ""
         if parent != self.run.run_id:
             log.info("resuming run %s at step %d as run %s", parent or "(unnamed)", m.step, self.run.run_id)
-        self._event("resume", resumed_from={"run_id": parent, "step": m.step})
+        self._event(
+            "resume", resumed_from={"run_id": parent, "step": m.step}, lineage=self.run.to_json()["lineage"]
+        )
 
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
