@@ -557,7 +557,10 @@ class CheckpointManager:
         """Load the newest VALID checkpoint into ``state`` in place and return its step.
 
         A corrupt or incomplete newer checkpoint is skipped with a logged warning (and an event naming the
-        corrupt chunk); the next older one is tried.
+        corrupt chunk); the next older one is tried. Only the lineage of the run that committed last is
+        considered (another run kept apart with ``new_run=True`` is passed over). A checkpoint that a writer in
+        another process deletes meanwhile is not an error: the root is listed again. A writing manager records
+        the restored checkpoint's run as its parent (its lineage).
 
         Returns:
             The restored step, or None when the root holds no committed checkpoint at all.
