@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from .catalog import read_manifest, step_dirs
 from .errors import CheckpointExistsError, RunConflictError, TrainguardError
-from .format import MANIFEST_NAME
+from .format import MANIFEST_NAME, Manifest
 from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
 
 if TYPE_CHECKING:
@@ -131,6 +131,20 @@ def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
             lineage=mgr.run.to_json()["lineage"],
             implicit=True,
         )
+
+
+def record_resume(mgr: CheckpointManager, m: Manifest) -> None:
+    """Record the checkpoint ``m`` just loaded as the parent of ``mgr``'s run (a writing manager only): its
+    lineage goes into every later manifest, and a ``resume`` event is logged."""
+    if mgr.read_only:
+        return
+    mgr.run = mgr.run.resume(m.run, m.step)
+    mgr._resumed = True
+    parent = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+    log.info("run %s resumes run %s at step %d", mgr.run.run_id, parent or "(unnamed)", m.step)
+    mgr._event(
+        "resume", resumed_from={"run_id": parent, "step": m.step}, lineage=mgr.run.to_json()["lineage"]
+    )
 
 
 def check_step_owner(mgr: CheckpointManager, step: int) -> None:
