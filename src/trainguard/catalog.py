@@ -95,6 +95,18 @@ def listing(root: str | os.PathLike[str]) -> frozenset[tuple[int, bool]]:
     return frozenset((s, (d / MANIFEST_NAME).exists()) for s, d in steps.items())
 
 
+def stable_committed_steps(root: str | os.PathLike[str], *, stable_s: float = STABLE_SCAN_S) -> list[int]:
+    """Steps with a manifest, ascending, from a stable listing: two listings in a row agree (a single one can
+    miss every checkpoint while a writer commits one and deletes the previous one)."""
+    deadline = time.monotonic() + stable_s
+    before = listing(root)
+    while True:
+        after = listing(root)
+        if after == before or time.monotonic() > deadline:
+            return sorted(s for s, committed in after if committed)
+        before = after
+
+
 def is_committed(root: str | os.PathLike[str], step: int) -> bool:
     """True while the manifest of ``step`` exists (False once retention or a crash cleanup removed it)."""
     return (Path(root) / step_dir_name(step) / MANIFEST_NAME).exists()

@@ -27,10 +27,11 @@ POLL_S = 20.0
 
 @pytest.fixture
 def writer(tmp_path):
-    """A writer process saving with keep=1 for POLL_S + 3 s; yields the root once it has committed."""
-    root, ready = tmp_path / "root", tmp_path / "ready"
+    """A writer process saving with keep=1 until the test is done polling; yields the root (once the writer has
+    committed), the process and the file that stops it."""
+    root, ready, stop = tmp_path / "root", tmp_path / "ready", tmp_path / "stop"
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "race_writer.py"), str(root), str(POLL_S + 3), str(ready)],
+        [sys.executable, str(HERE / "race_writer.py"), str(root), str(stop), str(ready)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -41,7 +42,7 @@ def writer(tmp_path):
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() - t0 < 120, "the writer never committed"
         time.sleep(0.05)
-    yield root, proc
+    yield root, proc, stop
     proc.kill()
     proc.wait()
 
@@ -61,13 +62,15 @@ def poll(seconds: float, one) -> tuple[int, list[str]]:
     return calls, errors
 
 
-def writer_steps(proc) -> int:
-    proc.wait(timeout=60)
+def writer_steps(proc, stop) -> int:
+    """Stop the writer; return how many checkpoints it committed (each deleted the previous one)."""
+    stop.touch()
+    proc.wait(timeout=120)
     return int(proc.stdout.read().strip())
 
 
 def test_latest_step_checkpoints_and_the_cli_never_fail_against_a_writer_with_keep_1(writer):
-    root, proc = writer
+    root, proc, stop = writer
     mgr = tg.CheckpointManager(root, read_only=True)
     runner = CliRunner()
     seen: set[int] = set()
@@ -96,15 +99,16 @@ def test_latest_step_checkpoints_and_the_cli_never_fail_against_a_writer_with_ke
         return None
 
     calls, errors = poll(POLL_S, one)
-    saved = writer_steps(proc)
+    saved = writer_steps(proc, stop)
     assert errors == [], f"{len(errors)} of {calls} polls failed; first: {errors[0]}"
-    # the race was really run: the writer committed (and retention deleted) many checkpoints meanwhile
     print(f"polls: {calls}, distinct latest steps seen: {len(seen)}, writer saves: {saved}")
-    assert saved >= 50 and len(seen) >= 20 and calls >= 200, (saved, len(seen), calls)
+    # the race was really run: the writer committed (and retention deleted) checkpoints all along (the counts
+    # depend on the machine's load; on an idle 2-core machine: ~150 saves, ~2,400 polls)
+    assert saved >= 20 and len(seen) >= 10 and calls >= 200, (saved, len(seen), calls)
 
 
 def test_restore_latest_never_fails_against_a_writer_with_keep_1(writer):
-    root, proc = writer
+    root, proc, stop = writer
     mgr = tg.CheckpointManager(root, read_only=True)
     restored: list[int] = []
 
@@ -122,7 +126,7 @@ def test_restore_latest_never_fails_against_a_writer_with_keep_1(writer):
         return None
 
     calls, errors = poll(POLL_S, one)
-    saved = writer_steps(proc)
+    saved = writer_steps(proc, stop)
     assert errors == [], f"{len(errors)} of {calls} restores failed; first: {errors[0]}"
     print(f"restores: {calls}, distinct steps restored: {len(set(restored))}, writer saves: {saved}")
-    assert saved >= 50 and len(set(restored)) >= 20, (saved, len(set(restored)))
+    assert saved >= 20 and len(set(restored)) >= 10, (saved, len(set(restored)))

@@ -10,9 +10,18 @@ from typing import Any
 
 import click
 
-from ..catalog import find_run_roots, inspect_step, is_committed, is_run_root, read_manifest, scan, step_dirs
+from ..catalog import (
+    find_run_roots,
+    inspect_step,
+    is_committed,
+    is_run_root,
+    read_manifest,
+    scan,
+    stable_committed_steps,
+    step_dirs,
+)
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import MANIFEST_NAME, TensorEntry, step_dir_name
+from ..format import TensorEntry, step_dir_name
 from ..recovery.events import read_events
 from .main import main
 
@@ -350,7 +359,8 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
     dirs, partials = step_dirs(p)
-    committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
+    # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
+    committed = stable_committed_steps(p)
     if not committed and step is None:
         # Nothing to check is a failed check: a mistyped root must not pass.
         what = "no committed checkpoint" if dirs or partials else "no checkpoints"
@@ -365,8 +375,7 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     show = not as_json and sys.stderr.isatty()
     for attempt in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer meanwhile
         if attempt:
-            dirs, _ = step_dirs(p)
-            committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
+            committed = stable_committed_steps(p)
         if step is not None:
             steps: list[int] | None = [step]
         elif all_steps:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import is_committed, read_manifest, step_dirs
+from ..catalog import is_committed, read_manifest, stable_committed_steps
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry
+from ..format import Manifest, TensorEntry, ValueEntry
 from ..format.manifest import DTYPE_ITEMSIZE
 from ..incremental.chunkstore import ChunkStore
 
@@ -63,10 +63,7 @@ def verify(
         CheckpointNotFoundError: a requested step has no committed checkpoint (or was deleted meanwhile).
     """
     store = ChunkStore(root)
-    dirs, _ = step_dirs(root)
-    committed = {
-        s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()
-    }  # no manifest: incomplete, not checked
+    committed = set(stable_committed_steps(root))  # stable listing; no manifest: incomplete, not checked
     wanted = sorted(committed) if steps is None else sorted(set(steps))
     report = VerifyReport()
     manifests = {}
