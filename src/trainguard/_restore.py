@@ -69,7 +69,7 @@ def gone(mgr: CheckpointManager, step: int) -> bool:
 
 
 def restore_latest(
-    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings
+    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
 ) -> int | None:
     t0 = time.perf_counter()
     deadline = time.monotonic() + STABLE_SCAN_S
@@ -113,7 +113,7 @@ def restore_latest(
                 continue
             t_chosen = time.perf_counter()
             try:
-                mgr._load(step, state)
+                mgr._load(step, state, strict=strict)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 if gone(mgr, step):
                     raced = True
@@ -189,7 +189,7 @@ def skip(
     mgr._event("restore_skipped", **rec)
 
 
-def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> None:
+def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
     m = None
     err0: BaseException | None = None
     try:
@@ -208,7 +208,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
         if mgr.dist.is_coordinator:
             mgr._mark_corrupt(step, bad_dtype)
         raise
-    template, paths, reshard = _statefn.build_template(m, state)
+    template, paths, reshard = _statefn.build_template(m, state, strict=strict)
     reader = TrainguardReader(mgr.store, m)
     try:
         with quiet_dcp():
@@ -224,7 +224,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
         ):
             mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
-    _statefn.apply(template, paths, state, step, m, reshard)
+    _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     mgr._restored(m)
     mgr.last_restore.bytes = reader.bytes_read
 
