@@ -116,3 +116,9 @@ class MissingDependencyError(TrainguardError, ImportError):
 
 class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
+
+
+class RunConflictError(TrainguardError):
+    """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
+    two runs' checkpoints (and let retention delete one run's for the other's). Resume it
+    (``restore_latest``), use a new run root, or pass ``new_run=True``."""
