@@ -30,6 +30,7 @@ EVENTS_DIR = "events"
 OWN_EVENTS = frozenset(
     {
         "manager_start",
+        "resume",
         "save",
         "save_failed",
         "save_skipped",
