@@ -222,3 +222,23 @@ def test_a_slurm_usr1_notice_saves_a_checkpoint_stops_without_restart_and_the_re
             os.killpg(again.pid, signal.SIGKILL)
     attempts = [json.loads(line) for line in out.read_text().splitlines()]
     assert [a["restored"] for a in attempts] == [0, saved["step"]]
+
+
+def test_the_slurm_and_kubernetes_examples_use_the_documented_options():
+    import yaml
+
+    sbatch = (REPO / "examples" / "slurm" / "train.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(REPO / "examples" / "slurm" / "train.sbatch")]).returncode == 0
+    for directive in ("#SBATCH --requeue", "#SBATCH --signal=USR1@120"):
+        assert directive in sbatch
+    assert "trainguard run" in sbatch and "--preempt-signal USR1" in sbatch and "scontrol requeue" in sbatch
+    docs = list(yaml.safe_load_all((REPO / "examples" / "kubernetes" / "pytorchjob.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "PyTorchJob"]
+    job = docs[1]["spec"]
+    worker = job["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "OnFailure" and job["elasticPolicy"]["maxReplicas"] == 2
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["command"][:2] == ["trainguard", "run"] and container["args"][0] == "torchrun"
+    assert {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}.items() <= {
+        e["name"]: e["value"] for e in container["env"]
+    }.items()

@@ -1,0 +1,102 @@
+"""Ray Train: trainguard checkpoints inside ``TorchTrainer`` workers, reported to Ray without a second copy.
+
+Every worker builds a :class:`~trainguard.CheckpointManager` on a root all workers share, restores the newest
+valid checkpoint with ``restore_latest`` (Ray has already initialised torch.distributed, so this works at any
+``num_workers``, also one different from the run that saved it) and calls :func:`report` once per step on
+every worker::
+
+    def train_loop(config):
+        mgr = tg.CheckpointManager(config["root"], save_policy=tg.EveryNSteps(100))
+        start = mgr.restore_latest(state) or 0
+        for step in range(start + 1, total + 1):
+            loss = train_step(...)
+            mgr.maybe_save(step, state)
+            tg.ray.report(mgr, step, {"loss": loss})
+        mgr.close()
+
+    TorchTrainer(train_loop, train_loop_config={"root": "/shared/ckpts/run1"},
+                 scaling_config=ScalingConfig(num_workers=4),
+                 run_config=RunConfig(failure_config=FailureConfig(max_failures=3))).fit()
+
+When Ray restarts the worker group after a failure (``FailureConfig(max_failures=...)``), the new workers run
+``train_loop`` again and ``restore_latest`` resumes from the newest valid trainguard checkpoint. Ray's result
+metrics carry ``trainguard_step`` (the newest committed trainguard step) and ``trainguard_root``: Ray's view of
+the checkpoints stays meaningful while the bytes are written once, by trainguard (no ``ray.train.Checkpoint``
+is reported, so Ray copies nothing into its ``storage_path``).
+
+Needs the ``ray`` extra: ``pip install 'trainguard[ray]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .format.layout import MANIFEST_NAME, parse_step_dir
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+STEP_KEY = "trainguard_step"
+"""Metric key of the newest committed trainguard step in every report (None before the first commit)."""
+ROOT_KEY = "trainguard_root"
+"""Metric key of the run root holding that checkpoint."""
+
+
+def _ray_train() -> Any:
+    try:
+        import ray.train
+    except ImportError as e:
+        raise ConfigError(
+            f"trainguard.ray needs Ray Train, which is not installed ({e}); install the extra: "
+            "pip install 'trainguard[ray]'"
+        ) from None
+    return ray.train
+
+
+def committed_step(root: str | os.PathLike[str]) -> int | None:
+    """The newest step under ``root`` whose manifest is published (the commit), or None.
+
+    One directory listing: it never waits for a save in flight and reads no chunk, so an async save still
+    persisting is reported once it commits, at a later step. ``trainguard verify`` checks the data itself.
+    """
+    steps = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        parsed = parse_step_dir(name)
+        if parsed is not None and not parsed[1] and os.path.exists(os.path.join(root, name, MANIFEST_NAME)):
+            steps.append(parsed[0])
+    return max(steps) if steps else None
+
+
+def report(manager: CheckpointManager, step: int, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Report ``step``'s metrics to Ray Train with the newest committed trainguard checkpoint's step and root.
+
+    Call on every worker at the same steps (Ray Train expects every worker to report). Nothing is copied: the
+    checkpoint stays where trainguard committed it.
+
+    Args:
+        manager: the worker's manager (its root is reported).
+        step: the step just done (int >= 0), reported as ``step``.
+        metrics: JSON-able numbers of the step (e.g. ``{"loss": 0.31}``).
+
+    Returns:
+        The metrics dict given to ``ray.train.report``: ``metrics`` plus ``step``, :data:`STEP_KEY` (the newest
+        committed step: see :func:`committed_step`) and :data:`ROOT_KEY`.
+
+    Raises:
+        ConfigError: Ray Train is not installed (names the extra), or a metric uses a reserved key.
+    """
+    train = _ray_train()
+    out = dict(metrics or {})
+    clash = {"step", STEP_KEY, ROOT_KEY} & set(out)
+    if clash:
+        raise ConfigError(f"metrics keys {sorted(clash)} are set by trainguard.ray.report; rename them")
+    out.update({"step": int(step), STEP_KEY: committed_step(manager.root), ROOT_KEY: str(manager.root)})
+    train.report(out)
+    return out
