@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ._process import Job, group_alive, signal_group, signal_name, spawn_problem
 from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
 from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, validate_run_id
@@ -188,43 +189,6 @@ class SupervisorConfig:
             )
 
 
-class _Job:
-    """A running attempt; a waiter thread reaps it the instant it exits (no polling latency)."""
-
-    def __init__(
-        self, proc: subprocess.Popen[bytes], attempt: int, heartbeat_file: Path, t_spawn: float
-    ) -> None:
-        self.proc = proc
-        self.pgid = proc.pid  # start_new_session=True: the child leads its own group
-        self.attempt = attempt
-        self.heartbeat_file = heartbeat_file
-        self.t_spawn = t_spawn
-        self.done = threading.Event()
-        self.returncode: int | None = None
-        self.t_exit: float | None = None
-        self.forwarded = False
-        threading.Thread(target=self._wait, name=f"trainguard-wait-{proc.pid}", daemon=True).start()
-
-    def _wait(self) -> None:
-        rc = self.proc.wait()
-        self.t_exit = time.time()
-        self.returncode = rc
-        self.done.set()
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    # Caveat: a member left as a zombie under a non-reaping PID 1 counts as alive; callers bound their wait.
-    return _signal_group(pgid, 0)
-
-
 def _new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
@@ -259,7 +223,7 @@ class Supervisor:
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
         self._stop_t: float | None = None
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
         self._spawn_error: str | None = None
@@ -305,12 +269,12 @@ class Supervisor:
         job = self._job
         if self._stop_signal is not None:
             if job is not None:
-                _signal_group(job.pgid, signal.SIGKILL)
+                signal_group(job.pgid, signal.SIGKILL)
             return
         self._stop_signal = int(signum)
         self._stop_t = time.time()
         if job is not None and not job.done.is_set():
-            job.forwarded = _signal_group(job.pgid, signum) or job.forwarded
+            job.forwarded = signal_group(job.pgid, signum) or job.forwarded
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -408,7 +372,7 @@ class Supervisor:
             )
             attempt += 1
 
-    def _spawn(self, attempt: int, restart_count: int) -> _Job | None:
+    def _spawn(self, attempt: int, restart_count: int) -> Job | None:
         hb_file = self._hb_dir / f"heartbeat-{attempt}"
         env = dict(os.environ)
         env.update(self.config.env)
@@ -428,16 +392,16 @@ class Supervisor:
         try:
             proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
         except OSError as e:
-            self._spawn_error = _spawn_problem(self.command[0], e)
+            self._spawn_error = spawn_problem(self.command[0], e)
             self._log.write(
                 "spawn_error", attempt=attempt, restart_count=restart_count, error=self._spawn_error
             )
             self._echo(f"[trainguard] cannot start the job: {self._spawn_error}")
             return None
-        job = _Job(proc, attempt, hb_file, t_spawn)
+        job = Job(proc, attempt, hb_file, t_spawn)
         self._job = job
         if self._stop_signal is not None and not job.forwarded:
-            job.forwarded = _signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
+            job.forwarded = signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
         self._log.write(
             "job_start",
             attempt=attempt,
@@ -450,7 +414,7 @@ class Supervisor:
         self._echo(f"[trainguard] attempt {attempt} started: pid {proc.pid}, run {self.run_id}")
         return job
 
-    def _watch(self, job: _Job, pending: PendingRecovery | None) -> Attempt:
+    def _watch(self, job: Job, pending: PendingRecovery | None) -> Attempt:
         cfg = self.config
         newest: Heartbeat | None = None
         max_step: int | None = None
@@ -486,10 +450,10 @@ class Supervisor:
                 break
             if self._stop_signal is not None:
                 if not job.forwarded:
-                    job.forwarded = _signal_group(job.pgid, self._stop_signal)
+                    job.forwarded = signal_group(job.pgid, self._stop_signal)
                 if not killed_for_stop and now - (self._stop_t or now) > cfg.grace_period_s:
                     self._echo("[trainguard] job still running after the grace period: SIGKILL")
-                    _signal_group(job.pgid, signal.SIGKILL)
+                    signal_group(job.pgid, signal.SIGKILL)
                     killed_for_stop = True
                 continue
             hang = self._hang_reference(job, newest)
@@ -519,7 +483,7 @@ class Supervisor:
             outcome = "preempted"
         else:
             outcome = "exit"
-        if _group_alive(job.pgid):
+        if group_alive(job.pgid):
             # Leftovers (torchrun workers orphaned by a SIGKILLed agent) would hold GPUs and ports.
             self._terminate(job)
         return Attempt(
@@ -529,14 +493,14 @@ class Supervisor:
             t_end=time.time(),
             outcome=outcome,
             exit_code=rc if rc >= 0 else None,
-            signal=_signal_name(rc),
+            signal=signal_name(rc),
             last_step=max_step,
             t_death=t_death,
             detect_s=max(0.0, noticed - t_death),
             teardown_s=time.time() - noticed,
         )
 
-    def _hang_reference(self, job: _Job, newest: Heartbeat | None) -> tuple[float, float] | None:
+    def _hang_reference(self, job: Job, newest: Heartbeat | None) -> tuple[float, float] | None:
         """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
         cfg = self.config
         if newest is not None:
@@ -545,19 +509,19 @@ class Supervisor:
             return job.t_spawn, cfg.startup_timeout_s
         return None
 
-    def _terminate(self, job: _Job) -> None:
+    def _terminate(self, job: Job) -> None:
         """SIGTERM the job's group, SIGKILL it after the grace period, and wait (bounded) until it is gone."""
         grace = self.config.grace_period_s
         deadline = time.monotonic() + grace
-        _signal_group(job.pgid, signal.SIGTERM)
+        signal_group(job.pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
-            if job.done.is_set() and not _group_alive(job.pgid):
+            if job.done.is_set() and not group_alive(job.pgid):
                 return
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-        _signal_group(job.pgid, signal.SIGKILL)
+        signal_group(job.pgid, signal.SIGKILL)
         job.done.wait(5.0)
         end = time.monotonic() + 1.0
-        while _group_alive(job.pgid) and time.monotonic() < end:
+        while group_alive(job.pgid) and time.monotonic() < end:
             time.sleep(0.02)
 
     def _sleep(self, delay_s: float) -> float:
@@ -629,27 +593,6 @@ class Supervisor:
         for notice in self.config.preempt_signals:
             previous[notice] = signal.signal(notice, lambda signum, frame: self.request_preemption(signum))
         return previous
-
-
-def _spawn_problem(program: str, e: OSError) -> str:
-    """Why ``program`` did not start, in words a user acts on."""
-    if isinstance(e, FileNotFoundError):
-        where = "no such file" if os.sep in program else "not found on PATH"
-        return f"command not found: {program!r} ({where}); check the spelling and the path"
-    if isinstance(e, PermissionError):
-        return (
-            f"{program!r} is not executable (permission denied); `chmod +x` it or run it with its interpreter"
-        )
-    return f"{program!r} could not be started: {e}"
-
-
-def _signal_name(returncode: int | None) -> str | None:
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _config_fields(cfg: SupervisorConfig) -> dict[str, Any]:
