@@ -85,10 +85,10 @@ def test_restarts_spent_on_one_node_are_gone_for_the_other(tmp_path):
         failing_job(tmp_path, "node_b"), node_config(root, "job-7", 3), echo=lambda m: None
     ).run()
     assert (first.exit_code, len(first.attempts)) == (EXIT_MAX_RESTARTS, 4)
-    later = Supervisor(
-        failing_job(tmp_path, "node_a"), node_config(root, "job-7", 3), echo=lambda m: None
-    ).run()
+    said: list[str] = []
+    later = Supervisor(failing_job(tmp_path, "node_a"), node_config(root, "job-7", 3), echo=said.append).run()
     assert (later.exit_code, len(later.attempts)) == (EXIT_MAX_RESTARTS, 1)  # its first failure ends it
+    assert any("job's 3 restarts are spent" in m and "its own --run-id" in m for m in said), said
     other = Supervisor(
         failing_job(tmp_path, "node_c"), node_config(root, "job-8", 3), echo=lambda m: None
     ).run()

@@ -356,6 +356,12 @@ class Supervisor:
                 return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
             claimed = self._budget.claim(attempt=attempt)  # one budget for every node's supervisor
             if claimed is None:
+                if cfg.max_restarts:
+                    self._echo(
+                        f"[trainguard] run {self.run_id}: the job's {cfg.max_restarts} restarts are spent "
+                        f"({self._budget.used()} claimed by this job's supervisors under {self._budget.dir}); a new "
+                        "job needs its own --run-id (or torchrun --rdzv-id)"
+                    )
                 return self._finish("gave_up", "max_restarts", EXIT_MAX_RESTARTS)
             restart_count = claimed
             delay = cfg.backoff.delay_s(no_progress)
