@@ -131,7 +131,8 @@ def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_the_newest_traingu
     assert (d / "killed").exists()
     newest = KILL_AT // SAVE_EVERY * SAVE_EVERY
     # first group from scratch; the group Ray restarted resumed from the checkpoint before the kill
-    assert starts(d, "faulted")[:4] == [(0, 2, 0), (0, 2, newest), (1, 2, 0), (1, 2, newest)]
+    at_two = [s for s in starts(d, "faulted") if s[1] == 2]
+    assert at_two == [(0, 2, 0), (0, 2, newest), (1, 2, 0), (1, 2, newest)]
 
 
 def test_the_restarted_run_ends_bit_identical_to_an_uninterrupted_one(runs):
