@@ -20,21 +20,26 @@ every worker::
 
 When Ray restarts the worker group after a failure (``FailureConfig(max_failures=...)``), the new workers run
 ``train_loop`` again and ``restore_latest`` resumes from the newest valid trainguard checkpoint. Ray's result
-metrics carry ``trainguard_step`` (the newest committed trainguard step) and ``trainguard_root``: Ray's view of
-the checkpoints stays meaningful while the bytes are written once, by trainguard (no ``ray.train.Checkpoint``
-is reported, so Ray copies nothing into its ``storage_path``).
+metrics carry ``trainguard_step`` (the newest committed trainguard step) and ``trainguard_root``, and each newly
+committed step is reported once (by rank 0) as a *pointer* ``ray.train.Checkpoint``: a directory holding only
+``trainguard_checkpoint.json`` (``{"root", "step", "manifest"}``), Ray's documented pattern for checkpoints
+stored elsewhere. Ray's view of the checkpoints (``result.checkpoint``, ``best_checkpoints``) stays meaningful
+while the tensor bytes are written once, by trainguard.
 
 Needs the ``ray`` extra: ``pip install 'trainguard[ray]'``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
-from .format.layout import MANIFEST_NAME, parse_step_dir
+from .format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -43,6 +48,10 @@ STEP_KEY = "trainguard_step"
 """Metric key of the newest committed trainguard step in every report (None before the first commit)."""
 ROOT_KEY = "trainguard_root"
 """Metric key of the run root holding that checkpoint."""
+POINTER_NAME = "trainguard_checkpoint.json"
+"""The file of the pointer checkpoint reported to Ray: ``{"root", "step", "manifest"}`` (no tensor bytes)."""
+
+_reported: dict[str, int] = {}  # root -> newest step already handed to Ray as a pointer checkpoint
 
 
 def _ray_train() -> Any:
@@ -97,6 +106,17 @@ def report(manager: CheckpointManager, step: int, metrics: Mapping[str, Any] | N
     clash = {"step", STEP_KEY, ROOT_KEY} & set(out)
     if clash:
         raise ConfigError(f"metrics keys {sorted(clash)} are set by trainguard.ray.report; rename them")
-    out.update({"step": int(step), STEP_KEY: committed_step(manager.root), ROOT_KEY: str(manager.root)})
-    train.report(out)
+    newest = committed_step(manager.root)
+    out.update({"step": int(step), STEP_KEY: newest, ROOT_KEY: str(manager.root)})
+    key = str(Path(manager.root).absolute())
+    if newest is None or _reported.get(key) == newest or train.get_context().get_world_rank() != 0:
+        train.report(out)
+        return out
+    # A pointer checkpoint (Ray's documented pattern for checkpoints stored elsewhere): Ray keeps its own
+    # record of each committed step, and copies only this small JSON, never the checkpoint's bytes.
+    with tempfile.TemporaryDirectory(prefix="trainguard-ray-") as tmp:
+        pointer = {"root": key, "step": newest, "manifest": f"{step_dir_name(newest)}/{MANIFEST_NAME}"}
+        (Path(tmp) / POINTER_NAME).write_text(json.dumps(pointer))
+        train.report(out, checkpoint=train.Checkpoint.from_directory(tmp))
+    _reported[key] = newest
     return out
