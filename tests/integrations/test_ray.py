@@ -65,6 +65,8 @@ def train_loop(config: dict[str, Any]) -> None:
             p.grad.div_(world)
         optim.step()
         mgr.maybe_save(step, state, force=step == config["steps"])
+        if step == config["steps"]:
+            mgr.wait()  # the final save committed, so the last report hands it to Ray
         if config.get("report", True):
             tg_ray.report(mgr, step, {"loss": loss.item()})
         marker = Path(config["root"]).parent / "killed"
@@ -164,6 +166,7 @@ def test_ray_sees_each_committed_trainguard_step_without_a_copy_of_the_checkpoin
             pointer = json.loads((Path(pointer_dir) / tg.ray.POINTER_NAME).read_text())
             assert sorted(p.name for p in Path(pointer_dir).iterdir()) == [tg.ray.POINTER_NAME]  # no bytes
         assert pointer["step"] == step and (Path(pointer["root"]) / pointer["manifest"]).is_file()
-    assert runs["resized"].metrics[tg.ray.STEP_KEY] > STEPS  # the resized run committed its own steps
+    assert runs["faulted"].metrics[tg.ray.STEP_KEY] == STEPS
+    assert runs["resized"].metrics[tg.ray.STEP_KEY] == STEPS + 4  # the resized run committed its own steps
     storage = runs["d"] / "ray_storage"
     assert not list(storage.rglob("manifest.json")) and not list(storage.rglob("chunks"))
