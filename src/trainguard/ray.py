@@ -10,7 +10,9 @@ every worker::
         start = mgr.restore_latest(state) or 0
         for step in range(start + 1, total + 1):
             loss = train_step(...)
-            mgr.maybe_save(step, state)
+            mgr.maybe_save(step, state, force=step == total)
+            if step == total:
+                mgr.wait()  # so the last report hands the final checkpoint to Ray
             tg.ray.report(mgr, step, {"loss": loss})
         mgr.close()
 
