@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._optional import require
 from .errors import ConfigError
 from .format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 
@@ -57,14 +58,7 @@ _reported: dict[str, int] = {}  # root -> newest step already handed to Ray as a
 
 
 def _ray_train() -> Any:
-    try:
-        import ray.train
-    except ImportError as e:
-        raise ConfigError(
-            f"trainguard.ray needs Ray Train, which is not installed ({e}); install the extra: "
-            "pip install 'trainguard[ray]'"
-        ) from None
-    return ray.train
+    return require("ray.train", feature="trainguard.ray (Ray Train)")
 
 
 def committed_step(root: str | os.PathLike[str]) -> int | None:
@@ -101,7 +95,8 @@ def report(manager: CheckpointManager, step: int, metrics: Mapping[str, Any] | N
         committed step: see :func:`committed_step`) and :data:`ROOT_KEY`.
 
     Raises:
-        ConfigError: Ray Train is not installed (names the extra), or a metric uses a reserved key.
+        MissingDependencyError: Ray Train is not installed (names ``pip install 'trainguard[ray]'``).
+        ConfigError: a metric uses a reserved key.
     """
     train = _ray_train()
     out = dict(metrics or {})

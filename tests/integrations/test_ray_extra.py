@@ -18,7 +18,7 @@ import trainguard.ray as tg_ray
 mgr = tg.CheckpointManager(sys.argv[1])
 try:
     tg_ray.report(mgr, 1, {"loss": 0.5})
-except tg.ConfigError as e:
+except tg.MissingDependencyError as e:
     print("ERROR:", e)
 """
 
@@ -29,7 +29,7 @@ def test_trainguard_imports_without_ray_and_the_integration_names_the_extra(tmp_
         capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "ERROR: trainguard.ray needs Ray Train" in r.stdout
+    assert "ERROR: trainguard.ray (Ray Train) needs the optional package 'ray'" in r.stdout
     assert "pip install 'trainguard[ray]'" in r.stdout
 
 
