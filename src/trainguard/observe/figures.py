@@ -477,9 +477,11 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
     for r in recs:
         if r.get("event") != "failure":
             continue
-        attempt = _int(r.get("attempt"))
+        # the job-wide restart number (the job's TRAINGUARD_RESTART_COUNT); a supervisor's own attempt
+        # number differs from it when several nodes' supervisors share one run id
+        attempt = _int(r.get("restart_count"))
         if attempt is None:
-            attempt = _int(r.get("restart_count"))
+            attempt = _int(r.get("attempt"))
         fault = next(
             (
                 f
