@@ -42,6 +42,7 @@ OWN_EVENTS = frozenset(
         "retention_delete",
         "cleanup",
         "preemption",
+        "preempted",
         "adaptive_interval",
         "supervisor_start",
         "job_start",
