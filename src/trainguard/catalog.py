@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._time import iso
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
 from .format import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
 from .incremental.chunkstore import ChunkStore
+from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
 
 CORRUPT_MARKER = "corrupt.json"
-MAX_MANIFEST_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,13 @@ def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, 
 def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
     """Parse and validate the manifest of ``step``.
 
+    The file is opened without following a symlink and without blocking, and read only if it is a regular
+    file of at most ``MAX_MANIFEST_BYTES``.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint of that step.
-        CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged or unsafe.
+        CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged, unsafe, not a regular file
+            (a symlink, a directory, a named pipe) or cannot be read (permissions, I/O error).
     """
     d = Path(root) / step_dir_name(step)
     p = d / MANIFEST_NAME
@@ -94,27 +98,32 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
         )
     try:
-        size = p.stat().st_size
+        data = read_bounded(p, MAX_MANIFEST_BYTES, what="manifest")
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
         ) from None
-    if size > MAX_MANIFEST_BYTES:
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"manifest of step {step} refused: {e}", step=step) from None
+    except OSError as e:
         raise CorruptCheckpointError(
-            f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step
-        )
-    m = manifest_from_json(p.read_bytes(), root=str(root), expect_step=step)
-    return m
+            f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
+        ) from None
+    return manifest_from_json(data, root=str(root), expect_step=step)
 
 
 def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+    """The ``corrupt.json`` marker of ``step`` (None when absent). A marker that is not a regular file, is
+    larger than ``MAX_MARKER_BYTES`` or does not parse counts as a marker (the step is not valid)."""
     p = Path(root) / step_dir_name(step) / CORRUPT_MARKER
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_bounded(p, MAX_MARKER_BYTES, what="corrupt marker"))
         return data if isinstance(data, dict) else {"problem": "corrupt"}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except UnsafeFileError as e:
+        return {"problem": f"corrupt (unreadable marker: {e})"}
+    except (OSError, ValueError, RecursionError):
         return {"problem": "corrupt (unreadable marker)"}
 
 

@@ -95,3 +95,11 @@ class StorageFullError(SaveError, OSError):
 
 class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
+
+
+class UnsafeFileError(TrainguardError, OSError):
+    """A file under a run root is a symlink, not a regular file (a directory, named pipe, device, socket) or
+    larger than its kind of file may be; it was neither followed nor read. ``filename`` is its path."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()

@@ -35,6 +35,7 @@ from .errors import (
     RootLockedError,
     SaveError,
     TrainguardError,
+    UnsafeFileError,
 )
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
@@ -74,7 +75,9 @@ class CheckpointManager:
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
-        ConfigError: an invalid argument.
+        ConfigError: an invalid argument, or a root that is not usable: a file, a dangling symlink, on a
+            read-only filesystem or without write permission (for writers).
+        UnsafeFileError: ``root/.lock`` or ``root/events`` is a symlink or the wrong kind of file.
 
     Not thread-safe: call it from the training loop's thread.
     """
@@ -141,10 +144,9 @@ class CheckpointManager:
         self._manifest_chunks: dict[int, set[str]] = {}
         if read_only:
             if not self.root.is_dir():
-                raise ConfigError(f"run root {self.root} does not exist")
+                raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._events = EventLog(self.root, "manager")
+        self._events = _open_root(self.root)
         if self.dist.enabled:
             self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
         locked = ""
@@ -157,6 +159,9 @@ class CheckpointManager:
                 self._cleanup_after_crash()
             except RootLockedError as e:
                 locked = str(e)
+            except BaseException:
+                self._events.close()
+                raise
         if self.dist.enabled and self.dist.any(bool(locked)):
             raise RootLockedError(locked or f"rank 0 could not lock {self.root} (another writer holds it)")
         if locked:
@@ -513,3 +518,42 @@ class CheckpointManager:
         if step is not None:
             self.last_restore = timings
         return step
+
+
+def _root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot be a run root (it exists but is not a directory), or None."""
+    if root.is_dir():
+        return None
+    if root.is_symlink():
+        return (
+            f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist or is not a "
+            "directory: fix the link or choose another root"
+        )
+    if root.exists():
+        return f"run root {root} is a file, not a directory: choose another root"
+    return None
+
+
+def _open_root(root: Path) -> EventLog:
+    """Create the run root of a writer (if missing) and its event log, with clear errors for odd roots."""
+    problem = _root_problem(root)
+    if problem is not None:
+        raise ConfigError(problem)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return EventLog(root, "manager")
+    except UnsafeFileError:
+        raise
+    except OSError as e:
+        import errno
+
+        if e.errno == errno.EROFS:
+            why = "is on a read-only filesystem"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "is not writable by this user"
+        else:
+            why = f"cannot be written ({e.strerror or e})"
+        raise ConfigError(
+            f"run root {root} {why}: choose a writable root, or open it with "
+            "CheckpointManager(root, read_only=True) to list and restore only"
+        ) from None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from ..catalog import read_manifest, scan
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -67,7 +68,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"checkpoints in {p}")
+    table = Table(title=f"checkpoints in {escape(str(p))}")  # every string from data is escaped: no markup
     for col in ("step", "status", "size", "time", "block s", "persist s", "problem"):
         table.add_column(col, justify="right" if col in ("step", "size", "block s", "persist s") else "left")
     for i in infos:
@@ -77,12 +78,12 @@ def ls_cmd(root: str, as_json: bool) -> None:
             str(i.step),
             f"[{color}]{i.status}[/]",
             human_bytes(i.bytes),
-            i.time or "",
+            escape(i.time or ""),
             _fmt_s(ev.get("block_s")),
             _fmt_s(ev.get("persist_s")),
-            (i.problem or "")[:80],
+            escape((i.problem or "")[:80]),
         )
-    console().print(table if infos else f"no checkpoints in {p}")
+    console().print(table if infos else f"no checkpoints in {escape(str(p))}")
 
 
 def _fmt_s(x: Any) -> str:
@@ -91,7 +92,7 @@ def _fmt_s(x: Any) -> str:
 
 @main.command("info")
 @click.argument("root")
-@click.argument("step", required=False, type=int)
+@click.argument("step", required=False, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds."""
@@ -143,19 +144,19 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
 
     c = console()
     c.print(
-        f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
+        f"[bold]step {m.step}[/]  {escape(m.time)}  world size {m.world_size}  format v{m.format_version}  "
         f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
     )
     if m.metrics:
-        c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in m.metrics.items()))
+        c.print("metrics: " + ", ".join(escape(f"{k}={v}") for k, v in m.metrics.items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
         table.add_column(col)
     for row in entries:
         table.add_row(
-            row["fqn"],
+            escape(row["fqn"]),
             row["kind"],
-            row.get("dtype") or row.get("codec", ""),
+            escape(row.get("dtype") or row.get("codec", "")),
             str(row.get("shape", "")),
             human_bytes(row["bytes"]) if "bytes" in row else "",
         )
@@ -164,7 +165,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
 
 @main.command("verify")
 @click.argument("root")
-@click.option("--step", type=int, default=None, help="Check only this step.")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Check only this step (>= 0).")
 @click.option("--all", "all_steps", is_flag=True, help="Check every committed checkpoint.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}."

@@ -111,7 +111,10 @@ def run_command(
         supervisor = Supervisor(command, config)
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
-    result = supervisor.run()
+    try:
+        result = supervisor.run()
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:

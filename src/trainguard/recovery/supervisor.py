@@ -250,8 +250,14 @@ class Supervisor:
 
         Returns:
             The result; its ``exit_code`` is what ``trainguard run`` exits with.
+
+        Raises:
+            ConfigError: the run root cannot hold the event log (a file, read-only, an odd ``events``).
         """
-        self._log = EventLog(self.root, "supervisor")
+        try:
+            self._log = EventLog(self.root, "supervisor")
+        except OSError as e:  # UnsafeFileError included: its message names the file and the fix
+            raise ConfigError(f"cannot write the event log under the run root {self.root}: {e}") from None
         self._log.set_context(run_id=self.run_id)
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
