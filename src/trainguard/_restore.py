@@ -21,9 +21,9 @@ from ._persist import quiet_dcp, unwrap
 from ._time import iso
 from .catalog import CORRUPT_MARKER, inspect_step, read_manifest, step_dirs
 from .distributed import TrainguardLoadPlanner, TrainguardReader
-from .errors import CorruptCheckpointError, NoValidCheckpointError
-from .format import MANIFEST_NAME, TensorEntry, step_dir_name
-from .state.dtypes import dtype_from_name
+from .errors import CorruptCheckpointError, InsufficientMemoryError, NoValidCheckpointError
+from .format import MANIFEST_NAME, step_dir_name
+from .state.dtypes import check_shard_bytes
 from .storage.local import atomic_write
 
 if TYPE_CHECKING:
@@ -73,6 +73,9 @@ def restore_latest(
             mgr._load(step, state)
         except CorruptCheckpointError as e:
             skip(mgr, step, str(e), e, timings, problems)
+            continue
+        except InsufficientMemoryError as e:  # not corrupt (no marker): too large for this machine
+            skip(mgr, step, str(e), None, timings, problems)
             continue
         t_loaded = time.perf_counter()
         timings.scan_s = t_chosen - t0
@@ -129,16 +132,24 @@ def skip(
 
 def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> None:
     m = read_manifest(mgr.root, step)
-    try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
-        for e in m.entries.values():
-            if isinstance(e, TensorEntry):
-                dtype_from_name(e.dtype)
+    try:  # an unknown dtype (saved by a newer torch?) or shard bytes that do not match it: before allocating
+        check_shard_bytes(m)
     except CorruptCheckpointError as bad_dtype:
         bad_dtype.step = step
         if mgr.dist.is_coordinator:
             mgr._mark_corrupt(step, bad_dtype)
         raise
-    template, paths = _statefn.build_template(m, state)
+    memory_error: InsufficientMemoryError | None = None
+    try:
+        template, paths = _statefn.build_template(m, state)
+    except InsufficientMemoryError as e:
+        memory_error = e
+    if mgr.dist.enabled and mgr.dist.any(memory_error is not None):  # every rank skips the step together
+        memory_error = memory_error or InsufficientMemoryError(
+            f"restoring step {step}: another rank has not enough memory for it", step=step
+        )
+    if memory_error is not None:
+        raise memory_error
     reader = TrainguardReader(mgr.store, m)
     try:
         with quiet_dcp():

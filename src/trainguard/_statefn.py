@@ -9,13 +9,14 @@ result is then handed to ``load_state_dict``.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, InsufficientMemoryError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, unflatten
@@ -71,6 +72,8 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
     Raises:
         StateMismatchError: a requested top-level key is not in the checkpoint, or a live tensor has a
             different shape than the saved one.
+        InsufficientMemoryError: the tensors to allocate (saved entries the live state lacks) need more
+            memory than is available; nothing is allocated.
     """
     saved_top: dict[str, list[str]] = {}
     for fqn, e in manifest.entries.items():
@@ -78,6 +81,7 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
         saved_top.setdefault(str(key), []).append(fqn)
     template: dict[str, Any] = {}
     paths: dict[str, PathT] = {}
+    fresh: list[tuple[str, TensorEntry]] = []  # allocated after the memory check, all together
     for k, obj in state.items():
         if k not in saved_top:
             raise StateMismatchError(
@@ -100,10 +104,63 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
                         )
                     template[fqn] = cur
                 else:
-                    template[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                    fresh.append((fqn, e))
             else:
                 template[fqn] = None
+    need = sum(math.prod(e.shape) * dtype_from_name(e.dtype).itemsize for _, e in fresh)
+    check_memory(need, manifest.step, [fqn for fqn, _ in fresh])
+    for fqn, e in fresh:
+        template[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
     return template, paths
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still allocate, in bytes: the smaller of the system's available memory
+    (``MemAvailable`` + ``SwapFree`` of /proc/meminfo) and the headroom under ``RLIMIT_AS``; None where neither
+    is known."""
+    limits: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in f if ":" in ln)}
+        if "MemAvailable" in info:
+            limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status", encoding="ascii") as f:
+                vm = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:")), None)
+            if vm is not None:
+                limits.append(max(0, soft - vm))
+    except (OSError, ValueError, ImportError):
+        pass
+    return min(limits) if limits else None
+
+
+def check_memory(need_bytes: int, step: int, fqns: list[str]) -> None:
+    """Refuse a restore whose new tensors (entries the live state lacks) need more memory than is available,
+    before allocating any of them.
+
+    Raises:
+        InsufficientMemoryError: naming the bytes needed and available and the largest entries.
+    """
+    if need_bytes <= 0:
+        return
+    avail = available_memory_bytes()
+    if avail is None or need_bytes <= avail:
+        return
+    shown = ", ".join(fqns[:5]) + (" ..." if len(fqns) > 5 else "")
+    raise InsufficientMemoryError(
+        f"restoring step {step} needs {need_bytes} bytes for tensors the live state lacks ({shown}) but only "
+        f"{avail} bytes are available; build those tensors in the state passed to restore (they are then "
+        "loaded in place), free memory, or restore on a larger machine",
+        step=step,
+        need_bytes=need_bytes,
+        available_bytes=avail,
+    )
 
 
 def apply(

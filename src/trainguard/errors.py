@@ -103,3 +103,22 @@ class UnsafeFileError(TrainguardError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else super().__str__()
+
+
+class InsufficientMemoryError(TrainguardError, MemoryError):
+    """A restore would need more memory than is available for the tensors it must allocate; nothing was
+    allocated. ``restore_latest`` falls back to the next older checkpoint.
+
+    Attributes:
+        step: the checkpoint's step.
+        need_bytes: bytes the new tensors need.
+        available_bytes: bytes available (system memory and the address-space limit).
+    """
+
+    def __init__(
+        self, message: str, *, step: int | None = None, need_bytes: int = 0, available_bytes: int = 0
+    ):
+        super().__init__(message)
+        self.step = step
+        self.need_bytes = need_bytes
+        self.available_bytes = available_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import zipfile
 from typing import Any
 
 import torch
@@ -76,7 +77,8 @@ def decode_value(payload: bytes, fqn: str) -> Any:
 
     Raises:
         CorruptCheckpointError: unknown tag or undecodable payload.
-        UnsafeCheckpointError: a torch payload that ``weights_only`` refuses (e.g. a pickle that would run code).
+        UnsafeCheckpointError: a torch payload that ``weights_only`` refuses (e.g. a pickle that would run code),
+            or a zip archive with compressed members (decoded, it could be far larger than its declared bytes).
     """
     tag, body = payload[:1], payload[1:]
     if tag == TAG_JSON:
@@ -85,6 +87,7 @@ def decode_value(payload: bytes, fqn: str) -> Any:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"value {fqn!r}: JSON payload does not parse ({e})") from None
     if tag == TAG_TORCH:
+        _check_torch_archive(body, fqn)
         try:
             return torch.load(io.BytesIO(bytes(body)), weights_only=True)
         except Exception as e:  # noqa: BLE001
@@ -92,3 +95,29 @@ def decode_value(payload: bytes, fqn: str) -> Any:
                 f"value {fqn!r}: payload refused by torch.load(weights_only=True): {str(e).splitlines()[0][:200]}"
             ) from None
     raise CorruptCheckpointError(f"value {fqn!r}: unknown payload tag {tag!r}")
+
+
+def _check_torch_archive(body: bytes, fqn: str) -> None:
+    """``torch.save`` writes its zip archive uncompressed; a compressed member (a zip bomb: 0.4 MB declared,
+    400 MB decoded) or members adding up to more than the payload's own size are refused before decoding, so
+    decoding needs no more memory than the bytes the manifest declares."""
+    buf = io.BytesIO(body)
+    if not zipfile.is_zipfile(buf):
+        return  # not an archive: torch.load(weights_only=True) reads it as a bare pickle or refuses it
+    try:
+        with zipfile.ZipFile(buf) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CorruptCheckpointError(f"value {fqn!r}: torch payload is a damaged zip archive ({e})") from None
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            raise UnsafeCheckpointError(
+                f"value {fqn!r}: torch payload member {info.filename!r} is compressed ({info.compress_size} "
+                f"bytes decoding to {info.file_size}); torch.save never compresses, so this was crafted"
+            )
+        total += info.file_size
+    if total > len(body):
+        raise UnsafeCheckpointError(
+            f"value {fqn!r}: torch payload members add up to {total} bytes, more than its {len(body)} bytes"
+        )
