@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, InsufficientMemoryError, StateMismatchError
+from .errors import ConfigError, InsufficientMemoryError, SaveError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, unflatten
@@ -64,6 +64,35 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
             top[k] = {"stateful": False, "type": type(v).__name__}
     flat, paths = flatten(resolved)
     return flat, paths, top
+
+
+def check_savable(flat: Mapping[str, Any], step: int) -> None:
+    """Refuse tensors no checkpoint can hold as they are, with the fix, before anything is staged or written
+    (the same error in synchronous and asynchronous saves).
+
+    Raises:
+        SaveError: a sparse, quantized, nested or meta tensor (naming the entry and what to save instead).
+    """
+    for fqn, t in flat.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        problem = None
+        if t.is_nested:
+            problem = "a nested tensor; save its unbind() list of tensors instead"
+        elif t.layout != torch.strided:
+            problem = (
+                f"a {str(t.layout).removeprefix('torch.')} tensor; save t.to_dense(), or its indices() and "
+                "values() as separate tensors"
+            )
+        elif t.is_quantized:
+            problem = "a quantized tensor; save t.int_repr() with t.q_scale() and t.q_zero_point(), or t.dequantize()"
+        elif t.device.type == "meta":
+            problem = "a tensor on the meta device (it has no data); materialize it (to_empty + init) first"
+        if problem is not None:
+            raise SaveError(
+                f"cannot save step {step}: state entry {fqn!r} is {problem}; nothing was written",
+                step=step,
+            )
 
 
 def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]:

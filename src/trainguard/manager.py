@@ -323,6 +323,7 @@ class CheckpointManager:
         now0 = time.monotonic()
         if not self.async_save:
             flat, paths, top = _statefn.collect(state)
+            _statefn.check_savable(flat, step)
             handle = PendingSave(step)
             try:
                 result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
@@ -347,10 +348,19 @@ class CheckpointManager:
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
             flat, paths, top = _statefn.collect(state)
+            _statefn.check_savable(flat, step)
             staged = bufset.stage(flat)
-        except BaseException:
+        except BaseException as e:
             self._stager.release(bufset)  # type: ignore[union-attr]
-            raise
+            if isinstance(e, (TrainguardError, KeyboardInterrupt, SystemExit)):
+                raise
+            # as a synchronous save reports a failure: SaveError naming the cause
+            raise SaveError(
+                f"saving step {step} failed while staging: {type(e).__name__}: {e}; nothing was committed and "
+                "earlier checkpoints are intact",
+                step=step,
+                rank_errors={self.dist.rank: e},
+            ) from e
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
         self._in_flight.add(step)

@@ -22,8 +22,11 @@ attempt has beaten, except that attempts dying within ``EARLY_DEATH_S`` of start
 instead of backing off through every ``max_restarts`` (a job that never beats but runs longer is governed by
 ``max_restarts`` alone).
 
-SIGTERM and SIGINT sent to the supervisor are forwarded to the job's process group; the supervisor then
-waits up to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting.
+SIGTERM, SIGINT and every other catchable terminating signal (SIGHUP, SIGUSR1, SIGQUIT, ...: see
+:mod:`.lifetime`) sent to the supervisor are forwarded to the job's process group; the supervisor then waits up
+to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting. The job dies with the
+supervisor (``PR_SET_PDEATHSIG``), and after each attempt every leftover descendant of the job, including
+those in other sessions (re-parented to the supervisor, a child subreaper), is stopped.
 
 Exit codes (:data:`EXIT_CODES`): 0 the job exited 0; 2 usage error; 3 gave up after ``max_restarts``
 restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without progress; 127 COMMAND could
@@ -52,6 +55,14 @@ from typing import Any
 from ..errors import ConfigError
 from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, Heartbeat, read_heartbeats
+from .lifetime import (
+    TERMINATING_SIGNALS,
+    children,
+    descendants,
+    die_with_parent,
+    set_child_subreaper,
+    stop_processes,
+)
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
 EARLY_DEATH_S = 60.0  # an attempt that dies this soon without a heartbeat counts against --no-progress-limit
@@ -69,7 +80,8 @@ EXIT_CODES: dict[str, str] = {
     "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance, or "
     "the job died within 60 s of starting without any heartbeat)",
     "127": "COMMAND could not be started (not found or not executable)",
-    "128+N": "stopped by signal N, forwarded to the job, no restart (130 SIGINT, 143 SIGTERM)",
+    "128+N": "stopped by signal N, forwarded to the job, no restart (129 SIGHUP, 130 SIGINT, 138 SIGUSR1, 143 "
+    "SIGTERM)",
 }
 """Exit codes of ``trainguard run``, documented in ``--help``."""
 
@@ -132,7 +144,8 @@ class SupervisorConfig:
         root: run root for the event log; must be the job's checkpoint root for the TTR join. None:
             :func:`default_root`.
         poll_interval_s: how often the heartbeat file is read (seconds). Exits are noticed at once.
-        forward_signals: forward SIGTERM/SIGINT to the job (only possible from the main thread).
+        forward_signals: forward SIGTERM, SIGINT and the other terminating signals to the job (only possible
+            from the main thread).
         env: extra environment for the job.
         run_id: the run id; None: generated (``YYYYmmdd-HHMMSS-<6 hex>``).
     """
@@ -242,6 +255,7 @@ class Supervisor:
         self._job: _Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
+        self._children_before: set[int] = set()
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -262,9 +276,12 @@ class Supervisor:
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
         previous = self._install_signal_handlers()
+        subreaper = set_child_subreaper(True)
         try:
             return self._loop()
         finally:
+            if subreaper:
+                set_child_subreaper(False)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._log.close()
@@ -392,7 +409,10 @@ class Supervisor:
         )
         t_spawn = time.time()
         try:
-            proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
+            self._children_before = children(os.getpid())
+            proc = subprocess.Popen(
+                list(self.command), env=env, start_new_session=True, preexec_fn=die_with_parent(os.getpid())
+            )
         except OSError as e:
             self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=str(e))
             self._echo(f"[trainguard] cannot start {self.command[0]!r}: {e}")
@@ -485,6 +505,7 @@ class Supervisor:
         if _group_alive(job.pgid):
             # Leftovers (torchrun workers orphaned by a SIGKILLed agent) would hold GPUs and ports.
             self._terminate(job)
+        self._stop_leftovers(job)
         return Attempt(
             attempt=job.attempt,
             pid=job.pgid,
@@ -498,6 +519,17 @@ class Supervisor:
             detect_s=max(0.0, noticed - t_death),
             teardown_s=time.time() - noticed,
         )
+
+    def _stop_leftovers(self, job: _Job) -> None:
+        """Stop what the attempt left outside its process group: descendants in other sessions, still below
+        the job or re-parented to the supervisor since the spawn."""
+        adopted = children(os.getpid()) - self._children_before - {job.proc.pid}
+        left = (descendants([job.proc.pid, *adopted]) | adopted) - {job.proc.pid}
+        if left:
+            killed = stop_processes(left, self.config.grace_period_s, reap=adopted)
+            self._log.write(
+                "leftovers_stopped", attempt=job.attempt, pids=sorted(left), killed=sorted(killed)
+            )
 
     def _hang_reference(self, job: _Job, newest: Heartbeat | None) -> tuple[float, float] | None:
         """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
@@ -571,8 +603,11 @@ class Supervisor:
         if not self.config.forward_signals or threading.current_thread() is not threading.main_thread():
             return {}
         previous: dict[int, Any] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        for sig in TERMINATING_SIGNALS:
+            try:
+                previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+            except (OSError, ValueError):  # pragma: no cover - a signal this platform does not let us catch
+                pass
         return previous
 
 

@@ -57,7 +57,13 @@ def encode_value(value: Any, fqn: str) -> bytes:
             entry and suggests converting it to tensors / plain Python values.
     """
     if is_strict_json(value):
-        return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
+        try:
+            return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
+        except ValueError as e:  # an int beyond Python's int-to-str digit limit (4300 digits by default)
+            raise TrainguardError(
+                f"state entry {fqn!r} holds an integer too large to store ({str(e).split(';')[0]}); store it as "
+                "a string or split it into smaller ints"
+            ) from None
     try:
         buf = io.BytesIO()
         torch.save(value, buf)
