@@ -138,6 +138,12 @@ def _reap(pids: Iterable[int]) -> None:
             pass  # not our child (or already reaped)
 
 
+def reap_adopted(exclude: set[int]) -> None:
+    """Reap this process's exited children except ``exclude`` (children it started itself and waits for
+    elsewhere): as a subreaper it adopts a job's orphans, and nobody else reaps them."""
+    _reap(children(os.getpid()) - exclude)
+
+
 def stop_processes(pids: set[int], grace_s: float, *, reap: set[int] | None = None) -> set[int]:
     """SIGTERM ``pids``, SIGKILL those still there after ``grace_s`` seconds, and reap those of ``reap`` (our
     own children). Returns the pids that had to be SIGKILLed."""
