@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ._time import iso
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
-from .format import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
+from .format.manifest import DTYPE_ITEMSIZE
 from .incremental.chunkstore import ChunkStore
 from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
 
@@ -140,7 +141,14 @@ def inspect_step(
         return CheckpointInfo(step, "corrupt", 0, iso(t), t, str(e), str(path)), None
     problem = None
     bad_chunk = None
-    for rec in m.chunks.values():
+    if any(isinstance(e, TensorEntry) and e.dtype not in DTYPE_ITEMSIZE for e in m.entries.values()):
+        from .state.dtypes import check_shard_bytes  # imports torch: only for dtypes the parser cannot size
+
+        try:
+            check_shard_bytes(m)
+        except CorruptCheckpointError as e:
+            problem = str(e)
+    for rec in [] if problem else m.chunks.values():
         bad = store.check_present(rec)
         if bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
