@@ -51,6 +51,13 @@ class RootLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock (non-blocking) and record ``pid N on HOST`` in the lock file.
+
+        Raises:
+            RootLockedError: another manager of this process or another process holds it.
+            UnsafeFileError: ``.lock`` is a symlink, a directory, a named pipe or another non-regular file
+                (never followed, truncated or written).
+        """
         for lock in list(_held):
             if lock._fd is not None and lock.path.resolve() == self.path.resolve():
                 raise RootLockedError(

@@ -295,3 +295,15 @@ def test_a_misnamed_step_folder_is_not_a_checkpoint(root):
     assert [r["step"] for r in json.loads(result.output)] == [1, 2]
     with tg.CheckpointManager(root, read_only=True) as mgr:
         assert mgr.restore_latest(blank_state()) == 2
+
+
+def test_trainguard_run_with_an_odd_root_is_a_usage_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "events").write_text("not a directory")
+    for r, words in ((f, "is a file"), (tmp_path / "root", "event log")):
+        result = CliRunner().invoke(tg_cli(), ["run", "--root", str(r), "--", "true"])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert f.read_text() == "x" and (tmp_path / "root" / "events").read_text() == "not a directory"
