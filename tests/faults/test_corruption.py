@@ -312,7 +312,6 @@ def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, mon
     path = run / rec["path"]
     injected = []
     if fault == "EIO":
-
         real_open = chunkstore.open_regular  # every chunk read opens through this one function
 
         def failing_open(file: Any, *a: Any, **k: Any) -> Any:
