@@ -181,7 +181,7 @@ def mutations(draw: st.DrawFn, body: dict[str, Any], extra: dict[str, Any]) -> d
             seg = sh["segments"][draw(st.integers(0, len(sh["segments"]) - 1))]
             seg[draw(st.sampled_from([1, 2]))] = draw(st.sampled_from(SIZES + [seg[2] - 1, seg[2] + 1]))
         elif op == "repeat" and sh["segments"] and len(e["shape"]) == 1:
-            k = draw(st.sampled_from([2, 3, 100, 2000]))
+            k = draw(st.sampled_from([2, 3, 50]))  # 2000 repeats: test_manifest_bounds (2.56 GB)
             sh["segments"] = sh["segments"] * k
             sh["sizes"][0] *= k
             e["shape"][0] *= k
