@@ -200,15 +200,36 @@ def test_an_odd_manifest_is_reported_and_its_step_skipped(root, tmp_path, kind):
     assert [c["step"] for c in json.loads(out)["corrupt"]] == [2]
 
 
-def test_an_unreadable_manifest_is_reported_and_its_step_skipped(root, tmp_path):
-    p = manifest_path(root, 2)
-    p.chmod(0)
-    if os.access(p, os.R_OK):
-        # root reads any file: make the read fail another way, with an I/O error from a directory of the same
-        # name under a file being impossible, use a manifest the process may not open for reading instead
-        pytest.skip("running as root: permissions do not stop reads")
-    assert {r["step"]: r["status"] for r in ls_json(root)} == {1: "valid", 2: "corrupt"}
-    assert restore_latest(root)["restored"] == 1
+@pytest.mark.parametrize("errno_", ["EACCES", "EIO"])
+def test_an_unreadable_manifest_is_reported_and_its_step_skipped(root, monkeypatch, errno_):
+    import errno
+
+    import trainguard.catalog as catalog
+
+    code = getattr(errno, errno_)
+    real = catalog.read_bounded
+    bad = manifest_path(root, 2)
+    hits = []
+
+    def failing(path, *a, **k):  # the manifest's one read path: os.open refused (as for a mode-000 file)
+        if Path(path) == bad:
+            hits.append(path)
+            raise (PermissionError if code == errno.EACCES else OSError)(code, os.strerror(code), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(catalog, "read_bounded", failing)
+    result = CliRunner().invoke(tg_cli(), ["ls", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["step"]: r for r in json.loads(result.output)}
+    assert rows[2]["status"] == "corrupt" and "cannot be read" in rows[2]["problem"], rows[2]
+    for args in (["verify", str(root), "--step", "2"], ["info", str(root), "2"]):
+        result = CliRunner().invoke(tg_cli(), args)
+        assert result.exit_code == 1 and "cannot be read" in result.output, result.output
+    with tg.CheckpointManager(root, read_only=True) as mgr:
+        state = blank_state()
+        assert mgr.restore_latest(state) == 1
+    assert_state_is(state, 1)
+    assert hits
 
 
 @pytest.mark.timeout(120)
