@@ -84,12 +84,15 @@ def test_usage_errors_exit_2(tmp_path):
     assert cli("nonsense").returncode == 2
 
 
-def test_root_names_keys_and_metrics_that_look_like_rich_markup_are_printed_verbatim(tmp_path):
+def test_root_names_keys_and_metrics_that_look_like_rich_markup_are_printed_verbatim(tmp_path, monkeypatch):
+    from pathlib import Path
+
     from click.testing import CliRunner
 
     from trainguard.cli.main import main
 
-    root = tmp_path / "run[" / "a]"  # the path text is "run[/a]": a closing markup tag
+    monkeypatch.chdir(tmp_path)  # a short relative root: the table title shows it whole
+    root = Path("run[") / "a]"  # the path text is "run[/a]": a closing markup tag
     with tg.CheckpointManager(root) as mgr:
         mgr.save(
             1,

@@ -25,7 +25,7 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
         "unbind()",
     ),
     "meta": (lambda: {"w": torch.empty(3, device="meta")}, tg.SaveError, "meta device"),
-    "huge-int": (lambda: {"v": {"n": 10**5000}}, tg.TrainguardError, "integer too large"),
+    "huge-int": (lambda: {"v": {"n": 10**5000}}, tg.ConfigError, "integer too large"),
 }
 
 
@@ -38,6 +38,8 @@ def test_an_unsavable_state_raises_one_error_type_in_both_save_modes(tmp_path, c
         mgr.save(1, {"ok": torch.ones(2)}).wait()
         with pytest.raises(error, match=fix.replace("(", r"\(").replace(")", r"\)")) as ei:
             mgr.save(2, make()).wait()
-        assert not isinstance(ei.value, (RuntimeError, ValueError, AssertionError, NotImplementedError))
+        assert type(ei.value).__module__ == "trainguard.errors", type(
+            ei.value
+        )  # not a raw torch/builtin error
         assert [(i.step, i.status) for i in mgr.checkpoints()] == [(1, "valid")]
         mgr.save(3, {"ok": torch.zeros(2)}).wait()  # the manager still works
