@@ -12,19 +12,19 @@ import torch
 import trainguard as tg
 
 CASES: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
-    "sparse": (lambda: {"w": torch.eye(3).to_sparse()}, tg.SaveError, "to_dense()"),
-    "sparse-csr": (lambda: {"w": torch.eye(3).to_sparse_csr()}, tg.SaveError, "to_dense()"),
+    "sparse": (lambda: {"w": torch.eye(3).to_sparse()}, tg.ConfigError, "to_dense()"),
+    "sparse-csr": (lambda: {"w": torch.eye(3).to_sparse_csr()}, tg.ConfigError, "to_dense()"),
     "quantized": (
         lambda: {"w": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)},
-        tg.SaveError,
+        tg.ConfigError,
         "int_repr()",
     ),
     "nested": (
         lambda: {"w": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])},
-        tg.SaveError,
+        tg.ConfigError,
         "unbind()",
     ),
-    "meta": (lambda: {"w": torch.empty(3, device="meta")}, tg.SaveError, "meta device"),
+    "meta": (lambda: {"w": torch.empty(3, device="meta")}, tg.ConfigError, "meta tensor"),
     "huge-int": (lambda: {"v": {"n": 10**5000}}, tg.ConfigError, "integer too large"),
 }
 

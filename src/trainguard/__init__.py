@@ -18,6 +18,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    MissingDependencyError,
     NoValidCheckpointError,
     RootLockedError,
     SaveError,
@@ -44,6 +45,7 @@ _LAZY = {
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
     "ModelOptimizerState": ".distributed.state",
+    "dcp_reader": ".interop.dcp_reader",  # dcp_reader(root, step): a StorageReader for plain dcp.load
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
 }
 
@@ -75,6 +77,7 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "MissingDependencyError",
     "ModelOptimizerState",
     "NoValidCheckpointError",
     "PendingSave",
@@ -87,5 +90,6 @@ __all__ = [
     "StateMismatchError",
     "StorageFullError",
     "TrainguardError",
+    "dcp_reader",
     "heartbeat",
 ]

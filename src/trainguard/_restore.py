@@ -54,7 +54,7 @@ def committed_steps(mgr: CheckpointManager) -> list[int]:
 
 
 def restore_latest(
-    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings
+    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
 ) -> int | None:
     t0 = time.perf_counter()
     problems: list[str] = []
@@ -70,7 +70,7 @@ def restore_latest(
             continue
         t_chosen = time.perf_counter()
         try:
-            mgr._load(step, state)
+            mgr._load(step, state, strict=strict)
         except CorruptCheckpointError as e:
             skip(mgr, step, str(e), e, timings, problems)
             continue
@@ -130,7 +130,7 @@ def skip(
     mgr._event("restore_skipped", **rec)
 
 
-def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> None:
+def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
     m = read_manifest(mgr.root, step)
     try:  # an unknown dtype (saved by a newer torch?) or shard bytes that do not match it: before allocating
         check_shard_bytes(m)
@@ -141,7 +141,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
         raise
     memory_error: InsufficientMemoryError | None = None
     try:
-        template, paths = _statefn.build_template(m, state)
+        template, paths = _statefn.build_template(m, state, strict=strict)
     except InsufficientMemoryError as e:
         memory_error = e
     if mgr.dist.enabled and mgr.dist.any(memory_error is not None):  # every rank skips the step together
@@ -161,7 +161,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
         if isinstance(err, CorruptCheckpointError) and mgr.dist.is_coordinator:
             mgr._mark_corrupt(step, err)
         raise err from None
-    _statefn.apply(template, paths, state, step)
+    _statefn.apply(template, paths, state, m, strict=strict)
     mgr.last_restore.bytes = reader.bytes_read
 
 

@@ -76,7 +76,13 @@ class RootLockedError(TrainguardError):
 
 
 class StateMismatchError(TrainguardError, ValueError):
-    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure)."""
+    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure).
+
+    The message lists every difference, the checkpoint's side and the target's: keys on one side only, dtypes
+    that differ, shapes, and optimizer state recorded at save time that the checkpoint or the optimizer lacks.
+    Key and dtype checks run before anything is loaded; restore into an empty dict to take everything as saved,
+    or pass ``strict=False`` to load what matches.
+    """
 
 
 class SaveError(TrainguardError):
@@ -101,6 +107,11 @@ class StorageFullError(SaveError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else super().__str__()
+
+
+class MissingDependencyError(TrainguardError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install
+    (``pip install 'trainguard[safetensors]'``)."""
 
 
 class TransientStorageError(TrainguardError, OSError):

@@ -348,7 +348,6 @@ class CheckpointManager:
         now0 = time.monotonic()
         if not self.async_save:
             flat, paths, top = _statefn.collect(state)
-            _statefn.check_savable(flat, step)
             handle = PendingSave(step)
             try:
                 result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
@@ -373,7 +372,6 @@ class CheckpointManager:
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
             flat, paths, top = _statefn.collect(state)
-            _statefn.check_savable(flat, step)
             staged = bufset.stage(flat)
         except BaseException as e:
             self._stager.release(bufset)  # type: ignore[union-attr]
@@ -446,8 +444,8 @@ class CheckpointManager:
                 self._in_flight.discard(handle.step)
                 self._in_flight_t.pop(handle.step, None)
 
-    def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
-        _restore.load(self, step, state)
+    def _load(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
+        _restore.load(self, step, state, strict=strict)
 
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
@@ -515,28 +513,40 @@ class CheckpointManager:
         return max(valid) if valid else None
 
     # -- restoring ----------------------------------------------------------------------------------------
-    def restore(self, step: int, state: MutableMapping[str, Any]) -> int:
+    def restore(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> int:
         """Load the checkpoint of ``step`` into ``state`` in place and return ``step``.
+
+        The top-level keys of ``state`` choose which saved entries to load. Within each, the state must match
+        the checkpoint: the same keys (wrapper prefixes such as ``_orig_mod.`` and ``module.`` aside) and, for
+        tensors loaded in place, the same dtypes and shapes. An empty dict or list takes everything saved as
+        saved; optimizer state always comes back as saved, dtype included, for every parameter that had it.
+
+        Args:
+            step: the step to load.
+            state: name -> object, as given to ``save``; loaded in place.
+            strict: with False, load what matches, convert dtypes to the target's and log the differences
+                instead of raising (shapes must still match).
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
             CorruptCheckpointError: the checkpoint failed an integrity check (nothing handed to load_state_dict;
                 tensors loaded in place before the failure may hold partial data).
-            StateMismatchError: the state does not match the checkpoint (shapes, missing entries).
+            StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
+                or missing optimizer state); the message lists the checkpoint's and the target's side.
         """
         if self._closed:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        self._load(step, state)
+        self._load(step, state, strict=strict)
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
         return step
 
-    def restore_latest(self, state: MutableMapping[str, Any]) -> int | None:
+    def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest VALID checkpoint into ``state`` in place and return its step.
 
         A corrupt or incomplete newer checkpoint is skipped with a logged warning (and an event naming the
-        corrupt chunk); the next older one is tried.
+        corrupt chunk); the next older one is tried. ``state`` and ``strict`` as in :meth:`restore`.
 
         Returns:
             The restored step, or None when the root holds no committed checkpoint at all.
@@ -549,7 +559,7 @@ class CheckpointManager:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        step = _restore.restore_latest(self, state, timings)
+        step = _restore.restore_latest(self, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
         return step

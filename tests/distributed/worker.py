@@ -11,6 +11,7 @@ asserts on them. Scenarios:
 - ``fail``: rank 1's chunk writes fail in the middle of a save (async, then sync saves), then rank 0's
   manifest publish fails; each failed save is followed by one that must succeed. Last, a save whose background
   commit waits on rank 1's writes while the training loop keeps running collectives.
+- ``bf16``: bf16 Adam moments of FSDP2-sharded fp32 parameters restore as saved (issue 16).
 - ``corrupt``: save steps A < B, flip a bit in a chunk only B references that holds a shard written by rank 1,
   restore: every rank must fall back to A together.
 """
@@ -74,13 +75,13 @@ class Ids(torch.utils.data.Dataset):
 FEATURES = torch.randn(DATASET_SIZE, 16, generator=torch.Generator().manual_seed(1))
 
 
-def build(rank: int, ws: int) -> dict[str, Any]:
-    torch.manual_seed(0)  # same initial weights on every rank, as a real job has before fully_shard
+def build(rank: int, ws: int, optim_cls: Any = torch.optim.AdamW, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)  # same initial weights on every rank, as a real job has before fully_shard
     model = Net()
     for m in (model.l1, model.l2, model.l3):
         fully_shard(m)
     fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = optim_cls(model.parameters(), lr=0.01)
     torch.manual_seed(100 + rank)  # ranks draw different numbers: RNGState must restore each rank's own
     loader = tg.ResumableLoader(Ids(), batch_size=BATCH, shuffle=True, seed=5, rank=rank, world_size=ws)
     state = {
@@ -372,7 +373,43 @@ def scenario_corrupt(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
     return res
 
 
+def scenario_bf16(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """FSDP2 parameters (fp32 DTensors) with bf16 moments, through ModelOptimizerState: the restored moments are
+    bf16 DTensors equal to the saved ones, and both runs continue identically."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bf16_optim import BF16MomentsAdamW
+
+    root = Path(spec["root"])
+    job = build(rank, ws, BF16MomentsAdamW)
+    for _ in range(2):
+        train_step(job)
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(2, job["state"])
+    ref = full_state(job)
+    fresh = build(rank, ws, BF16MomentsAdamW, seed=7)
+    with tg.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore_latest(fresh["state"])
+    res: dict[str, Any] = {
+        "restored": restored,
+        "moment_dtypes": sorted(
+            {str(st[k].dtype) for st in fresh["optim"].state.values() for k in ("exp_avg", "exp_avg_sq")}
+        ),
+        "local_types": sorted({type(st["exp_avg"]).__name__ for st in fresh["optim"].state.values()}),
+    }
+    got = full_state(fresh)
+    rng = torch.get_rng_state()  # both jobs live in this process: the same noise for both steps
+    train_step(job)
+    torch.set_rng_state(rng)
+    train_step(fresh)
+    ref_after, got_after = full_state(job), full_state(fresh)
+    if rank == 0:
+        res["differences"] = differences(got, ref)
+        res["differences_after_a_step"] = differences(got_after, ref_after)
+    return res
+
+
 SCENARIOS = {
+    "bf16": scenario_bf16,
     "save": scenario_save,
     "load": scenario_load,
     "fail": scenario_fail,
