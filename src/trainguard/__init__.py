@@ -50,7 +50,12 @@ _LAZY = {
 }
 
 
+_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
