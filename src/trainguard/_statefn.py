@@ -24,6 +24,7 @@ from .state import optim
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, fqn_of, unflatten
 from .state.matching import match_names, mismatch_message
+from .state.per_rank import PerRank, job_rank, plan_load, saved_by_rank
 
 try:
     from torch.distributed.tensor import DTensor
@@ -72,9 +73,12 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
     top: dict[str, dict[str, Any]] = {}
     for k, v in state.items():
         if is_stateful(v):
-            _warn_if_unsafe_loader(v)
+            inner = v.obj if isinstance(v, PerRank) else v
+            _warn_if_unsafe_loader(inner)
             resolved[k] = v.state_dict()
-            top[k] = {"stateful": True, "type": f"{type(v).__module__}.{type(v).__qualname__}"}
+            top[k] = {"stateful": True, "type": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+            if isinstance(v, PerRank):
+                top[k]["per_rank"] = True
         else:
             resolved[k] = v
             top[k] = {"stateful": False, "type": type(v).__name__}
@@ -125,9 +129,14 @@ def check_storable(t: torch.Tensor, fqn: str) -> None:
 
 def build_template(
     manifest: Manifest, state: Mapping[str, Any], *, strict: bool = True
-) -> tuple[dict[str, Any], dict[str, PathT]]:
-    """The flat ``{fqn: destination}`` DCP loads into, and the paths that rebuild the nested state for
-    ``apply`` (the target's spelling of a name wherever it matched a saved one by its canonical name).
+) -> tuple[dict[str, Any], dict[str, PathT], dict[str, list[str]]]:
+    """The flat ``{fqn: destination}`` DCP loads into, the paths that rebuild the nested state for
+    ``apply`` (the target's spelling of a name wherever it matched a saved one by its canonical name), and the
+    per-rank entries each PerRank-resharded top-level key needs (see :func:`per_rank.plan_load`).
+
+    Per-rank entries (:mod:`trainguard.state.per_rank`): at the saved world size only this rank's own are
+    loaded, matched under their logical path; at another world size every rank's are loaded, into buffers of
+    their own, for the key's ``PerRank(obj, reshard=fn)`` hook (without one: StateMismatchError).
 
     Within each requested state entry, saved and live names are matched (:mod:`trainguard.state.matching`). A
     plain entry (dict, list, tensor) must match the checkpoint key for key, dtype for dtype; an empty container
@@ -151,6 +160,7 @@ def build_template(
     fresh: list[
         tuple[str, TensorEntry]
     ] = []  # tensors to allocate: checked against the memory available first
+    skip, reshard = plan_load(manifest, state)
     for k, obj in state.items():
         if k not in saved_top:
             raise StateMismatchError(
@@ -158,10 +168,21 @@ def build_template(
                 f"{sorted(saved_top)}); remove {k!r} from the state passed to restore, or restore a checkpoint "
                 "saved with it"
             )
+        if k in reshard:  # every saved rank's state, for the PerRank hook; the hook's result is what loads
+            for f in saved_top[k]:
+                e = manifest.entries[f]
+                if e.rank is None:
+                    paths[f] = e.path
+                template[f] = (
+                    torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                    if isinstance(e, TensorEntry)
+                    else None
+                )
+            continue
         stateful = is_stateful(obj)
         live = obj.state_dict() if stateful else obj
         live_flat, live_paths = flatten({k: live})
-        saved = saved_top[k]
+        saved = [f for f in saved_top[k] if f not in skip]  # not other ranks' per-rank values
         match = match_names(
             {f: fqn_of(manifest.entries[f].path[1:]) for f in saved},
             {f: fqn_of(p[1:]) for f, p in live_paths.items()},
@@ -213,7 +234,7 @@ def build_template(
             reports.append(
                 mismatch_message(manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes)
             )
-        missing = optim.missing_in_manifest(k, record, saved)
+        missing = optim.missing_in_manifest(k, record, [fqn_of(manifest.entries[f].path) for f in saved])
         if missing:
             reports.append(
                 mismatch_message(
@@ -236,7 +257,7 @@ def build_template(
     )
     for f, e in fresh:
         template[f] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-    return template, paths
+    return template, paths, reshard
 
 
 def _beneath(fqn: str, containers: list[str]) -> bool:
@@ -299,9 +320,11 @@ def apply(
     manifest: Manifest,
     *,
     strict: bool = True,
+    reshard: Mapping[str, list[str]] | None = None,
 ) -> None:
     """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects (then the optimizer
     checks of :mod:`trainguard.state.optim`), in-place updates of dicts/lists, replacement of immutable values.
+    Top-level keys in ``reshard`` get what their PerRank hook returns from every saved rank's state.
 
     Raises:
         StateMismatchError: a ``load_state_dict`` rejected the state, or (with ``strict``) an optimizer lacks
@@ -309,6 +332,11 @@ def apply(
     """
     step = manifest.step
     nested = unflatten(loaded_flat, paths)
+    for k, fqns in (reshard or {}).items():
+        obj = state[k]
+        assert isinstance(obj, PerRank) and obj.reshard is not None
+        rank, ws = job_rank()
+        nested[k] = obj.reshard(saved_by_rank(loaded_flat, paths, fqns, manifest, k), rank, ws)
     for k in list(state.keys()):
         obj = state[k]
         new = nested[k]

@@ -143,3 +143,9 @@ class InsufficientMemoryError(TrainguardError, MemoryError):
         self.step = step
         self.need_bytes = need_bytes
         self.available_bytes = available_bytes
+
+
+class RunConflictError(TrainguardError):
+    """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
+    two runs' checkpoints (and let retention delete one run's for the other's). Resume it
+    (``restore_latest``), use a new run root, or pass ``new_run=True``."""

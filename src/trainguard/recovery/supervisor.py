@@ -42,20 +42,22 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .config import Backoff, SupervisorConfig  # noqa: F401 - Backoff re-exported (cli.run, demo, tests)
+from ._process import Job, group_alive, signal_group, signal_name, spawn_problem
 from .events import EventLog
-from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, Heartbeat, read_heartbeats
+from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
+from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, validate_run_id
 from .lifetime import (
     TERMINATING_SIGNALS,
     children,
@@ -81,6 +83,8 @@ EXIT_CODES: dict[str, str] = {
     "3": "gave up: the job failed again after --max-restarts restarts",
     "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance, or "
     "the job died within 60 s of starting without any heartbeat)",
+    "75": "preempted: a --preempt-signal arrived, the job was told to save (SIGTERM) and was not restarted; "
+    "requeue it",
     "127": "COMMAND could not be started (not found or not executable)",
     "128+N": "stopped by signal N, forwarded to the job, no restart (129 SIGHUP, 130 SIGINT, 138 SIGUSR1, 143 "
     "SIGTERM)",
@@ -102,41 +106,100 @@ def default_root() -> Path:
     return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT).absolute()
 
 
-class _Job:
-    """A running attempt; a waiter thread reaps it the instant it exits (no polling latency)."""
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """Delay before a relaunch: ``min(max_s, initial_s * factor ** n)``, n = restarts in a row without progress.
 
-    def __init__(
-        self, proc: subprocess.Popen[bytes], attempt: int, heartbeat_file: Path, t_spawn: float
-    ) -> None:
-        self.proc = proc
-        self.pgid = proc.pid  # start_new_session=True: the child leads its own group
-        self.attempt = attempt
-        self.heartbeat_file = heartbeat_file
-        self.t_spawn = t_spawn
-        self.done = threading.Event()
-        self.returncode: int | None = None
-        self.t_exit: float | None = None
-        self.forwarded = False
-        threading.Thread(target=self._wait, name=f"trainguard-wait-{proc.pid}", daemon=True).start()
+    Attributes:
+        initial_s: delay after a failure of an attempt that made progress (seconds, >= 0).
+        max_s: upper bound (seconds, >= initial_s).
+        factor: growth per restart without progress (>= 1).
+    """
 
-    def _wait(self) -> None:
-        rc = self.proc.wait()
-        self.t_exit = time.time()
-        self.returncode = rc
-        self.done.set()
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    factor: float = 2.0
 
+    def __post_init__(self) -> None:
+        if not self.initial_s >= 0:
+            raise ConfigError(f"backoff initial_s must be >= 0 seconds, got {self.initial_s}")
+        if not self.max_s >= self.initial_s:
+            raise ConfigError(f"backoff max_s ({self.max_s}) must be >= initial_s ({self.initial_s})")
+        if not self.factor >= 1:
+            raise ConfigError(f"backoff factor must be >= 1, got {self.factor}")
 
-def _signal_group(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    def delay_s(self, no_progress_streak: int) -> float:
+        """Return the delay (seconds) after ``no_progress_streak`` restarts in a row without progress."""
+        return min(self.max_s, self.initial_s * self.factor ** min(no_progress_streak, 64))
 
 
-def _group_alive(pgid: int) -> bool:
-    # Caveat: a member left as a zombie under a non-reaping PID 1 counts as alive; callers bound their wait.
-    return _signal_group(pgid, 0)
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    """Settings of a :class:`Supervisor`.
+
+    Attributes:
+        max_restarts: restarts allowed before giving up (0: never restart).
+        heartbeat_timeout_s: a job whose newest heartbeat is older than this is hung (seconds); None turns
+            hang detection off. Armed by the attempt's first heartbeat (startup is covered by
+            ``startup_timeout_s``).
+        startup_timeout_s: a job that has not beaten this long after its spawn is hung (seconds); None: no
+            limit on startup (imports, restore).
+        grace_period_s: SIGTERM to SIGKILL delay when killing a hung job or stopping (seconds).
+        backoff: the relaunch delay.
+        max_no_progress_restarts: give up after this many restarts in a row without progress (0: never).
+        root: run root for the event log; must be the job's checkpoint root for the TTR join. None:
+            :func:`default_root`.
+        poll_interval_s: how often the heartbeat file is read (seconds). Exits are noticed at once.
+        forward_signals: forward SIGTERM/SIGINT to the job (only possible from the main thread).
+        env: extra environment for the job.
+        run_id: the run id; None: torchrun's ``--rdzv-id`` in the command, else generated
+            (``YYYYmmdd-HHMMSS-<6 hex>``). Supervisors of one run id on one root share one restart budget
+            (see :mod:`.job`).
+        preempt_signals: signals that mean "the scheduler is about to stop this job" (e.g. Slurm's
+            ``--signal=USR1@120``): the job gets SIGTERM (with ``save_on_preemption=True`` it saves and
+            exits 75) and the supervisor exits 75 without restarting, so the batch script can requeue.
+    """
+
+    max_restarts: int = 10
+    heartbeat_timeout_s: float | None = None
+    startup_timeout_s: float | None = None
+    grace_period_s: float = 30.0
+    backoff: Backoff = field(default_factory=Backoff)
+    max_no_progress_restarts: int = 3
+    root: str | os.PathLike[str] | None = None
+    poll_interval_s: float = 0.1
+    forward_signals: bool = True
+    env: Mapping[str, str] = field(default_factory=dict)
+    run_id: str | None = None
+    preempt_signals: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.run_id is not None:
+            validate_run_id(self.run_id)
+        for sig in self.preempt_signals:
+            if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGTERM):
+                raise ConfigError(
+                    f"{signal.Signals(sig).name} cannot be a preemption signal (SIGTERM and SIGINT already stop "
+                    "the job; SIGKILL and SIGSTOP cannot be caught); use SIGUSR1 or SIGUSR2"
+                )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.max_no_progress_restarts, int) or self.max_no_progress_restarts < 0:
+            raise ConfigError(
+                f"max_no_progress_restarts must be an int >= 0 (0 turns it off), got {self.max_no_progress_restarts!r}"
+            )
+        for name in ("heartbeat_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds or None (off), got {value}")
+        if not self.grace_period_s >= 0:
+            raise ConfigError(f"grace_period_s must be >= 0 seconds, got {self.grace_period_s}")
+        if not 0 < self.poll_interval_s <= 60:
+            raise ConfigError(f"poll_interval_s must be in (0, 60] seconds, got {self.poll_interval_s}")
+        if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= self.poll_interval_s:
+            raise ConfigError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed poll_interval_s ({self.poll_interval_s})"
+            )
 
 
 def _new_run_id() -> str:
@@ -167,11 +230,13 @@ class Supervisor:
         self.command = tuple(str(c) for c in command)
         self.config = config or SupervisorConfig()
         self.root = Path(self.config.root).absolute() if self.config.root is not None else default_root()
-        self.run_id = self.config.run_id or _new_run_id()
+        self.run_id = self.config.run_id or run_id_from_command(self.command) or _new_run_id()
+        self._budget = RestartBudget(self.root, self.run_id, self.config.max_restarts)
+        self._preempt_signal: int | None = None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
         self._stop_t: float | None = None
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
         self._children_before: set[int] = set()
@@ -188,11 +253,8 @@ class Supervisor:
         Raises:
             ConfigError: the run root cannot hold the event log (a file, read-only, an odd ``events``).
         """
-        try:
-            self._log = EventLog(self.root, "supervisor")
-        except OSError as e:  # UnsafeFileError included: its message names the file and the fix
-            raise ConfigError(f"cannot write the event log under the run root {self.root}: {e}") from None
-        self._log.set_context(run_id=self.run_id)
+        self._log = EventLog(self.root, "supervisor")
+        self._log.set_context(run_id=self.run_id, host=socket.gethostname())
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         unset = self.config.root is None and not os.environ.get(ROOT_ENV)
         hint = " (no --root given: pass the job's checkpoint root so its restore timings join the report)"
@@ -210,6 +272,15 @@ class Supervisor:
             self._log.close()
             shutil.rmtree(self._hb_dir, ignore_errors=True)
 
+    def request_preemption(self, signum: int = signal.SIGUSR1) -> None:
+        """Stop for a scheduler's preemption notice: SIGTERM to the job, no restart, exit 75.
+
+        Safe from a signal handler. A second notice or stop request kills the job's process group at once.
+        """
+        if self._stop_signal is None:
+            self._preempt_signal = int(signum)
+        self.request_stop(signal.SIGTERM)
+
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop as if ``signum`` had been received: forward it to the job and exit with 128 + signum.
 
@@ -218,12 +289,12 @@ class Supervisor:
         job = self._job
         if self._stop_signal is not None:
             if job is not None:
-                _signal_group(job.pgid, signal.SIGKILL)
+                signal_group(job.pgid, signal.SIGKILL)
             return
         self._stop_signal = int(signum)
         self._stop_t = time.time()
         if job is not None and not job.done.is_set():
-            job.forwarded = _signal_group(job.pgid, signum) or job.forwarded
+            job.forwarded = signal_group(job.pgid, signum) or job.forwarded
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -236,11 +307,11 @@ class Supervisor:
         no_progress = 0
         early_deaths = 0  # attempts in a row that died before any heartbeat, within EARLY_DEATH_S of starting
         pending: PendingRecovery | None = None
-        attempt = 0
+        attempt = restart_count = 0  # this supervisor's attempt; the job-wide restart number (see .job)
         while True:
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
-            job = self._spawn(attempt)
+            job = self._spawn(attempt, restart_count)
             if job is None:
                 return self._finish("spawn_failed", "spawn_failed", EXIT_SPAWN_FAILED)
             if pending is not None:
@@ -256,7 +327,7 @@ class Supervisor:
                 self._log.write(
                     "success",
                     attempt=attempt,
-                    restart_count=attempt,
+                    restart_count=restart_count,
                     exit_code=0,
                     last_step=result.last_step,
                     runtime_s=result.t_end - result.t_start,
@@ -273,7 +344,7 @@ class Supervisor:
             self._log.write(
                 "failure",
                 attempt=attempt,
-                restart_count=attempt,
+                restart_count=restart_count,
                 cause=result.outcome,
                 exit_code=result.exit_code,
                 signal=result.signal,
@@ -303,14 +374,22 @@ class Supervisor:
                     f"each within {EARLY_DEATH_S:.0f} s of starting"
                 )
                 return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
-            if attempt >= cfg.max_restarts:
+            claimed = self._budget.claim(attempt=attempt)  # one budget for every node's supervisor
+            if claimed is None:
+                if cfg.max_restarts:
+                    self._echo(
+                        f"[trainguard] run {self.run_id}: the job's {cfg.max_restarts} restarts are spent "
+                        f"({self._budget.used()} claimed by this job's supervisors under {self._budget.dir}); a new "
+                        "job needs its own --run-id (or torchrun --rdzv-id)"
+                    )
                 return self._finish("gave_up", "max_restarts", EXIT_MAX_RESTARTS)
+            restart_count = claimed
             delay = cfg.backoff.delay_s(no_progress)
-            self._log.write("restart", attempt=attempt + 1, restart_count=attempt + 1, backoff_s=delay)
-            self._echo(f"[trainguard] restart {attempt + 1}/{cfg.max_restarts} in {delay:.2f} s")
+            self._log.write("restart", attempt=attempt + 1, restart_count=restart_count, backoff_s=delay)
+            self._echo(f"[trainguard] restart {restart_count}/{cfg.max_restarts} in {delay:.2f} s")
             slept = self._sleep(delay)
             pending = PendingRecovery(
-                restart_count=attempt + 1,
+                restart_count=restart_count,
                 t_death=result.t_death,
                 detect_s=result.detect_s,
                 teardown_s=result.teardown_s,
@@ -319,18 +398,22 @@ class Supervisor:
             )
             attempt += 1
 
-    def _spawn(self, attempt: int) -> _Job | None:
+    def _spawn(self, attempt: int, restart_count: int) -> Job | None:
         hb_file = self._hb_dir / f"heartbeat-{attempt}"
         env = dict(os.environ)
         env.update(self.config.env)
         env.update(
             {
-                RESTART_COUNT_ENV: str(attempt),
+                RESTART_COUNT_ENV: str(restart_count),
                 RUN_ID_ENV: self.run_id,
                 HEARTBEAT_FILE_ENV: str(hb_file),
                 ROOT_ENV: str(self.root),
             }
         )
+        if is_elastic_torchrun(self.command) and SHARE_STORE_ENV not in env:
+            env[SHARE_STORE_ENV] = "1"  # else a node joining a running torchrun job deadlocks (see .job)
+        if self.config.preempt_signals:
+            env[PREEMPT_SIGNALS_ENV] = ",".join(signal.Signals(s).name for s in self.config.preempt_signals)
         t_spawn = time.time()
         try:
             self._children_before = children(os.getpid())
@@ -338,18 +421,20 @@ class Supervisor:
                 list(self.command), env=env, start_new_session=True, preexec_fn=die_with_parent(os.getpid())
             )
         except OSError as e:
-            self._spawn_error = _spawn_problem(self.command[0], e)
-            self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=self._spawn_error)
+            self._spawn_error = spawn_problem(self.command[0], e)
+            self._log.write(
+                "spawn_error", attempt=attempt, restart_count=restart_count, error=self._spawn_error
+            )
             self._echo(f"[trainguard] cannot start the job: {self._spawn_error}")
             return None
-        job = _Job(proc, attempt, hb_file, t_spawn)
+        job = Job(proc, attempt, hb_file, t_spawn)
         self._job = job
         if self._stop_signal is not None and not job.forwarded:
-            job.forwarded = _signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
+            job.forwarded = signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
         self._log.write(
             "job_start",
             attempt=attempt,
-            restart_count=attempt,
+            restart_count=restart_count,
             command=list(self.command),
             pid=proc.pid,
             t_spawn=t_spawn,
@@ -358,7 +443,7 @@ class Supervisor:
         self._echo(f"[trainguard] attempt {attempt} started: pid {proc.pid}, run {self.run_id}")
         return job
 
-    def _watch(self, job: _Job, pending: PendingRecovery | None) -> Attempt:
+    def _watch(self, job: Job, pending: PendingRecovery | None) -> Attempt:
         cfg = self.config
         newest: Heartbeat | None = None
         max_step: int | None = None
@@ -394,10 +479,10 @@ class Supervisor:
                 break
             if self._stop_signal is not None:
                 if not job.forwarded:
-                    job.forwarded = _signal_group(job.pgid, self._stop_signal)
+                    job.forwarded = signal_group(job.pgid, self._stop_signal)
                 if not killed_for_stop and now - (self._stop_t or now) > cfg.grace_period_s:
                     self._echo("[trainguard] job still running after the grace period: SIGKILL")
-                    _signal_group(job.pgid, signal.SIGKILL)
+                    signal_group(job.pgid, signal.SIGKILL)
                     killed_for_stop = True
                 continue
             hang = self._hang_reference(job, newest)
@@ -438,20 +523,20 @@ class Supervisor:
             t_end=time.time(),
             outcome=outcome,
             exit_code=rc if rc >= 0 else None,
-            signal=_signal_name(rc),
+            signal=signal_name(rc),
             last_step=max_step,
             t_death=t_death,
             detect_s=max(0.0, noticed - t_death),
             teardown_s=time.time() - noticed,
         )
 
-    def _group_alive(self, job: _Job) -> bool:
+    def _group_alive(self, job: Job) -> bool:
         """Whether the job's process group still has members, once the members re-parented to the
         supervisor (a subreaper) that have exited are reaped: a zombie would count as alive."""
         reap_adopted(self._children_before | {job.proc.pid})
-        return _group_alive(job.pgid)
+        return group_alive(job.pgid)
 
-    def _stop_leftovers(self, job: _Job) -> None:
+    def _stop_leftovers(self, job: Job) -> None:
         """Stop what the attempt left outside its process group: descendants in other sessions, still below
         the job or re-parented to the supervisor since the spawn."""
         adopted = children(os.getpid()) - self._children_before - {job.proc.pid}
@@ -462,7 +547,7 @@ class Supervisor:
                 "leftovers_stopped", attempt=job.attempt, pids=sorted(left), killed=sorted(killed)
             )
 
-    def _hang_reference(self, job: _Job, newest: Heartbeat | None) -> tuple[float, float] | None:
+    def _hang_reference(self, job: Job, newest: Heartbeat | None) -> tuple[float, float] | None:
         """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
         cfg = self.config
         if newest is not None:
@@ -471,16 +556,16 @@ class Supervisor:
             return job.t_spawn, cfg.startup_timeout_s
         return None
 
-    def _terminate(self, job: _Job) -> None:
+    def _terminate(self, job: Job) -> None:
         """SIGTERM the job's group, SIGKILL it after the grace period, and wait (bounded) until it is gone."""
         grace = self.config.grace_period_s
         deadline = time.monotonic() + grace
-        _signal_group(job.pgid, signal.SIGTERM)
+        signal_group(job.pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
             if job.done.is_set() and not self._group_alive(job):
                 return
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-        _signal_group(job.pgid, signal.SIGKILL)
+        signal_group(job.pgid, signal.SIGKILL)
         job.done.wait(5.0)
         end = time.monotonic() + 1.0
         while self._group_alive(job) and time.monotonic() < end:
@@ -504,7 +589,21 @@ class Supervisor:
         self._echo(f"[trainguard] {timing.describe()}")
 
     def _finish(self, status: str, reason: str | None, exit_code: int | None) -> RunResult:
-        if status == "stopped":
+        if status == "stopped" and self._preempt_signal is not None:
+            # The scheduler gave notice: the job was told to save (SIGTERM) and the batch script requeues.
+            status, reason, exit_code = "preempted", signal.Signals(self._preempt_signal).name, EXIT_PREEMPTED
+            last = self._attempts[-1] if self._attempts else None
+            self._log.write(
+                "preempted",
+                signal=reason,
+                exit_code=exit_code,
+                job_exit_code=last.exit_code if last else None,
+                last_step=last.last_step if last else None,
+            )
+            self._echo(
+                f"[trainguard] preemption notice ({reason}): job stopped, not restarting; exit 75 (requeue)"
+            )
+        elif status == "stopped":
             signum = self._stop_signal or signal.SIGTERM
             exit_code = EXIT_SIGNAL_BASE + signum
             last = self._attempts[-1] if self._attempts else None
@@ -536,33 +635,16 @@ class Supervisor:
         if not self.config.forward_signals or threading.current_thread() is not threading.main_thread():
             return {}
         previous: dict[int, Any] = {}
-        for sig in TERMINATING_SIGNALS:
+        for sig in TERMINATING_SIGNALS:  # SIGHUP, SIGUSR1, ... would end the supervisor and orphan the job
+            if sig in self.config.preempt_signals:
+                continue  # a preemption notice, handled below
             try:
                 previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
             except (OSError, ValueError):  # pragma: no cover - a signal this platform does not let us catch
                 pass
+        for notice in self.config.preempt_signals:
+            previous[notice] = signal.signal(notice, lambda signum, frame: self.request_preemption(signum))
         return previous
-
-
-def _spawn_problem(program: str, e: OSError) -> str:
-    """Why ``program`` did not start, in words a user acts on."""
-    if isinstance(e, FileNotFoundError):
-        where = "no such file" if os.sep in program else "not found on PATH"
-        return f"command not found: {program!r} ({where}); check the spelling and the path"
-    if isinstance(e, PermissionError):
-        return (
-            f"{program!r} is not executable (permission denied); `chmod +x` it or run it with its interpreter"
-        )
-    return f"{program!r} could not be started: {e}"
-
-
-def _signal_name(returncode: int | None) -> str | None:
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _config_fields(cfg: SupervisorConfig) -> dict[str, Any]:

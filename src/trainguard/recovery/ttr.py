@@ -374,7 +374,7 @@ class RunResult:
 
     Attributes:
         exit_code: see :data:`EXIT_CODES`.
-        status: ``"succeeded"``, ``"gave_up"``, ``"stopped"`` or ``"spawn_failed"``.
+        status: ``"succeeded"``, ``"gave_up"``, ``"stopped"``, ``"preempted"`` or ``"spawn_failed"``.
         reason: why it gave up or stopped (``"max_restarts"``, ``"no_progress"``, ``"SIGTERM"``, ...).
         run_id: the run id passed to every attempt.
         root: the run root.

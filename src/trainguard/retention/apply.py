@@ -61,8 +61,11 @@ def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
 
 
 def apply_retention(mgr: CheckpointManager) -> None:
-    """Delete the valid checkpoints the policy does not keep (never the newest valid one), then their chunks."""
-    valid = [i.step for i in scan(mgr.root, mgr.store) if i.status == "valid"]
+    """Delete the valid checkpoints of this run's lineage that the policy does not keep (never the newest valid
+    one), then their chunks. Other runs' checkpoints are neither counted nor deleted."""
+    from ..lineage import own
+
+    valid = own(mgr, [i.step for i in scan(mgr.root, mgr.store) if i.status == "valid"])
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
@@ -82,6 +85,7 @@ def apply_retention(mgr: CheckpointManager) -> None:
             pass
         remove_tree(d)
         mgr._manifest_chunks.pop(s, None)
+        mgr._manifest_runs.pop(s, None)
         mgr._manifest_metrics.pop(s, None)
         mgr._event("retention_delete", step=s)
     referenced = referenced_chunks(mgr)
