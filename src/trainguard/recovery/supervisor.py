@@ -253,7 +253,10 @@ class Supervisor:
         Raises:
             ConfigError: the run root cannot hold the event log (a file, read-only, an odd ``events``).
         """
-        self._log = EventLog(self.root, "supervisor")
+        try:
+            self._log = EventLog(self.root, "supervisor")
+        except OSError as e:  # UnsafeFileError included: its message names the file and the fix
+            raise ConfigError(f"cannot write the event log under the run root {self.root}: {e}") from None
         self._log.set_context(run_id=self.run_id, host=socket.gethostname())
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         unset = self.config.root is None and not os.environ.get(ROOT_ENV)

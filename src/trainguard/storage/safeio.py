@@ -168,6 +168,7 @@ def ensure_dir(path: str | os.PathLike[str], *, what: str = "directory") -> None
     mode = os.lstat(path).st_mode
     if not stat.S_ISDIR(mode):
         raise UnsafeFileError(
-            f"{what} {os.fspath(path)} is {_kind(mode)}, not a directory: remove or rename it "
+            f"{what} {os.fspath(path)} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}, not a directory: "
+            "remove or rename it "
             "(trainguard creates the directory itself)"
         )
