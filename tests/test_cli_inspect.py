@@ -82,3 +82,35 @@ def test_usage_errors_exit_2(tmp_path):
     assert cli("verify", str(tmp_path), "--step", "7").returncode == 2
     assert cli("verify", str(tmp_path), "--step", "1", "--all").returncode == 2
     assert cli("nonsense").returncode == 2
+
+
+def test_root_names_keys_and_metrics_that_look_like_rich_markup_are_printed_verbatim(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # a short relative root: the table title shows it whole
+    root = Path("run[") / "a]"  # the path text is "run[/a]": a closing markup tag
+    with tg.CheckpointManager(root) as mgr:
+        mgr.save(
+            1,
+            {"w[/i]": torch.ones(2), "x[bold]y": torch.zeros(1)},
+            metrics={"acc[/top1]": 0.5, "[red]loss": 1.0},
+        ).wait()
+    ls = CliRunner().invoke(main, ["ls", str(root)])
+    assert ls.exit_code == 0 and ls.exception is None, ls.output
+    assert "run[/a]" in ls.output
+    info = CliRunner().invoke(main, ["info", str(root)])
+    assert info.exit_code == 0 and info.exception is None, info.output
+    for text in ("w[/i]", "x[bold]y", "acc[/top1]=0.5", "[red]loss=1.0"):
+        assert text in info.output, (text, info.output)
+
+
+def test_a_negative_step_is_a_usage_error_without_a_traceback(tmp_path):
+    make_run(tmp_path, steps=(1,))
+    for args in (("verify", str(tmp_path), "--step", "-1"), ("info", str(tmp_path), "--", "-1")):
+        p = cli(*args)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert "-1 is not in the range x>=0" in p.stderr, p.stderr

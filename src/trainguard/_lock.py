@@ -1,6 +1,7 @@
 """The run root's write lock: one writer per run root (a second one gets RootLockedError, not corruption).
 
-An advisory ``flock`` on ``<root>/.lock``; the kernel releases it when the last descriptor of the holder is
+An advisory ``flock`` on ``<root>/.lock`` (opened without following a symlink: only a regular file is ever
+locked, truncated and written); the kernel releases it when the last descriptor of the holder is
 closed, so a SIGKILLed writer never leaves a stale lock. A process forked after the lock was taken (a
 DataLoader worker, say) would inherit the descriptor and keep the lock alive after the writer dies: children
 close it right after ``fork`` (``os.register_at_fork``). On network filesystems without flock support this lock
@@ -16,6 +17,7 @@ import weakref
 from pathlib import Path
 
 from .errors import RootLockedError
+from .storage.safeio import open_regular
 
 _held: weakref.WeakSet[RootLock] = weakref.WeakSet()
 
@@ -49,13 +51,22 @@ class RootLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock (non-blocking) and record ``pid N on HOST`` in the lock file.
+
+        Raises:
+            RootLockedError: another manager of this process or another process holds it.
+            UnsafeFileError: ``.lock`` is a symlink, a directory, a named pipe or another non-regular file
+                (never followed, truncated or written).
+        """
         for lock in list(_held):
             if lock._fd is not None and lock.path.resolve() == self.path.resolve():
                 raise RootLockedError(
                     f"this process (pid {os.getpid()}) already has a CheckpointManager writing {self.path.parent}; "
                     "close() it first, use a different root, or open the second one with read_only=True"
                 )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a symlink (a link to another file would be truncated below), never a named pipe or a
+        # directory: UnsafeFileError naming the path instead.
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644, what="lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -26,11 +26,16 @@ from ._persist import quiet_dcp, unwrap
 from ._time import iso
 from .catalog import CORRUPT_MARKER, STABLE_SCAN_S, inspect_step, is_committed, read_manifest, step_dirs
 from .distributed import TrainguardLoadPlanner, TrainguardReader
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, NoValidCheckpointError
-from .format import MANIFEST_NAME, TensorEntry, step_dir_name
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InsufficientMemoryError,
+    NoValidCheckpointError,
+)
+from .format import MANIFEST_NAME, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head
-from .state.dtypes import dtype_from_name
+from .state.dtypes import check_shard_bytes
 from .storage.local import atomic_write
 
 if TYPE_CHECKING:
@@ -123,6 +128,10 @@ def restore_latest(
                 )
                 judged.add(step)
                 continue
+            except InsufficientMemoryError as e:  # not corrupt (no marker): too large for this machine
+                skip(mgr, step, str(e), None, timings, problems)
+                judged.add(step)
+                continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
             timings.load_s = t_loaded - t_chosen
@@ -199,16 +208,24 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
     if mgr.dist.any(err0 is not None):  # every rank gives up together: none may wait in dcp.load alone
         raise err0 or CheckpointNotFoundError(f"another rank could not read the manifest of step {step}")
     assert m is not None
-    try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
-        for e in m.entries.values():
-            if isinstance(e, TensorEntry):
-                dtype_from_name(e.dtype)
+    try:  # an unknown dtype (saved by a newer torch?) or shard bytes that do not match it: before allocating
+        check_shard_bytes(m)
     except CorruptCheckpointError as bad_dtype:
         bad_dtype.step = step
         if mgr.dist.is_coordinator:
             mgr._mark_corrupt(step, bad_dtype)
         raise
-    template, paths, reshard = _statefn.build_template(m, state, strict=strict)
+    memory_error: InsufficientMemoryError | None = None
+    try:
+        template, paths, reshard = _statefn.build_template(m, state, strict=strict)
+    except InsufficientMemoryError as e:
+        memory_error = e
+    if mgr.dist.enabled and mgr.dist.any(memory_error is not None):  # every rank skips the step together
+        memory_error = memory_error or InsufficientMemoryError(
+            f"restoring step {step}: another rank has not enough memory for it", step=step
+        )
+    if memory_error is not None:
+        raise memory_error
     reader = TrainguardReader(mgr.store, m)
     try:
         with quiet_dcp():

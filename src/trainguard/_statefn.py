@@ -10,6 +10,7 @@ result is then handed to ``load_state_dict``.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, InsufficientMemoryError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state import optim
 from .state.dtypes import dtype_from_name
@@ -146,6 +147,8 @@ def build_template(
     Raises:
         StateMismatchError: a requested top-level key is not in the checkpoint; a live tensor has a different
             shape; or, with ``strict``, keys, dtypes or recorded optimizer state differ (all of them listed).
+        InsufficientMemoryError: the tensors to allocate (saved entries the target lacks, optimizer state of
+            another dtype) need more memory than is available; nothing is allocated.
     """
     saved_top: dict[str, list[str]] = {}
     for fqn, e in manifest.entries.items():
@@ -154,6 +157,9 @@ def build_template(
     template: dict[str, Any] = {}
     paths: dict[str, PathT] = {}
     reports: list[str] = []
+    fresh: list[
+        tuple[str, TensorEntry]
+    ] = []  # tensors to allocate: checked against the memory available first
     skip, reshard = plan_load(manifest, state)
     for k, obj in state.items():
         if k not in saved_top:
@@ -208,7 +214,8 @@ def build_template(
             if not isinstance(cur, torch.Tensor):
                 if lf is not None and not stateful and lf not in empties:
                     dtypes.append((f, e.dtype, f"a {type(cur).__name__}"))
-                template[f] = torch.empty(e.shape, dtype=dtype)
+                template[f] = None
+                fresh.append((f, e))  # allocated after the memory check
                 continue
             if tuple(cur.shape) != tuple(e.shape):
                 raise StateMismatchError(
@@ -218,7 +225,8 @@ def build_template(
             template[f] = cur
             if cur.dtype != dtype:
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
-                    template[f] = torch.empty_like(cur, dtype=dtype)  # replaced by what was saved
+                    template[f] = None  # replaced by what was saved (allocated after the memory check)
+                    fresh.append((f, e))
                 else:
                     name = f if lf == f else f"{f} (target {lf})"
                     dtypes.append((name, e.dtype, str(cur.dtype).removeprefix("torch.")))
@@ -242,11 +250,67 @@ def build_template(
         if strict:
             raise StateMismatchError("\n".join(reports))
         log.warning("strict=False: loading what matches; %s", "\n".join(reports))
+    check_memory(
+        sum(math.prod(e.shape) * dtype_from_name(e.dtype).itemsize for _, e in fresh),
+        manifest.step,
+        [f for f, _ in fresh],
+    )
+    for f, e in fresh:
+        template[f] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
     return template, paths, reshard
 
 
 def _beneath(fqn: str, containers: list[str]) -> bool:
     return any(fqn.startswith(c + ".") for c in containers)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still allocate, in bytes: the smaller of the system's available memory
+    (``MemAvailable`` + ``SwapFree`` of /proc/meminfo) and the headroom under ``RLIMIT_AS``; None where neither
+    is known."""
+    limits: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in f if ":" in ln)}
+        if "MemAvailable" in info:
+            limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status", encoding="ascii") as f:
+                vm = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:")), None)
+            if vm is not None:
+                limits.append(max(0, soft - vm))
+    except (OSError, ValueError, ImportError):
+        pass
+    return min(limits) if limits else None
+
+
+def check_memory(need_bytes: int, step: int, fqns: list[str]) -> None:
+    """Refuse a restore whose new tensors (entries the live state lacks) need more memory than is available,
+    before allocating any of them.
+
+    Raises:
+        InsufficientMemoryError: naming the bytes needed and available and the largest entries.
+    """
+    if need_bytes <= 0:
+        return
+    avail = available_memory_bytes()
+    if avail is None or need_bytes <= avail:
+        return
+    shown = ", ".join(fqns[:5]) + (" ..." if len(fqns) > 5 else "")
+    raise InsufficientMemoryError(
+        f"restoring step {step} needs {need_bytes} bytes for tensors the live state lacks ({shown}) but only "
+        f"{avail} bytes are available; build those tensors in the state passed to restore (they are then "
+        "loaded in place), free memory, or restore on a larger machine",
+        step=step,
+        need_bytes=need_bytes,
+        available_bytes=avail,
+    )
 
 
 def apply(

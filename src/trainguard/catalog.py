@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._time import iso
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
+from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
+from .format.manifest import DTYPE_ITEMSIZE
 from .incremental.chunkstore import ChunkStore
+from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
 
 CORRUPT_MARKER = "corrupt.json"
-MAX_MANIFEST_BYTES = 1 << 30
 STABLE_SCAN_S = 30.0  # a reader gives up waiting for a listing that stays the same after this long
 GONE = "deleted while being read (retention by a writer)"
 
@@ -115,9 +116,13 @@ def is_committed(root: str | os.PathLike[str], step: int) -> bool:
 def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
     """Parse and validate the manifest of ``step``.
 
+    The file is opened without following a symlink and without blocking, and read only if it is a regular
+    file of at most ``MAX_MANIFEST_BYTES``.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint of that step.
-        CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged or unsafe.
+        CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged, unsafe, not a regular file
+            (a symlink, a directory, a named pipe) or cannot be read (permissions, I/O error).
     """
     d = Path(root) / step_dir_name(step)
     p = d / MANIFEST_NAME
@@ -126,29 +131,32 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
         )
     try:
-        with open(p, "rb") as f:  # one open: a manifest deleted after it is opened still reads whole
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpointError(
-                    f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step
-                )
-            data = f.read()
-    except (FileNotFoundError, NotADirectoryError):
+        data = read_bounded(p, MAX_MANIFEST_BYTES, what="manifest")
+    except (FileNotFoundError, NotADirectoryError):  # one open: a manifest deleted later still reads whole
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
         ) from None
-    m = manifest_from_json(data, root=str(root), expect_step=step)
-    return m
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"manifest of step {step} refused: {e}", step=step) from None
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
+        ) from None
+    return manifest_from_json(data, root=str(root), expect_step=step)
 
 
 def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+    """The ``corrupt.json`` marker of ``step`` (None when absent). A marker that is not a regular file, is
+    larger than ``MAX_MARKER_BYTES`` or does not parse counts as a marker (the step is not valid)."""
     p = Path(root) / step_dir_name(step) / CORRUPT_MARKER
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_bounded(p, MAX_MARKER_BYTES, what="corrupt marker"))
         return data if isinstance(data, dict) else {"problem": "corrupt"}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except UnsafeFileError as e:
+        return {"problem": f"corrupt (unreadable marker: {e})"}
+    except (OSError, ValueError, RecursionError):
         return {"problem": "corrupt (unreadable marker)"}
 
 
@@ -176,7 +184,14 @@ def inspect_step(
         return CheckpointInfo(step, "corrupt", 0, iso(t) if t else None, t, str(e), str(path)), None
     problem = None
     bad_chunk = None
-    for rec in m.chunks.values():
+    if any(isinstance(e, TensorEntry) and e.dtype not in DTYPE_ITEMSIZE for e in m.entries.values()):
+        from .state.dtypes import check_shard_bytes  # imports torch: only for dtypes the parser cannot size
+
+        try:
+            check_shard_bytes(m)
+        except CorruptCheckpointError as e:
+            problem = str(e)
+    for rec in [] if problem else m.chunks.values():
         bad = store.check_present(rec)
         if bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path

@@ -118,6 +118,33 @@ class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
 
 
+class UnsafeFileError(TrainguardError, OSError):
+    """A file under a run root is a symlink, not a regular file (a directory, named pipe, device, socket) or
+    larger than its kind of file may be; it was neither followed nor read. ``filename`` is its path."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+class InsufficientMemoryError(TrainguardError, MemoryError):
+    """A restore would need more memory than is available for the tensors it must allocate; nothing was
+    allocated. ``restore_latest`` falls back to the next older checkpoint.
+
+    Attributes:
+        step: the checkpoint's step.
+        need_bytes: bytes the new tensors need.
+        available_bytes: bytes available (system memory and the address-space limit).
+    """
+
+    def __init__(
+        self, message: str, *, step: int | None = None, need_bytes: int = 0, available_bytes: int = 0
+    ):
+        super().__init__(message)
+        self.step = step
+        self.need_bytes = need_bytes
+        self.available_bytes = available_bytes
+
+
 class RunConflictError(TrainguardError):
     """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
     two runs' checkpoints (and let retention delete one run's for the other's). Resume it

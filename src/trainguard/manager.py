@@ -35,6 +35,7 @@ from .errors import (
     RootLockedError,
     SaveError,
     TrainguardError,
+    UnsafeFileError,
 )
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
@@ -95,7 +96,9 @@ class CheckpointManager:
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
-        ConfigError: an invalid argument.
+        ConfigError: an invalid argument, or a root that is not usable: a file, a dangling symlink, on a
+            read-only filesystem or without write permission (for writers).
+        UnsafeFileError: ``root/.lock`` or ``root/events`` is a symlink or the wrong kind of file.
 
     Collective calls (every rank, same order, when torch.distributed is initialized and the manager is
     collective): the constructor, ``save``, ``maybe_save``, ``restore``, ``restore_latest``, ``close``.
@@ -193,10 +196,9 @@ class CheckpointManager:
         self._metrics: Any = None
         if read_only:
             if not self.root.is_dir():
-                raise ConfigError(f"run root {self.root} does not exist")
+                raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._events = EventLog(self.root, "manager")
+        self._events = _open_root(self.root)
         from .observe.metrics import SaveMetrics
 
         self._metrics = SaveMetrics(metrics_registry)
@@ -213,6 +215,9 @@ class CheckpointManager:
                 self._cleanup_after_crash()
             except RootLockedError as e:
                 locked = str(e)
+            except BaseException:
+                self._events.close()
+                raise
         if self.dist.enabled and self.dist.any(bool(locked)):
             raise RootLockedError(locked or f"rank 0 could not lock {self.root} (another writer holds it)")
         if locked:
@@ -467,9 +472,17 @@ class CheckpointManager:
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             staged = bufset.stage(flat)
-        except BaseException:
+        except BaseException as e:
             self._stager.release(bufset)  # type: ignore[union-attr]
-            raise
+            if isinstance(e, (TrainguardError, KeyboardInterrupt, SystemExit)):
+                raise
+            # as a synchronous save reports a failure: SaveError naming the cause
+            raise SaveError(
+                f"saving step {step} failed while staging: {type(e).__name__}: {e}; nothing was committed and "
+                "earlier checkpoints are intact",
+                step=step,
+                rank_errors={self.dist.rank: e},
+            ) from e
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
         self._in_flight.add(step)
@@ -665,3 +678,42 @@ class CheckpointManager:
         if step is not None:
             self.last_restore = timings
         return step
+
+
+def _root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot be a run root (it exists but is not a directory), or None."""
+    if root.is_dir():
+        return None
+    if root.is_symlink():
+        return (
+            f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist or is not a "
+            "directory: fix the link or choose another root"
+        )
+    if root.exists():
+        return f"run root {root} is a file, not a directory: choose another root"
+    return None
+
+
+def _open_root(root: Path) -> EventLog:
+    """Create the run root of a writer (if missing) and its event log, with clear errors for odd roots."""
+    problem = _root_problem(root)
+    if problem is not None:
+        raise ConfigError(problem)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return EventLog(root, "manager")
+    except UnsafeFileError:
+        raise
+    except OSError as e:
+        import errno
+
+        if e.errno == errno.EROFS:
+            why = "is on a read-only filesystem"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "is not writable by this user"
+        else:
+            why = f"cannot be written ({e.strerror or e})"
+        raise ConfigError(
+            f"run root {root} {why}: choose a writable root, or open it with "
+            "CheckpointManager(root, read_only=True) to list and restore only"
+        ) from None

@@ -251,3 +251,34 @@ def wait_until(pred: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.002)
+
+
+# -- bounded subprocesses ---------------------------------------------------------------------------------
+def run_limited(
+    argv: list[str], *, timeout_s: float = 60, address_space_bytes: int = 3 << 30
+) -> tuple[int | None, str, str]:
+    """Run ``argv`` (a Python command line) with ``RLIMIT_AS`` set and a wall-clock limit, for operations that
+    could hang (a named pipe) or allocate without bound (a symlink to /dev/zero) on a regression, so that such
+    a regression fails the test instead of hanging it or starving the machine. Returns ``(exit code or None
+    on a timeout, stdout, stderr)``."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    try:
+        p = subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            preexec_fn=limit,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        return None, str(e.stdout or ""), str(e.stderr or "")
+    return p.returncode, p.stdout, p.stderr

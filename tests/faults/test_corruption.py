@@ -11,7 +11,6 @@ deleted chunk, a bit or the tail of the manifest) and checks that:
 
 from __future__ import annotations
 
-import builtins
 import errno
 import json
 import logging
@@ -313,14 +312,15 @@ def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, mon
     path = run / rec["path"]
     injected = []
     if fault == "EIO":
+        real_open = chunkstore.open_regular  # every chunk read opens through this one function
 
         def failing_open(file: Any, *a: Any, **k: Any) -> Any:
             if Path(file) == path:
                 injected.append(file)
                 raise OSError(errno.EIO, os.strerror(errno.EIO), str(file))
-            return builtins.open(file, *a, **k)
+            return real_open(file, *a, **k)
 
-        monkeypatch.setattr(chunkstore, "open", failing_open, raising=False)
+        monkeypatch.setattr(chunkstore, "open_regular", failing_open)
     else:
         path.unlink()
         path.mkdir()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from ..catalog import (
     find_run_roots,
@@ -81,10 +82,9 @@ def ls_cmd(root: str, as_json: bool) -> None:
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
-    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"checkpoints in {p}")
+    table = Table(title=f"checkpoints in {escape(str(p))}")  # every string from data is escaped: no markup
     for col in ("step", "status", "size", "time (UTC)", "block s", "persist s"):
         # fold: a value that does not fit wraps onto the next line, never cut with an ellipsis
         right = col in ("step", "size", "block s", "persist s")
@@ -97,7 +97,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
             str(i.step),
             f"[{color}]{i.status}[/]",
             human_bytes(i.bytes),
-            (i.time or "")[:19].replace("T", " "),
+            escape((i.time or "")[:19].replace("T", " ")),
             _fmt_s(ev.get("block_s")),
             _fmt_s(ev.get("persist_s")),
         )
@@ -133,7 +133,7 @@ def _fmt_s(x: Any) -> str:
 
 @main.command("info")
 @click.argument("root")
-@click.argument("step", required=False, type=int)
+@click.argument("step", required=False, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds.
@@ -292,12 +292,11 @@ def _show_value(value: Any) -> str:
 
 
 def _print_info(summary: dict[str, Any]) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     c = console()
     c.print(
-        f"[bold]step {summary['step']}[/]  {summary['time']}  world size {summary['world_size']}  "
+        f"[bold]step {summary['step']}[/]  {escape(str(summary['time']))}  world size {summary['world_size']}  "
         f"format v{summary['format_version']}  {human_bytes(summary['bytes'])} in {summary['chunks']} chunks"
     )
     if summary["status"] != "valid":
@@ -314,7 +313,7 @@ def _print_info(summary: dict[str, Any]) -> None:
             )
         )
     if summary["metrics"]:
-        c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in summary["metrics"].items()))
+        c.print("metrics: " + ", ".join(escape(f"{k}={v}") for k, v in summary["metrics"].items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
         table.add_column(col, overflow="fold")  # wrap, never cut a name or a shape
@@ -322,7 +321,12 @@ def _print_info(summary: dict[str, Any]) -> None:
     for row in summary["entries"]:
         if row["kind"] == "tensor":
             table.add_row(
-                row["fqn"], "tensor", row["dtype"], str(row["shape"]), human_bytes(row["bytes"]), ""
+                escape(row["fqn"]),
+                "tensor",
+                escape(row["dtype"]),
+                str(row["shape"]),
+                human_bytes(row["bytes"]),
+                "",
             )
             continue
         style = "red" if "error" in row else "none"
@@ -331,7 +335,7 @@ def _print_info(summary: dict[str, Any]) -> None:
             table.add_row(
                 escape(label),
                 "value" if first else "",
-                row["codec"] if first else "",
+                escape(row["codec"]) if first else "",
                 "",
                 "",
                 f"[{style}]{escape(text)}[/]",
@@ -341,7 +345,7 @@ def _print_info(summary: dict[str, Any]) -> None:
 
 @main.command("verify")
 @click.argument("root")
-@click.option("--step", type=int, default=None, help="Check only this step.")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Check only this step (>= 0).")
 @click.option("--all", "all_steps", is_flag=True, help="Check every committed checkpoint.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}."

@@ -38,14 +38,18 @@ def partial_dir_name(step: int, nonce: str) -> str:
 def parse_step_dir(name: str) -> tuple[int, bool] | None:
     """Return ``(step, is_partial)`` for a step or partial directory name, else None.
 
-    Ordering of checkpoints always uses the returned integer, never the name as text.
+    Only the canonical name of a step is accepted (``step-000000007``, not ``step-0000000007`` or ``step-7``):
+    every other reader builds the name back from the step with :func:`step_dir_name`, so a misnamed folder
+    is not a checkpoint. Ordering of checkpoints always uses the returned integer, never the name as text.
     """
     m = _STEP_RE.fullmatch(name)
     if m:
-        return int(m.group(1)), False
+        step = int(m.group(1))
+        return (step, False) if step_dir_name(step) == name else None
     m = _PARTIAL_RE.fullmatch(name)
     if m:
-        return int(m.group(1)), True
+        step = int(m.group(1))
+        return (step, True) if name.startswith(step_dir_name(step) + ".") else None
     return None
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .bounds import MAX_PATH_DEPTH, check_chunk_coverage, check_shard_segments, check_tiling
 from .layout import chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
@@ -286,6 +287,8 @@ def _seg(x: Any, chunks: dict[str, ChunkRecord], what: str) -> Segment:
 def _path(x: Any, what: str) -> tuple[Any, ...]:
     if not isinstance(x, list) or not x:
         raise _bad(f"{what}: path must be a non-empty list")
+    if len(x) > MAX_PATH_DEPTH:
+        raise _bad(f"{what}: path is {len(x)} levels deep, more than the {MAX_PATH_DEPTH} a save writes")
     out = []
     for el in x:
         if not isinstance(el, list) or len(el) != 2 or el[0] not in PATH_TAGS:
@@ -411,12 +414,14 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                         f"{math.prod(z) * itemsize}",
                         step,
                     )
+                check_shard_segments(fqn, shard, chunks, step)
                 shards.append(shard)
             covered = sum(math.prod(sh.sizes) for sh in shards)
             if covered != math.prod(shape):
                 raise _bad(
                     f"{fqn}: shards cover {covered} of the {math.prod(shape)} elements of shape {shape}", step
                 )
+            check_tiling(fqn, shape, shards, step)
             entries[fqn] = TensorEntry(fqn, epath, dtype, shape, tuple(shards), erank)
         elif kind == "value":
             codec = raw.get("codec")
@@ -447,6 +452,19 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     top = body.get("top_level") or {}
     if not isinstance(metrics, dict) or not isinstance(metadata, dict) or not isinstance(top, dict):
         raise _bad("metrics, metadata and top_level must be objects", step)
+    check_chunk_coverage(
+        chunks,
+        (
+            seg
+            for e in entries.values()
+            for seg in (
+                [x for sh in e.shards for x in sh.segments]
+                if isinstance(e, TensorEntry)
+                else list(e.segments or ())
+            )
+        ),
+        step,
+    )
     return Manifest(
         step=step,
         t=float(t),  # type: ignore[arg-type]

@@ -32,10 +32,11 @@ from typing import Any
 import crc32c
 import xxhash
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage import local as _local
 from ..storage.local import fsync_dir, raise_if_full
+from ..storage.safeio import lstat_regular, open_regular
 
 
 def content_hash(buf: memoryview | bytes) -> str:
@@ -157,7 +158,8 @@ class ChunkStore:
         with self._lock:
             self._pins[h] += 1
         try:
-            if final.is_file() and final.stat().st_size == len(view):
+            existing = lstat_regular(final)  # a symlink or an odd file there is no copy of this content
+            if existing is not None and existing.st_size == len(view):
                 try:
                     os.utime(final)  # "in use": distributed GC spares recently modified chunks
                 except OSError:
@@ -243,19 +245,42 @@ class ChunkStore:
         return self.root / rec.path
 
     def check_present(self, rec: ChunkRecord) -> str | None:
-        """Cheap check (no read): None if the chunk exists with the right length, else the problem."""
+        """Cheap check (no read): None if the chunk exists as a regular file (not a symlink) with the right
+        length, else the problem."""
         p = self.root / rec.path
         try:
-            st = p.stat()
+            st = p.lstat()
         except FileNotFoundError:
             return "is missing"
         except OSError as e:
             return f"cannot be read ({e.strerror or e})"
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symlink (chunks are never read through one)"
         if not stat.S_ISREG(st.st_mode):
             return "is not a regular file"
         if st.st_size != rec.length:
             return f"has the wrong length ({st.st_size} bytes, expected {rec.length})"
         return None
+
+    def _open(self, rec: ChunkRecord, step: int | None, owners: list[str] | None) -> int:
+        """Open a chunk for reading (no symlink, no blocking, a regular file of exactly ``rec.length`` bytes,
+        checked before a byte is read or a buffer allocated for it)."""
+        p = self.root / rec.path
+        try:
+            fd = open_regular(p, what="chunk")
+        except FileNotFoundError:
+            raise self._corrupt(rec, "is missing", step, owners) from None
+        except UnsafeFileError as e:
+            raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
+        except OSError as e:
+            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
+        size = os.fstat(fd).st_size
+        if size != rec.length:
+            os.close(fd)
+            raise self._corrupt(
+                rec, f"has the wrong length ({size} bytes, expected {rec.length})", step, owners, damaged=True
+            )
+        return fd
 
     def read(
         self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None
@@ -263,8 +288,8 @@ class ChunkStore:
         """Read a whole chunk and check its length and CRC32C.
 
         Raises:
-            CorruptCheckpointError: missing, unreadable, wrong length or CRC32C mismatch, naming the chunk and
-                its tensors.
+            CorruptCheckpointError: missing, unreadable, not a regular file, wrong length or CRC32C mismatch,
+                naming the chunk and its tensors.
         """
         bad = self.check_present(rec)  # before allocating: the recorded length could be absurd
         if bad is not None:
@@ -278,9 +303,9 @@ class ChunkStore:
     ) -> None:
         """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it."""
         out = out.cast("B") if out.format != "B" else out
-        p = self.root / rec.path
+        fd = self._open(rec, step, owners)
         try:
-            with open(p, "rb", buffering=0) as f:
+            with os.fdopen(fd, "rb", buffering=0) as f:
                 got = 0
                 while got < rec.length:
                     n = f.readinto(out[got : rec.length])
@@ -288,8 +313,6 @@ class ChunkStore:
                         break
                     got += n
                 extra = f.read(1)
-        except FileNotFoundError:
-            raise self._corrupt(rec, "is missing", step, owners) from None
         except OSError as e:
             raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
         if got != rec.length or extra:
@@ -314,22 +337,21 @@ class ChunkStore:
         owners: list[str] | None = None,
         block_bytes: int = 16 << 20,
     ) -> None:
-        """Re-read a chunk in blocks (bounded memory) and check length and CRC32C."""
-        p = self.root / rec.path
+        """Re-read a chunk in blocks (bounded memory) and check length and CRC32C (a file of the wrong size is
+        reported without reading it)."""
         crc = 0
         total = 0
+        fd = self._open(rec, step, owners)
         buf = bytearray(min(block_bytes, max(rec.length, 1)))
         view = memoryview(buf)
         try:
-            with open(p, "rb", buffering=0) as f:
+            with os.fdopen(fd, "rb", buffering=0) as f:
                 while True:
                     n = f.readinto(view)
                     if not n:
                         break
                     crc = crc32c.crc32c(view[:n], crc)
                     total += n
-        except FileNotFoundError:
-            raise self._corrupt(rec, "is missing", step, owners) from None
         except OSError as e:
             raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
         if total != rec.length:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..catalog import is_committed, read_manifest, stable_committed_steps
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import Manifest, TensorEntry, ValueEntry
+from ..format import Manifest, ValueEntry
 from ..format.manifest import DTYPE_ITEMSIZE
 from ..incremental.chunkstore import ChunkStore
 
@@ -115,16 +115,17 @@ def verify(
 
 
 def _check_dtypes(m: Manifest, step: int, report: VerifyReport) -> None:
-    """Every tensor's dtype must exist in this torch (names of well-known dtypes are checked without torch)."""
-    for fqn, e in m.entries.items():
-        if isinstance(e, TensorEntry) and e.dtype not in DTYPE_ITEMSIZE:
-            from ..state.dtypes import dtype_from_name
+    """Every tensor's dtype must exist in this torch and every shard must hold exactly its elements' bytes
+    (names of well-known dtypes are checked without torch)."""
+    if all(isinstance(e, ValueEntry) or e.dtype in DTYPE_ITEMSIZE for e in m.entries.values()):
+        return  # the parser has checked these shards' bytes already
+    from ..state.dtypes import check_shard_bytes
 
-            try:
-                dtype_from_name(e.dtype)
-            except CorruptCheckpointError as err:
-                report.ok = False
-                report.corrupt.append({"step": step, "chunk": None, "tensors": [fqn], "problem": str(err)})
+    try:
+        check_shard_bytes(m)
+    except CorruptCheckpointError as err:
+        report.ok = False
+        report.corrupt.append({"step": step, "chunk": None, "tensors": err.tensors, "problem": str(err)})
 
 
 def _check_values(

@@ -14,6 +14,7 @@ killed mid-write) is skipped by the reader, never an error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import stat
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .._time import iso
+from ..storage.safeio import MAX_EVENT_FILE_BYTES, ensure_dir, open_regular, read_bounded
 
 EVENTS_DIR = "events"
 
@@ -67,18 +69,23 @@ class EventLog:
         fsync: flush every line to disk with fsync (default False: a line is flushed to the OS at once,
             which survives a process crash; fsync also survives a machine crash at ~1 ms per event).
 
+    Raises:
+        UnsafeFileError: ``events`` under the root is a symlink or not a directory.
+        OSError: the log cannot be created (read-only filesystem, permissions).
+
     Thread-safe: a lock serializes appends.
     """
 
     def __init__(self, root: str | os.PathLike[str], source: str, *, fsync: bool = False) -> None:
         self.dir = Path(root) / EVENTS_DIR
-        self.dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.dir, what="event log directory")
         name = f"{source}-{os.getpid()}-{secrets.token_hex(3)}.jsonl"
         self.path = self.dir / name
         self.source = source
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the process's life
+        fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, what="event log")
+        self._fh = os.fdopen(fd, "a", encoding="utf-8")  # kept open for the process's life
         self._context: dict[str, Any] = {}
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with each record written (e.g. to update metrics); a failing listener is ignored."""
@@ -142,6 +149,9 @@ def is_regular_file(path: Path) -> bool:
 def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> Iterator[dict[str, Any]]:
     """Yield every event recorded under ``root`` in time order.
 
+    Files are opened without following symlinks or blocking; a file that is not a regular file or is larger
+    than ``MAX_EVENT_FILE_BYTES`` is skipped, as are lines that are not JSON objects with a numeric ``t``.
+
     Args:
         root: the run root.
         event: only events with this name.
@@ -151,10 +161,8 @@ def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> It
     if not d.is_dir():
         return iter(())
     for f in sorted(d.glob("*.jsonl")):
-        if not is_regular_file(f):
-            continue  # a FIFO or a device named *.jsonl would block or never end: not an event file
-        try:
-            text = f.read_text(encoding="utf-8", errors="replace")
+        try:  # a symlink, a named pipe, /dev/zero or an oversized file is skipped, never followed or read whole
+            text = read_bounded(f, MAX_EVENT_FILE_BYTES, what="event log").decode("utf-8", errors="replace")
         except OSError:
             continue
         for line in text.splitlines():
@@ -162,12 +170,29 @@ def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> It
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue  # torn line from a killed writer
-            if isinstance(rec, dict) and (event is None or rec.get("event") == event):
+            if (
+                isinstance(rec, dict)
+                and event_time(rec) is not None
+                and (event is None or rec.get("event") == event)
+            ):
                 records.append(rec)
-    records.sort(key=lambda r: float(r.get("t", 0.0)))
+    records.sort(key=lambda r: event_time(r) or 0.0)
     return iter(records)
+
+
+def event_time(rec: dict[str, Any]) -> float | None:
+    """The record's ``t`` (seconds since the epoch) when it is a finite number, else None (such a record is
+    not an event: readers skip it)."""
+    t = rec.get("t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return None
+    try:
+        t = float(t)
+    except OverflowError:
+        return None
+    return t if math.isfinite(t) else None
 
 
 def read_events(root: str | os.PathLike[str], *, event: str | None = None) -> list[dict[str, Any]]:

@@ -22,8 +22,11 @@ attempt has beaten, except that attempts dying within ``EARLY_DEATH_S`` of start
 instead of backing off through every ``max_restarts`` (a job that never beats but runs longer is governed by
 ``max_restarts`` alone).
 
-SIGTERM and SIGINT sent to the supervisor are forwarded to the job's process group; the supervisor then
-waits up to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting.
+SIGTERM, SIGINT and every other catchable terminating signal (SIGHUP, SIGUSR1, SIGQUIT, ...: see
+:mod:`.lifetime`) sent to the supervisor are forwarded to the job's process group; the supervisor then waits up
+to ``grace_period_s`` (a second signal: SIGKILL at once), and exits without restarting. The job dies with the
+supervisor (``PR_SET_PDEATHSIG``), and after each attempt every leftover descendant of the job, including
+those in other sessions (re-parented to the supervisor, a child subreaper), is stopped.
 
 Exit codes (:data:`EXIT_CODES`): 0 the job exited 0; 2 usage error; 3 gave up after ``max_restarts``
 restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without progress; 127 COMMAND could
@@ -55,6 +58,15 @@ from ._process import Job, group_alive, signal_group, signal_name, spawn_problem
 from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
 from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, validate_run_id
+from .lifetime import (
+    TERMINATING_SIGNALS,
+    children,
+    descendants,
+    die_with_parent,
+    reap_adopted,
+    set_child_subreaper,
+    stop_processes,
+)
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
 EARLY_DEATH_S = 60.0  # an attempt that dies this soon without a heartbeat counts against --no-progress-limit
@@ -74,7 +86,8 @@ EXIT_CODES: dict[str, str] = {
     "75": "preempted: a --preempt-signal arrived, the job was told to save (SIGTERM) and was not restarted; "
     "requeue it",
     "127": "COMMAND could not be started (not found or not executable)",
-    "128+N": "stopped by signal N, forwarded to the job, no restart (130 SIGINT, 143 SIGTERM)",
+    "128+N": "stopped by signal N, forwarded to the job, no restart (129 SIGHUP, 130 SIGINT, 138 SIGUSR1, 143 "
+    "SIGTERM)",
 }
 """Exit codes of ``trainguard run``, documented in ``--help``."""
 
@@ -234,6 +247,7 @@ class Supervisor:
         self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
+        self._children_before: set[int] = set()
         self._spawn_error: str | None = None
         self._metrics: Any = None
         self.metrics_url: str | None = None
@@ -246,9 +260,17 @@ class Supervisor:
 
         Returns:
             The result; its ``exit_code`` is what ``trainguard run`` exits with.
+
+        Raises:
+            ConfigError: the run root cannot hold the event log (a file, read-only, an odd ``events``).
         """
         server = self._start_metrics()
-        self._log = EventLog(self.root, "supervisor")
+        try:
+            self._log = EventLog(self.root, "supervisor")
+        except OSError as e:  # UnsafeFileError included: its message names the file and the fix
+            if server is not None:
+                server.close()
+            raise ConfigError(f"cannot write the event log under the run root {self.root}: {e}") from None
         self._log.set_context(run_id=self.run_id, host=socket.gethostname())
         if self._metrics is not None:
             self._log.listeners.append(self._metrics.observe)
@@ -258,9 +280,12 @@ class Supervisor:
         self._echo(f"[trainguard] run {self.run_id}: event log {self._log.path}" + (hint if unset else ""))
         self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
         previous = self._install_signal_handlers()
+        subreaper = set_child_subreaper(True)
         try:
             return self._loop()
         finally:
+            if subreaper:
+                set_child_subreaper(False)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._log.close()
@@ -440,7 +465,10 @@ class Supervisor:
             env[PREEMPT_SIGNALS_ENV] = ",".join(signal.Signals(s).name for s in self.config.preempt_signals)
         t_spawn = time.time()
         try:
-            proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
+            self._children_before = children(os.getpid())
+            proc = subprocess.Popen(
+                list(self.command), env=env, start_new_session=True, preexec_fn=die_with_parent(os.getpid())
+            )
         except OSError as e:
             self._spawn_error = spawn_problem(self.command[0], e)
             self._log.write(
@@ -533,9 +561,10 @@ class Supervisor:
             outcome = "preempted"
         else:
             outcome = "exit"
-        if group_alive(job.pgid):
+        if self._group_alive(job):
             # Leftovers (torchrun workers orphaned by a SIGKILLed agent) would hold GPUs and ports.
             self._terminate(job)
+        self._stop_leftovers(job)
         return Attempt(
             attempt=job.attempt,
             pid=job.pgid,
@@ -549,6 +578,23 @@ class Supervisor:
             detect_s=max(0.0, noticed - t_death),
             teardown_s=time.time() - noticed,
         )
+
+    def _group_alive(self, job: Job) -> bool:
+        """Whether the job's process group still has members, once the members re-parented to the
+        supervisor (a subreaper) that have exited are reaped: a zombie would count as alive."""
+        reap_adopted(self._children_before | {job.proc.pid})
+        return group_alive(job.pgid)
+
+    def _stop_leftovers(self, job: Job) -> None:
+        """Stop what the attempt left outside its process group: descendants in other sessions, still below
+        the job or re-parented to the supervisor since the spawn."""
+        adopted = children(os.getpid()) - self._children_before - {job.proc.pid}
+        left = (descendants([job.proc.pid, *adopted]) | adopted) - {job.proc.pid}
+        if left:
+            killed = stop_processes(left, self.config.grace_period_s, reap=adopted)
+            self._log.write(
+                "leftovers_stopped", attempt=job.attempt, pids=sorted(left), killed=sorted(killed)
+            )
 
     def _hang_reference(self, job: Job, newest: Heartbeat | None) -> tuple[float, float] | None:
         """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
@@ -565,13 +611,13 @@ class Supervisor:
         deadline = time.monotonic() + grace
         signal_group(job.pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
-            if job.done.is_set() and not group_alive(job.pgid):
+            if job.done.is_set() and not self._group_alive(job):
                 return
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         signal_group(job.pgid, signal.SIGKILL)
         job.done.wait(5.0)
         end = time.monotonic() + 1.0
-        while group_alive(job.pgid) and time.monotonic() < end:
+        while self._group_alive(job) and time.monotonic() < end:
             time.sleep(0.02)
 
     def _sleep(self, delay_s: float) -> float:
@@ -638,8 +684,13 @@ class Supervisor:
         if not self.config.forward_signals or threading.current_thread() is not threading.main_thread():
             return {}
         previous: dict[int, Any] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        for sig in TERMINATING_SIGNALS:  # SIGHUP, SIGUSR1, ... would end the supervisor and orphan the job
+            if sig in self.config.preempt_signals:
+                continue  # a preemption notice, handled below
+            try:
+                previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+            except (OSError, ValueError):  # pragma: no cover - a signal this platform does not let us catch
+                pass
         for notice in self.config.preempt_signals:
             previous[notice] = signal.signal(notice, lambda signum, frame: self.request_preemption(signum))
         return previous

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import EVENTS_DIR, is_regular_file
+from ..storage.safeio import open_regular
+from .events import EVENTS_DIR, event_time, is_regular_file
 from .heartbeat import Heartbeat
 
 PHASES = (
@@ -57,6 +58,10 @@ MANAGER_EVENTS = ("manager_start", "restore", "first_step")
 HEARTBEAT_FALLBACK_DELAY_S = 2.0
 """Wait this long after the first heartbeat of an attempt for a ``manager_start`` before deciding that the job
 does not use the manager and taking the heartbeat as its first step."""
+
+
+TAIL_READ_BYTES = 16 << 20
+"""Most bytes read from one event-log file per poll (the rest waits for the next poll)."""
 
 
 class EventTail:
@@ -92,10 +97,12 @@ class EventTail:
         out: list[dict[str, Any]] = []
         for f in self._files():
             offset = self._offsets.get(f, 0)
-            try:
-                with open(f, "rb") as fh:
-                    fh.seek(offset)
-                    data = fh.read()
+            try:  # no symlink, no named pipe; at most TAIL_READ_BYTES per file and poll
+                fd = open_regular(f, what="event log")
+                try:
+                    data = os.pread(fd, TAIL_READ_BYTES, offset)
+                finally:
+                    os.close(fd)
             except OSError:
                 continue
             end = data.rfind(b"\n")
@@ -109,7 +116,8 @@ class EventTail:
                     continue
                 if isinstance(rec, dict) and rec.get("run_id") == self.run_id:
                     out.append(rec)
-        out.sort(key=lambda r: float(r.get("t", 0.0)))
+        out = [r for r in out if event_time(r) is not None]
+        out.sort(key=lambda r: event_time(r) or 0.0)
         return out
 
 

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import re
+import zipfile
 from typing import Any
 
 import torch
@@ -87,7 +88,13 @@ def encode_value(value: Any, fqn: str) -> bytes:
             entry, its type and what to store instead (e.g. ``tg.ResumableLoader`` for a ``DataLoader``).
     """
     if is_strict_json(value):
-        return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
+        try:
+            return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
+        except ValueError as e:  # an int beyond Python's int-to-str digit limit (4300 digits by default)
+            raise ConfigError(
+                f"state entry {fqn!r} holds an integer too large to store ({str(e).split(';')[0]}); store it as "
+                "a string or split it into smaller ints"
+            ) from None
     try:
         buf = io.BytesIO()
         torch.save(value, buf)
@@ -161,7 +168,8 @@ def decode_value(payload: bytes, fqn: str) -> Any:
 
     Raises:
         CorruptCheckpointError: unknown tag or undecodable payload.
-        UnsafeCheckpointError: a torch payload that ``weights_only`` refuses (e.g. a pickle that would run code).
+        UnsafeCheckpointError: a torch payload that ``weights_only`` refuses (e.g. a pickle that would run code),
+            or a zip archive with compressed members (decoded, it could be far larger than its declared bytes).
     """
     tag, body = payload[:1], payload[1:]
     if tag == TAG_JSON:
@@ -170,6 +178,7 @@ def decode_value(payload: bytes, fqn: str) -> Any:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"value {fqn!r}: JSON payload does not parse ({e})") from None
     if tag == TAG_TORCH:
+        _check_torch_archive(body, fqn)
         try:
             return torch.load(io.BytesIO(bytes(body)), weights_only=True)
         except Exception as e:  # noqa: BLE001
@@ -178,3 +187,29 @@ def decode_value(payload: bytes, fqn: str) -> Any:
                 f"{plain_text(str(e)).splitlines()[0][:200]}"
             ) from None
     raise CorruptCheckpointError(f"value {fqn!r}: unknown payload tag {tag!r}")
+
+
+def _check_torch_archive(body: bytes, fqn: str) -> None:
+    """``torch.save`` writes its zip archive uncompressed; a compressed member (a zip bomb: 0.4 MB declared,
+    400 MB decoded) or members adding up to more than the payload's own size are refused before decoding, so
+    decoding needs no more memory than the bytes the manifest declares."""
+    buf = io.BytesIO(body)
+    if not zipfile.is_zipfile(buf):
+        return  # not an archive: torch.load(weights_only=True) reads it as a bare pickle or refuses it
+    try:
+        with zipfile.ZipFile(buf) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CorruptCheckpointError(f"value {fqn!r}: torch payload is a damaged zip archive ({e})") from None
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            raise UnsafeCheckpointError(
+                f"value {fqn!r}: torch payload member {info.filename!r} is compressed ({info.compress_size} "
+                f"bytes decoding to {info.file_size}); torch.save never compresses, so this was crafted"
+            )
+        total += info.file_size
+    if total > len(body):
+        raise UnsafeCheckpointError(
+            f"value {fqn!r}: torch payload members add up to {total} bytes, more than its {len(body)} bytes"
+        )

@@ -1,0 +1,45 @@
+"""A state that cannot be saved raises the same error type, with the same fix in its message, whether the
+save is synchronous or asynchronous, and leaves nothing behind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import trainguard as tg
+
+CASES: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
+    "sparse": (lambda: {"w": torch.eye(3).to_sparse()}, tg.ConfigError, "to_dense()"),
+    "sparse-csr": (lambda: {"w": torch.eye(3).to_sparse_csr()}, tg.ConfigError, "to_dense()"),
+    "quantized": (
+        lambda: {"w": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)},
+        tg.ConfigError,
+        "int_repr()",
+    ),
+    "nested": (
+        lambda: {"w": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])},
+        tg.ConfigError,
+        "unbind()",
+    ),
+    "meta": (lambda: {"w": torch.empty(3, device="meta")}, tg.ConfigError, "meta tensor"),
+    "huge-int": (lambda: {"v": {"n": 10**5000}}, tg.ConfigError, "integer too large"),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_unsavable_state_raises_one_error_type_in_both_save_modes(tmp_path, case, async_save):
+    make, error, fix = CASES[case]
+    with tg.CheckpointManager(tmp_path / "run", async_save=async_save) as mgr:
+        mgr.save(1, {"ok": torch.ones(2)}).wait()
+        with pytest.raises(error, match=fix.replace("(", r"\(").replace(")", r"\)")) as ei:
+            mgr.save(2, make()).wait()
+        assert type(ei.value).__module__ == "trainguard.errors", type(
+            ei.value
+        )  # not a raw torch/builtin error
+        assert [(i.step, i.status) for i in mgr.checkpoints()] == [(1, "valid")]
+        mgr.save(3, {"ok": torch.zeros(2)}).wait()  # the manager still works
