@@ -8,7 +8,6 @@ on one rank makes all ranks fall back to the next older step together.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import MutableMapping
@@ -18,13 +17,11 @@ import torch.distributed.checkpoint as dcp
 
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
-from ._time import iso
-from .catalog import CORRUPT_MARKER, inspect_step, read_manifest, step_dirs
+from .catalog import corrupt_marker, inspect_step, read_manifest, record_check, record_corrupt, step_dirs
 from .distributed import TrainguardLoadPlanner, TrainguardReader
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .format import MANIFEST_NAME, TensorEntry, step_dir_name
 from .state.dtypes import dtype_from_name
-from .storage.local import atomic_write
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -58,20 +55,26 @@ def restore_latest(
 ) -> int | None:
     t0 = time.perf_counter()
     problems: list[str] = []
+    unreadable: list[int] = []
     steps = committed_steps(mgr)
     for step in steps:
-        ok, problem, chunk = True, "", None
+        ok, problem, chunk, tensors = True, "", None, None
         if mgr.dist.is_coordinator:
             info, _ = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
-            ok, problem, chunk = info.status == "valid", info.problem or info.status, info.chunk
+            ok, problem, chunk = info.usable, info.problem or info.status, info.chunk
+            marker = corrupt_marker(mgr.root, step) if not ok else None
+            if marker is not None and isinstance(marker.get("tensors"), list):
+                tensors = [str(t) for t in marker["tensors"]]  # type: ignore[union-attr]
         if not mgr.dist.broadcast_ints([int(ok)])[0]:
-            err = CorruptCheckpointError(problem, step=step, chunk=chunk) if chunk else None
+            err = CorruptCheckpointError(problem, step=step, chunk=chunk, tensors=tensors) if chunk else None
             skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
             continue
         t_chosen = time.perf_counter()
         try:
             mgr._load(step, state)
         except CorruptCheckpointError as e:
+            if e.unreadable:
+                unreadable.append(step)
             skip(mgr, step, str(e), e, timings, problems)
             continue
         t_loaded = time.perf_counter()
@@ -101,6 +104,13 @@ def restore_latest(
             skipped=[],
         )
         return None
+    if unreadable:
+        raise NoValidCheckpointError(
+            f"{mgr.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
+            "could not be read (I/O errors, retried) and are NOT marked corrupt:\n  "
+            + "\n  ".join(problems)
+            + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
+        )
     raise NoValidCheckpointError(
         f"{mgr.root} holds {len(steps)} checkpoint(s) but none is valid:\n  "
         + "\n  ".join(problems)
@@ -155,21 +165,21 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
 
 
 def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError) -> None:
+    """Record what a restore's full read found (writing managers only).
+
+    Only a confirmed mismatch (``err.damaged``: read twice) or a manifest-level problem condemns the step and
+    quarantines the chunk; an I/O error is recorded as an unreadable check, never as corruption; a missing
+    chunk needs no record (listing sees it).
+    """
     if mgr.read_only:
         return
-    d = mgr.root / step_dir_name(step)
-    if err.chunk and err.damaged:
+    if err.unreadable:
+        record_check(mgr.root, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
+        return
+    if err.chunk and not err.damaged:
+        return
+    if err.chunk:
         moved = mgr.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-    if d.is_dir():
-        try:
-            atomic_write(
-                d / CORRUPT_MARKER,
-                json.dumps(
-                    {"problem": str(err), "chunk": err.chunk, "tensors": err.tensors, "time": iso()}
-                ).encode(),
-                fsync=mgr.fsync,
-            )
-        except OSError:
-            pass
+    record_corrupt(mgr.root, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=mgr.fsync)

@@ -1,10 +1,13 @@
 """Finding checkpoints under a run root and judging their status without reading chunk data.
 
-Status (docs/FORMAT.md "Validity"):
-- ``valid``: the manifest parses, its CRC32C matches, and every chunk it lists exists with the right length
-  (and no earlier full read found a CRC32C mismatch: see the ``corrupt.json`` marker).
-- ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a read found a chunk
-  whose CRC32C does not match (recorded in ``step-N/corrupt.json``).
+Status (docs/FORMAT.md "Validity"), always in agreement with the last full read of the checkpoint's bytes:
+- ``valid``: the manifest parses, its CRC32C matches, every chunk it lists exists with the right length, and
+  the last full check of its bytes passed (``step-N/verified.json``: the save that wrote it, ``verify``).
+- ``unverified``: as valid, but no full check of its bytes is recorded (a checkpoint written by an older
+  trainguard or copied in), or the last one could not read a chunk (an I/O error: never recorded as
+  corruption). Restore still uses it (and reads every byte it loads).
+- ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a full read found a
+  CRC32C or length mismatch, confirmed by a second read (recorded in ``step-N/corrupt.json``).
 - ``incomplete``: a step directory without a manifest, or a save still in progress / killed
   (``step-N.partial-*``) with no committed checkpoint of that step.
 
@@ -24,7 +27,9 @@ from .format import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir,
 from .incremental.chunkstore import ChunkStore
 
 CORRUPT_MARKER = "corrupt.json"
+CHECK_RECORD = "verified.json"
 MAX_MANIFEST_BYTES = 1 << 30
+USABLE = ("valid", "unverified")  # statuses restore may load (it checks every byte it reads)
 
 
 @dataclass(frozen=True)
@@ -33,11 +38,11 @@ class CheckpointInfo:
 
     Attributes:
         step: the training step.
-        status: ``"valid"``, ``"corrupt"`` or ``"incomplete"``.
+        status: ``"valid"``, ``"unverified"``, ``"corrupt"`` or ``"incomplete"`` (module docstring).
         bytes: bytes of chunk data it references (for incomplete ones: bytes written so far).
         time: commit time, ISO 8601 UTC (for incomplete ones: directory mtime); None if unknown.
         t: the same as seconds since the epoch.
-        problem: why it is not valid (None when valid).
+        problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
     """
@@ -50,6 +55,11 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        """True when restore may load it (``valid`` or ``unverified``)."""
+        return self.status in USABLE
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -118,6 +128,71 @@ def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object]
         return {"problem": "corrupt (unreadable marker)"}
 
 
+def check_record(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+    """The last full check of ``step``'s bytes (``verified.json``), or None when none is recorded."""
+    p = Path(root) / step_dir_name(step) / CHECK_RECORD
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_record(path: Path, body: dict[str, object], fsync: bool) -> bool:
+    from .storage.local import atomic_write
+
+    if not path.parent.is_dir():  # deleted meanwhile (retention): nothing to record
+        return False
+    try:
+        atomic_write(path, json.dumps(body).encode(), fsync=fsync)
+    except OSError:  # a read-only root or a step deleted meanwhile: the record is advisory
+        return False
+    return True
+
+
+def record_check(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    by: str,
+    ok: bool = True,
+    problem: str | None = None,
+    chunk: str | None = None,
+    fsync: bool = False,
+) -> bool:
+    """Record the outcome of a full check of ``step``'s bytes that found no mismatch: ``ok`` (every chunk
+    read and matched, or written by the save from the bytes whose CRC32C it records) or not ok (a chunk could
+    not be read: an I/O error, which is never corruption). A passing check also clears a stale
+    ``corrupt.json``. Returns False when the record could not be written (read-only root)."""
+    d = Path(root) / step_dir_name(step)
+    body: dict[str, object] = {"ok": ok, "by": by, "time": iso(), "problem": problem, "chunk": chunk}
+    if not _write_record(d / CHECK_RECORD, body, fsync):
+        return False
+    if ok:
+        try:
+            (d / CORRUPT_MARKER).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+    return True
+
+
+def record_corrupt(
+    root: str | os.PathLike[str],
+    step: int,
+    problem: str,
+    *,
+    chunk: str | None = None,
+    tensors: list[str] | None = None,
+    fsync: bool = True,
+) -> bool:
+    """Condemn ``step`` (``corrupt.json``) after a confirmed mismatch. Returns False when it could not be
+    written (read-only root)."""
+    body: dict[str, object] = {"problem": problem, "chunk": chunk, "tensors": list(tensors or []), "time": iso()}
+    return _write_record(Path(root) / step_dir_name(step) / CORRUPT_MARKER, body, fsync)
+
+
 def inspect_step(
     root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore
 ) -> tuple[CheckpointInfo, Manifest | None]:
@@ -136,14 +211,28 @@ def inspect_step(
         if bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
+    status = "corrupt"
     if problem is None:
         marker = corrupt_marker(root, step)
         if marker is not None:
             problem = str(marker.get("problem", "corrupt"))
             chunk = marker.get("chunk")
             bad_chunk = chunk if isinstance(chunk, str) else None
-    status = "valid" if problem is None else "corrupt"
+        else:
+            status, problem = _check_status(root, step)
     return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
+
+
+def _check_status(root: str | os.PathLike[str], step: int) -> tuple[str, str | None]:
+    check = check_record(root, step)
+    if check is None:
+        return "unverified", f"no full read of its bytes is recorded (run `trainguard verify {root} --step {step}`)"
+    if check.get("ok") is True:
+        return "valid", None
+    return "unverified", (
+        f"the last full read ({check.get('by')}, {check.get('time')}) could not read a chunk: "
+        f"{check.get('problem')}; not marked corrupt"
+    )
 
 
 def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:

@@ -305,7 +305,7 @@ class CheckpointManager:
         ):
             d = self.root / step_dir_name(step)
             info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
-            if info is None or info.status == "valid":
+            if info is None or info.usable:
                 raise CheckpointExistsError(
                     f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
                     "replace it"
@@ -470,8 +470,9 @@ class CheckpointManager:
         return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
-        """The newest step whose checkpoint lists as valid, or None."""
-        valid = [i.step for i in self.checkpoints() if i.status == "valid"]
+        """The newest step whose checkpoint lists as valid or unverified (the one ``restore_latest`` tries
+        first), or None. A checkpoint that a full read (``verify``, a restore) found corrupt is not returned."""
+        valid = [i.step for i in self.checkpoints() if i.usable]
         return max(valid) if valid else None
 
     # -- restoring ----------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
         table.add_column(col, justify="right" if col in ("step", "size", "block s", "persist s") else "left")
     for i in infos:
         ev = timings.get(i.step, {})
-        color = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}[i.status]
+        color = {"valid": "green", "unverified": "cyan", "corrupt": "red", "incomplete": "yellow"}[i.status]
         table.add_row(
             str(i.step),
             f"[{color}]{i.status}[/]",
@@ -97,7 +97,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds."""
     p = _root(root)
     if step is None:
-        valid = [i.step for i in scan(p) if i.status == "valid"]
+        valid = [i.step for i in scan(p) if i.usable]
         if not valid:
             click.echo(f"no valid checkpoint in {p}", err=True)
             sys.exit(1)

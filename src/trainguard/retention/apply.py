@@ -49,7 +49,7 @@ def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
 
 def apply_retention(mgr: CheckpointManager) -> None:
     """Delete the valid checkpoints the policy does not keep (never the newest valid one), then their chunks."""
-    valid = [i.step for i in scan(mgr.root, mgr.store) if i.status == "valid"]
+    valid = [i.step for i in scan(mgr.root, mgr.store) if i.usable]  # valid or unverified
     if not valid:
         return
     keep = set(mgr.retention.keep(valid)) | {max(valid)}
