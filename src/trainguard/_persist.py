@@ -21,7 +21,7 @@ from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
-from .retention.apply import referenced_chunks
+from .retention.apply import referenced_chunks, space_hint
 from .storage.local import remove_tree
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ def persist(
         mgr._publish(m)
         manifest_box.append(m)
 
-    writer = TrainguardWriter(mgr.store, partial, commit, mgr.options, step, paths=dict(paths))
+    chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
+    writer = TrainguardWriter(mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -60,8 +61,12 @@ def persist(
         ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
         mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(mgr, writer)
-        if isinstance(err, StorageFullError) and err.step is None:
-            err.step = step
+        if isinstance(err, StorageFullError):
+            if err.step is None:
+                err.step = step
+            hint = space_hint(mgr)
+            if hint and err.args and hint not in str(err.args[0]):
+                err.args = (str(err.args[0]) + hint, *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
         if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
@@ -76,6 +81,8 @@ def persist(
     finally:
         mgr.store.unpin(writer.hashes)
         remove_tree(partial)
+        if chunk_tmp != partial:
+            remove_tree(chunk_tmp)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed

@@ -63,8 +63,9 @@ def restore_latest(
             info, _ = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
             ok, problem, chunk = info.usable, info.problem or info.status, info.chunk
             marker = corrupt_marker(mgr.root, step) if not ok else None
-            if marker is not None and isinstance(marker.get("tensors"), list):
-                tensors = [str(t) for t in marker["tensors"]]  # type: ignore[union-attr]
+            listed = marker.get("tensors") if marker is not None else None
+            if isinstance(listed, list):
+                tensors = [str(t) for t in listed]
         if not mgr.dist.broadcast_ints([int(ok)])[0]:
             err = CorruptCheckpointError(problem, step=step, chunk=chunk, tensors=tensors) if chunk else None
             skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)

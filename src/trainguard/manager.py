@@ -155,6 +155,7 @@ class CheckpointManager:
                 self._lock = RootLock(self.root)
                 self._lock.acquire()
                 self._cleanup_after_crash()
+                apply_retention(self, at_open=True)  # a stricter keep frees space before the next save
             except RootLockedError as e:
                 locked = str(e)
         if self.dist.enabled and self.dist.any(bool(locked)):

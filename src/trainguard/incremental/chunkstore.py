@@ -150,6 +150,8 @@ class ChunkStore:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
         self.dir = self.root / CHUNKS_DIR
+        # Resolved once, at open: ``chunks`` may be a symlink the user placed onto another disk.
+        self.dir_real = Path(os.path.realpath(self.dir))
         self.fsync = fsync
         self.durability = durability
         self._lock = threading.Lock()
@@ -207,6 +209,20 @@ class ChunkStore:
         return True
 
     # -- writing ------------------------------------------------------------------------------------------
+    def tmp_dir_for(self, partial: Path) -> Path:
+        """Where a save whose partial directory is ``partial`` writes its temporary chunk files: ``partial``
+        itself, or, when ``chunks/`` lives on another filesystem (a symlink to another disk), a sibling
+        ``chunks/.<partial name>/`` on that filesystem (a rename cannot cross filesystems). Created here."""
+        try:
+            other_fs = self.dir.is_dir() and os.stat(self.dir).st_dev != os.stat(partial).st_dev
+        except OSError:
+            other_fs = False
+        if not other_fs:
+            return partial
+        tmp = self.dir / f".{partial.name}"
+        tmp.mkdir(exist_ok=True)
+        return tmp
+
     def put(
         self, buf: memoryview | bytes, tmp_dir: Path, *, step: int | None = None
     ) -> tuple[ChunkRecord, bool]:
@@ -264,9 +280,10 @@ class ChunkStore:
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
             pending, self._unpublished = self._unpublished, []
+        fs = self.dir if self.dir.is_dir() else self.root  # the chunks' filesystem (may be another disk)
         try:
             if pending:
-                if self.fsync and not syncfs(self.root):
+                if self.fsync and not syncfs(fs):
                     for tmp, _ in pending:  # no syncfs here: one fsync per file
                         fd = os.open(tmp, os.O_RDONLY)
                         try:
@@ -278,7 +295,7 @@ class ChunkStore:
                     os.replace(tmp, final)
                     dirs.add(final.parent)
                     self._remember(final.name, final.stat())
-                if self.fsync and syncfs(self.root):
+                if self.fsync and syncfs(fs):
                     return  # the renames and the new directories are durable
         except OSError as e:
             raise_if_full(e, self.dir, step)

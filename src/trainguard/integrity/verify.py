@@ -142,13 +142,14 @@ def _record(
         if s in condemned:
             continue
         by_path = {rec.path: h for h, rec in m.chunks.items()}
-        content, unreadable = [], []
+        content: list[dict[str, Any]] = []
+        unreadable: list[CorruptCheckpointError] = []
         for c in (c for c in report.corrupt if c["step"] == s):
-            e = errors.get(by_path.get(c["chunk"], ""))
-            if e is None:  # an unsafe value or an unknown dtype: deterministic, from the manifest and good bytes
+            found = errors.get(by_path.get(c["chunk"], ""))
+            if found is None:  # an unsafe value or an unknown dtype: deterministic, from the manifest and good bytes
                 content.append(c)
-            elif e.unreadable:
-                unreadable.append(e)
+            elif found.unreadable:
+                unreadable.append(found)
             # else: a missing chunk or one that is not a file: listing sees it without a record
         if content:
             c = content[0]
