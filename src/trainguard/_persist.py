@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -40,13 +41,19 @@ def persist(
     *,
     blocking: bool,
     staging_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> SaveResult:
-    """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
+    """Write chunks, commit, apply retention (in the caller's thread or the background worker).
+
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
     partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     partial.mkdir()
+    mgr.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
     def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise SaveError(f"the save of step {step} was abandoned (no progress); not committing it", step=step)
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
         mgr._publish(m)
         manifest_box.append(m)

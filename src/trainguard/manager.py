@@ -18,11 +18,12 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from . import _persist, _restore, _statefn
+from . import _persist, _restore, _statefn, _worker
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, scan
 from .commit import publish
@@ -47,6 +48,7 @@ from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
 
 log = logging.getLogger("trainguard")
+SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
 
 
 class CheckpointManager:
@@ -71,6 +73,11 @@ class CheckpointManager:
         when_busy: what ``maybe_save`` does when every buffer set is still persisting earlier saves:
             ``"wait"`` (block until one is free, default) or ``"skip"`` (skip this save, logging a
             ``save_skipped`` event). ``save`` always waits.
+        save_timeout_s: a background save that makes no progress (no chunk written or deduplicated, no flush
+            finished) for this many seconds is abandoned: it fails with a SaveError naming its step (raised by
+            the next ``save``/``maybe_save``/``wait``/``close``), commits nothing, and its staging buffers
+            are replaced so that the next save can run; ``close()`` returns after at most this long per
+            stuck save. None (default) waits forever. Single process only.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -93,6 +100,7 @@ class CheckpointManager:
         async_save: bool = True,
         staging_buffers: int = 2,
         when_busy: str = "wait",
+        save_timeout_s: float | None = None,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -124,6 +132,16 @@ class CheckpointManager:
             )
         if staging_buffers < 1:
             raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
+        if save_timeout_s is not None and not (
+            isinstance(save_timeout_s, (int, float)) and not isinstance(save_timeout_s, bool) and save_timeout_s > 0
+        ):
+            raise ConfigError(f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}")
+        if save_timeout_s is not None and self.dist.enabled:
+            raise ConfigError(
+                "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
+                "ranks' collectives out of step); rely on the supervisor's heartbeat timeout"
+            )
+        self.save_timeout_s = None if save_timeout_s is None else float(save_timeout_s)
         self.async_save = bool(async_save)
         self.when_busy = when_busy
         self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
@@ -132,8 +150,13 @@ class CheckpointManager:
         self._pending: list[PendingSave] = []
         self._in_flight: set[int] = set()
         self._in_flight_t: dict[int, float] = {}  # step -> wall time its save began
+        self._job_lock = threading.Lock()
+        self._current: _worker.Job | None = None  # the job the worker is persisting
+        self._abandoned: list[_worker.Job] = []  # abandoned jobs (their threads may still be stuck)
         self.last_restore = RestoreTimings()
-        self.saves: list[SaveResult] = []  # every committed save of this manager, in commit order
+        # the most recent SAVES_KEPT committed saves of this manager, in commit order
+        self.saves: deque[SaveResult] = deque(maxlen=SAVES_KEPT)
+        self._exit_flush: Any = None
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
@@ -172,6 +195,7 @@ class CheckpointManager:
 
             install_preemption_handler()
             self._preemption = True
+        self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
         self._events.write("manager_start", root=str(self.root))
 
     # -- context manager ----------------------------------------------------------------------------------
@@ -194,7 +218,14 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
+        abandoned = sorted(_abandoned(self))
+        if abandoned:
+            log.error("close(): the saves of steps %s were abandoned (no progress); nothing was committed", abandoned)
         self._closed = True
+        if self._exit_flush is not None:
+            import atexit
+
+            atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
@@ -334,7 +365,13 @@ class CheckpointManager:
             )
             return handle
         assert self._stager is not None
-        bufset = self._stager.acquire(block=block)
+        bufset = _worker.acquire(self, block=block)
+        try:
+            self._raise_background_error()  # a save abandoned while this one waited for its buffers
+        except BaseException:
+            if bufset is not None:
+                self._stager.release(bufset)
+            raise
         if bufset is None:
             self._event(
                 "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"
@@ -354,58 +391,15 @@ class CheckpointManager:
         self._pending.append(handle)
         self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
         self._ensure_worker()
-        self._queue.put((handle, bufset, staged, paths, top, metrics, metadata, t0))
+        self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
         return handle
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="trainguard-persist", daemon=True)
+            self._worker = threading.Thread(
+                target=_worker.work, args=(self, self._queue), name="trainguard-persist", daemon=True
+            )
             self._worker.start()
-
-    def _work(self) -> None:
-        """Background persist loop: one save at a time, in order. Survives a failed save and reports it."""
-        try:  # lower this thread's CPU priority (its writer threads inherit it): training keeps the CPU
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            handle, bufset, staged, paths, top, metrics, metadata, t0 = job
-            try:
-                result = _persist.persist(
-                    self,
-                    handle.step,
-                    staged,
-                    paths,
-                    top,
-                    metrics,
-                    metadata,
-                    t0,
-                    blocking=False,
-                    staging_s=handle.staging_s,
-                )
-                handle._set_result(result)
-                self.save_policy.record_save(
-                    handle.step, now_s=time.monotonic(), block_s=handle.staging_s, persist_s=result.persist_s
-                )
-            except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
-                handle._set_error(
-                    e
-                    if isinstance(e, SaveError)
-                    else SaveError(
-                        f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
-                        step=handle.step,
-                        rank_errors={self.dist.rank: e},
-                    )
-                )
-            finally:
-                del staged
-                if self._stager is not None:
-                    self._stager.release(bufset)
-                self._in_flight.discard(handle.step)
-                self._in_flight_t.pop(handle.step, None)
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
         _restore.load(self, step, state)
@@ -446,8 +440,7 @@ class CheckpointManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self._pending):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not h._event.wait(left):
+            if not _worker.wait_handle(self, h, deadline):
                 raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
         self._raise_background_error()
 
@@ -515,3 +508,7 @@ class CheckpointManager:
         if step is not None:
             self.last_restore = timings
         return step
+
+
+def _abandoned(mgr: CheckpointManager) -> set[int]:
+    return {j.handle.step for j in mgr._abandoned}

@@ -160,6 +160,7 @@ class ChunkStore:
         self._unpublished: list[tuple[Path, Path]] = []  # (temporary file, final path), batched mode
         self._verified: dict[str, tuple[int, int, int, int]] = {}  # hash -> file identity when verified
         self.repaired: list[str] = []  # chunks found damaged or unreadable by a save and written anew
+        self.last_progress = time.monotonic()  # a chunk stored or a flush finished (the stall watchdog)
 
     # -- verified-bytes memory ----------------------------------------------------------------------------
     @staticmethod
@@ -240,6 +241,7 @@ class ChunkStore:
             self._pins[h] += 1
         try:
             if self._reusable(rec, final):
+                self.last_progress = time.monotonic()
                 return rec, False
             tmp = tmp_dir / f"{h}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
             batched = self.durability == "batched"
@@ -263,6 +265,7 @@ class ChunkStore:
                     self._unpublished.append((tmp, final))
                 else:
                     self._dirty_dirs.add(final.parent)
+            self.last_progress = time.monotonic()
             return rec, True
         except BaseException:
             self.unpin([h])
@@ -281,6 +284,7 @@ class ChunkStore:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
             pending, self._unpublished = self._unpublished, []
         fs = self.dir if self.dir.is_dir() else self.root  # the chunks' filesystem (may be another disk)
+        self.last_progress = time.monotonic()
         try:
             if pending:
                 if self.fsync and not syncfs(fs):
