@@ -53,7 +53,9 @@ def persist(
 
     def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
         if cancel is not None and cancel.is_set():
-            raise SaveError(f"the save of step {step} was abandoned (no progress); not committing it", step=step)
+            raise SaveError(
+                f"the save of step {step} was abandoned (no progress); not committing it", step=step
+            )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
         mgr._publish(m)
         manifest_box.append(m)
@@ -74,6 +76,12 @@ def persist(
             hint = space_hint(mgr)
             if hint and err.args and hint not in str(err.args[0]):
                 err.args = (str(err.args[0]) + hint, *err.args[1:])
+        if mgr.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
+            # a SaveError raised on one rank (StorageFullError): name that rank on every rank
+            cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
+            err.rank_errors = {ranks[0]: cause}
+            if err.args and f"rank {ranks[0]}" not in str(err.args[0]):
+                err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
         if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
@@ -124,14 +132,28 @@ def persist(
 
 
 def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:
-    """After a failed save (one process): delete the chunks it wrote that no committed manifest references."""
-    if mgr.dist.enabled or not writer.new_hashes:
-        return  # other ranks' saves may share them: the next writer's cleanup collects them
+    """After a failed save: delete the chunks it wrote that no committed manifest references.
+
+    One process: this save's new chunks. Under torch.distributed, rank 0 (the lock holder) collects every
+    unreferenced chunk: DCP reports a failure to rank 0 only after every rank's ``write_data`` returned (its
+    chunks are renamed into ``chunks/`` or dropped by then), and no other save of this run can write before
+    rank 0 joins its planning collective, so every unreferenced chunk is garbage of this save (or of earlier
+    failed ones)."""
     mgr.store.unpin(writer.hashes)
     writer.hashes = []
+    if mgr.dist.enabled:
+        if not mgr.dist.is_coordinator:
+            return
+        candidates = mgr.store.all_hashes()
+    elif writer.new_hashes:
+        candidates = set(writer.new_hashes)
+    else:
+        return
     referenced = referenced_chunks(mgr)
     if referenced is not None:
-        mgr.store.collect(writer.new_hashes, referenced)
+        freed = mgr.store.collect(candidates, referenced)
+        if freed:
+            mgr._event("failed_save_chunks_freed", step=writer.step, bytes=freed)
 
 
 @contextlib.contextmanager

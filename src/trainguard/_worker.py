@@ -98,7 +98,9 @@ def work(mgr: CheckpointManager, q: queue.Queue[Any]) -> None:
             job.finished.set()
         with mgr._job_lock:
             if job.cancel.is_set():  # abandoned meanwhile: its handle already failed, a new worker took over
-                log.warning("the abandoned save of step %d returned; nothing was committed for it", handle.step)
+                log.warning(
+                    "the abandoned save of step %d returned; nothing was committed for it", handle.step
+                )
                 return
             mgr._current = None
             if result is not None:

@@ -189,7 +189,12 @@ def record_corrupt(
 ) -> bool:
     """Condemn ``step`` (``corrupt.json``) after a confirmed mismatch. Returns False when it could not be
     written (read-only root)."""
-    body: dict[str, object] = {"problem": problem, "chunk": chunk, "tensors": list(tensors or []), "time": iso()}
+    body: dict[str, object] = {
+        "problem": problem,
+        "chunk": chunk,
+        "tensors": list(tensors or []),
+        "time": iso(),
+    }
     return _write_record(Path(root) / step_dir_name(step) / CORRUPT_MARKER, body, fsync)
 
 
@@ -226,7 +231,10 @@ def inspect_step(
 def _check_status(root: str | os.PathLike[str], step: int) -> tuple[str, str | None]:
     check = check_record(root, step)
     if check is None:
-        return "unverified", f"no full read of its bytes is recorded (run `trainguard verify {root} --step {step}`)"
+        return (
+            "unverified",
+            f"no full read of its bytes is recorded (run `trainguard verify {root} --step {step}`)",
+        )
     if check.get("ok") is True:
         return "valid", None
     return "unverified", (
@@ -250,13 +258,53 @@ def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:
     return CheckpointInfo(step, "incomplete", size, iso(t) if t else None, t, problem, str(path))
 
 
-def scan(root: str | os.PathLike[str], store: ChunkStore | None = None) -> list[CheckpointInfo]:
-    """Every checkpoint under ``root`` with its status, ascending by step."""
+def scan(
+    root: str | os.PathLike[str], store: ChunkStore | None = None, *, failed_saves: bool = False
+) -> list[CheckpointInfo]:
+    """Every checkpoint under ``root`` with its status, ascending by step.
+
+    Args:
+        root: the run root.
+        store: its chunk store (a new one when None).
+        failed_saves: also list, as ``incomplete``, the steps whose save failed (``save_failed`` events: a
+            failed save leaves no directory) and that have no checkpoint, unless older than every checkpoint
+            listed.
+    """
     store = store or ChunkStore(root)
     steps, partials = step_dirs(root)
     out = [inspect_step(root, s, p, store)[0] for s, p in steps.items()]
     for s, ps in partials.items():
         if s not in steps:
             out.append(_incomplete(s, ps[0], "save in progress or killed before commit"))
+    if failed_saves:
+        out += _failed_saves(root, {i.step for i in out})
     out.sort(key=lambda i: i.step)
+    return out
+
+
+def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[CheckpointInfo]:
+    from .recovery.events import iter_events
+
+    last: dict[int, dict[str, object]] = {}
+    for ev in iter_events(root, event="save_failed"):
+        s = ev.get("step")
+        if (
+            isinstance(s, int)
+            and not isinstance(s, bool)
+            and s not in listed
+            and (not listed or s > min(listed))
+        ):
+            last[s] = ev  # the newest failure of that step
+    out = []
+    for s, ev in last.items():
+        ranks = ev.get("failed_ranks")
+        where = f" on rank(s) {ranks}" if isinstance(ranks, list) and ranks else ""
+        t = ev.get("t")
+        t = float(t) if isinstance(t, (int, float)) else None
+        problem = f"the save failed{where}: {ev.get('error')}; nothing was committed"
+        out.append(
+            CheckpointInfo(
+                s, "incomplete", 0, iso(t) if t else None, t, problem, str(Path(root) / step_dir_name(s))
+            )
+        )
     return out

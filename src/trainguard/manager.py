@@ -133,9 +133,13 @@ class CheckpointManager:
         if staging_buffers < 1:
             raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
         if save_timeout_s is not None and not (
-            isinstance(save_timeout_s, (int, float)) and not isinstance(save_timeout_s, bool) and save_timeout_s > 0
+            isinstance(save_timeout_s, (int, float))
+            and not isinstance(save_timeout_s, bool)
+            and save_timeout_s > 0
         ):
-            raise ConfigError(f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}")
+            raise ConfigError(
+                f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}"
+            )
         if save_timeout_s is not None and self.dist.enabled:
             raise ConfigError(
                 "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
@@ -220,7 +224,10 @@ class CheckpointManager:
             err = e
         abandoned = sorted(_abandoned(self))
         if abandoned:
-            log.error("close(): the saves of steps %s were abandoned (no progress); nothing was committed", abandoned)
+            log.error(
+                "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
+                abandoned,
+            )
         self._closed = True
         if self._exit_flush is not None:
             import atexit
@@ -457,11 +464,11 @@ class CheckpointManager:
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every checkpoint under the root with status (valid / corrupt / incomplete), bytes and time,
-        ascending by step. Waits for this manager's pending saves first, so a save just made is listed.
+        """Every checkpoint under the root with status (valid / unverified / corrupt / incomplete), bytes and
+        time, ascending by step; a step whose save failed is listed as incomplete with the failure. Waits for this manager's pending saves first, so a save just made is listed.
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
         self.wait()
-        return scan(self.root, self.store)
+        return scan(self.root, self.store, failed_saves=True)
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified (the one ``restore_latest`` tries

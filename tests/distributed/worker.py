@@ -13,6 +13,8 @@ asserts on them. Scenarios:
   commit waits on rank 1's writes while the training loop keeps running collectives.
 - ``corrupt``: save steps A < B, flip a bit in a chunk only B references that holds a shard written by rank 1,
   restore: every rank must fall back to A together.
+- ``orphans``: the last rank's chunk writes fail with ENOSPC in the save of step 2 while the other ranks write
+  theirs; rank 0 then records the chunk files no checkpoint references and the listing; step 3 saves.
 """
 
 from __future__ import annotations
@@ -200,8 +202,9 @@ def scenario_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
 
 class Injector:
     """Replaces ``trainguard.storage.local.write_file`` (the seam every chunk and manifest write goes
-    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``fail_manifest``: the
-    manifest's write raises EIO; ``gate``: every write first waits for ``gate``; ``none``: pass through."""
+    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``enospc``: every write
+    raises ENOSPC; ``fail_manifest``: the manifest's write raises EIO; ``gate``: every write first waits for
+    ``gate``; ``none``: pass through."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -218,6 +221,9 @@ class Injector:
             if self.mode == "fail" or (self.mode == "fail_manifest" and "manifest" in Path(a[0]).name):
                 self.injected += 1
                 raise OSError(errno.EIO, "injected write failure", str(a[0]))
+            if self.mode == "enospc":
+                self.injected += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(a[0]))
             self.gate.wait(60)
             self.real(*a, **k)
 
@@ -372,8 +378,44 @@ def scenario_corrupt(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
     return res
 
 
+def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    job = build(rank, ws)
+    mgr = tg.CheckpointManager(root, async_save=spec["async"], save_policy=tg.EveryNSteps(10**9))
+    train_step(job)
+    mgr.save(1, job["state"]).wait()
+    train_step(job)  # new values: every rank has new chunks to write
+    res: dict[str, Any] = {"failure": None}
+    with Injector("enospc" if rank == ws - 1 else "none") as inj:
+        try:
+            mgr.save(2, job["state"]).wait()
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["failure"] = {
+                "type": type(e).__name__,
+                "is_storage_full": isinstance(e, tg.StorageFullError),
+                "message": str(e),
+                "step": getattr(e, "step", None),
+                "rank_errors": {str(k): repr(v) for k, v in getattr(e, "rank_errors", {}).items()},
+            }
+    res["injected"] = inj.injected
+    dist.barrier()
+    if rank == 0:
+        referenced = {c.path for c in read_manifest(root, 1).chunks.values()}
+        files = {p.relative_to(root).as_posix() for p in (root / "chunks").rglob("*") if p.is_file()}
+        res["orphans"] = sorted(files - referenced)
+        res["listed"] = [[i.step, i.status, i.problem] for i in mgr.checkpoints()]
+    dist.barrier()
+    train_step(job)
+    mgr.save(3, job["state"]).wait()
+    mgr.close()
+    if rank == 0:
+        res["verify_ok"] = verify(root).ok
+    return res
+
+
 SCENARIOS = {
     "save": scenario_save,
+    "orphans": scenario_orphans,
     "load": scenario_load,
     "fail": scenario_fail,
     "corrupt": scenario_corrupt,

@@ -74,7 +74,9 @@ def test_a_stalled_save_fails_after_the_timeout_and_the_next_save_waiting_for_bu
     """The issue's input with when_busy="wait": the training thread blocked forever at the next save."""
     root = tmp_path / "root"
     st = stall(1)
-    mgr = tg.CheckpointManager(root, save_timeout_s=TIMEOUT_S, staging_buffers=1, save_policy=tg.EveryNSteps(1))
+    mgr = tg.CheckpointManager(
+        root, save_timeout_s=TIMEOUT_S, staging_buffers=1, save_policy=tg.EveryNSteps(1)
+    )
     h1 = mgr.save(1, make_state(1))
     wait_until(lambda: st.blocked > 0, 30, "the save of step 1 to stall")
     t0 = time.monotonic()

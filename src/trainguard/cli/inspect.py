@@ -53,7 +53,7 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / corrupt / incomplete), size and time."""
     p = _root(root)
-    infos = scan(p)
+    infos = scan(p, failed_saves=True)
     timings = _save_timings(p)
     if as_json:
         rows = []

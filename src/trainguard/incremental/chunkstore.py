@@ -55,6 +55,7 @@ log = logging.getLogger("trainguard")
 READ_ATTEMPTS = 3
 READ_RETRY_BACKOFF_S = 0.05
 
+
 def content_hash(buf: memoryview | bytes) -> str:
     """xxh3-128 hex digest (32 hex digits) of ``buf``."""
     return xxhash.xxh3_128_hexdigest(buf)

@@ -146,7 +146,9 @@ def _record(
         unreadable: list[CorruptCheckpointError] = []
         for c in (c for c in report.corrupt if c["step"] == s):
             found = errors.get(by_path.get(c["chunk"], ""))
-            if found is None:  # an unsafe value or an unknown dtype: deterministic, from the manifest and good bytes
+            if (
+                found is None
+            ):  # an unsafe value or an unknown dtype: deterministic, from the manifest and good bytes
                 content.append(c)
             elif found.unreadable:
                 unreadable.append(found)
@@ -155,7 +157,9 @@ def _record(
             c = content[0]
             record_corrupt(root, s, c["problem"], chunk=c["chunk"], tensors=c["tensors"])
         elif unreadable:
-            record_check(root, s, by="verify", ok=False, problem=str(unreadable[0]), chunk=unreadable[0].chunk)
+            record_check(
+                root, s, by="verify", ok=False, problem=str(unreadable[0]), chunk=unreadable[0].chunk
+            )
         elif not any(c["step"] == s for c in report.corrupt):
             record_check(root, s, by="verify")
     for s, (problem, chunk, tensors) in condemned.items():

@@ -98,7 +98,9 @@ def _intact(mgr: CheckpointManager, step: int) -> bool:
         for h, rec in m.chunks.items():
             mgr.store.verify(rec, step=step, owners=owners.get(h))
     except TrainguardError as e:
-        log.warning("retention at open deletes nothing: the newest checkpoint (step %d) is not intact: %s", step, e)
+        log.warning(
+            "retention at open deletes nothing: the newest checkpoint (step %d) is not intact: %s", step, e
+        )
         mgr._event("retention_deferred", step=step, problem=str(e))
         return False
     record_check(mgr.root, step, by="verify")
