@@ -465,10 +465,10 @@ class CheckpointManager:
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint under the root with status (valid / unverified / corrupt / incomplete), bytes and
-        time, ascending by step; a step whose save failed is listed as incomplete with the failure. Waits for this manager's pending saves first, so a save just made is listed.
+        time, ascending by step (``trainguard ls`` also lists the steps whose save failed). Waits for this manager's pending saves first, so a save just made is listed.
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
         self.wait()
-        return scan(self.root, self.store, failed_saves=True)
+        return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified (the one ``restore_latest`` tries

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 
 import trainguard as tg
 import trainguard.storage.local as local
-from trainguard.catalog import read_manifest
+from trainguard.catalog import read_manifest, scan
 from trainguard.format import TensorEntry, step_dir_name
 from trainguard.incremental.chunkstore import ChunkStore
 from trainguard.integrity.verify import verify
@@ -403,7 +403,7 @@ def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
         referenced = {c.path for c in read_manifest(root, 1).chunks.values()}
         files = {p.relative_to(root).as_posix() for p in (root / "chunks").rglob("*") if p.is_file()}
         res["orphans"] = sorted(files - referenced)
-        res["listed"] = [[i.step, i.status, i.problem] for i in mgr.checkpoints()]
+        res["listed"] = [[i.step, i.status, i.problem] for i in scan(root, failed_saves=True)]  # as `ls`
     dist.barrier()
     train_step(job)
     mgr.save(3, job["state"]).wait()

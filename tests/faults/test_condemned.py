@@ -308,6 +308,9 @@ def test_after_verify_finds_a_corrupt_chunk_every_view_agrees(saved):
     assert rows[3]["status"] == "corrupt" and rec["path"] in rows[3]["problem"]
     info = CliRunner().invoke(cli, ["info", str(saved), "--json"])
     assert info.exit_code == 0 and json.loads(info.output)["step"] == 2  # the newest usable one
+    assert json.loads(info.output)["status"] == "valid"
+    info3 = CliRunner().invoke(cli, ["info", str(saved), "3", "--json"])
+    assert json.loads(info3.output)["status"] == "corrupt"
     ro = tg.CheckpointManager(saved, read_only=True)
     state = blank_state()
     assert ro.latest_step() == ro.restore_latest(state) == 2
@@ -433,6 +436,8 @@ def test_storage_full_names_the_step_that_keep_1_keeps_and_what_it_frees(saved, 
     assert freed == sum(
         os.path.getsize(saved / c) for c in referenced_chunks(saved, [1, 2]) - referenced_chunks(saved, [3])
     )
+    row = ls_json(saved)[4]  # the failed step is listed, with its error
+    assert row["status"] == "incomplete" and "failed" in row["problem"] and "no space" in row["problem"]
     monkeypatch.setattr(local, "write_file", real)
     with tg.CheckpointManager(saved, keep=1) as mgr:  # what the message says works
         commit_save(mgr, 4, make_state(4))

@@ -94,10 +94,12 @@ def _fmt_s(x: Any) -> str:
 @click.argument("step", required=False, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
-    """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds."""
+    """Show what the checkpoint of STEP (default: the newest valid or unverified one) under ROOT holds, and its
+    status as ``ls`` lists it."""
     p = _root(root)
+    listed = {i.step: i for i in scan(p)}
     if step is None:
-        valid = [i.step for i in scan(p) if i.usable]
+        valid = [s for s, i in sorted(listed.items()) if i.usable]
         if not valid:
             click.echo(f"no valid checkpoint in {p}", err=True)
             sys.exit(1)
@@ -135,6 +137,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "metadata": m.metadata,
         "top_level": m.top_level,
         "entries": entries,
+        "status": listed[step].status if step in listed else None,  # as `ls` lists it (the last full read)
+        "problem": listed[step].problem if step in listed else None,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
@@ -146,6 +150,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
         f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
     )
+    if summary["status"] is not None:
+        c.print(f"status: {summary['status']}" + (f" ({summary['problem']})" if summary["problem"] else ""))
     if m.metrics:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in m.metrics.items()))
     table = Table()
