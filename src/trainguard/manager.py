@@ -171,6 +171,7 @@ class CheckpointManager:
                 raise ConfigError(f"run root {self.root} does not exist")
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._events = EventLog(self.root, "manager")
         if self.dist.enabled:
             self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
@@ -339,6 +340,11 @@ class CheckpointManager:
         self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        if not self._layout_ok:  # never report success for checkpoints that restore would refuse
+            bad_layout = self.store.layout_problem()
+            if bad_layout is not None:
+                raise ConfigError(bad_layout)
+            self._layout_ok = True
         if not overwrite and (
             step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
         ):

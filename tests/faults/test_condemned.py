@@ -41,6 +41,7 @@ from faultlib import (
 import trainguard as tg
 import trainguard.incremental.chunkstore as chunkstore
 from trainguard.cli.main import main as cli
+from trainguard.errors import ConfigError
 from trainguard.integrity.verify import verify
 from trainguard.recovery.events import read_events
 
@@ -378,6 +379,22 @@ def test_a_chunks_directory_moved_to_another_place_saves_restores_and_retains(mo
     assert verify(root).ok and statuses(root) == ["valid", "valid"]
     assert chunk_files(root) == referenced_chunks(root, [2, 3]), "retention did not free step 1's chunks"
     assert not list((root / "chunks").glob(".step-*")), "a temporary directory was left in chunks/"
+
+
+@pytest.mark.parametrize("what", ["chunk-directory-outside", "dangling-chunks-link"])
+def test_a_layout_whose_chunks_restore_would_refuse_is_refused_at_the_first_save(tmp_path, what):
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if what == "chunk-directory-outside":
+        (root / "chunks").mkdir(parents=True)
+        (root / "chunks" / "ab").symlink_to(outside, target_is_directory=True)
+    else:
+        root.mkdir()
+        (root / "chunks").symlink_to(tmp_path / "missing", target_is_directory=True)
+    with tg.CheckpointManager(root) as mgr, pytest.raises(ConfigError, match="chunks"):
+        mgr.save(1, make_state(1))
+    assert not manifest_path(root, 1).exists()
 
 
 # -- a full disk has a way out ------------------------------------------------------------------------------

@@ -210,6 +210,27 @@ class ChunkStore:
             pass
         return True
 
+    def layout_problem(self) -> str | None:
+        """Why chunks saved here would be refused by restore (checked before a manager's first save), else None:
+        ``chunks`` itself may be a symlink to a directory anywhere, but a ``chunks/<2 hex>`` directory that
+        leads out of it would hold chunks whose paths resolve outside the chunk store."""
+        if self.dir.is_symlink() and not self.dir.exists():
+            return f"{self.dir} is a symlink to {os.readlink(self.dir)!r}, which does not exist"
+        if self.dir.exists() and not self.dir.is_dir():
+            return f"{self.dir} exists but is not a directory"
+        if not self.dir.is_dir():
+            return None
+        for sub in self.dir.iterdir():
+            if sub.is_symlink():
+                real = Path(os.path.realpath(sub))
+                if self.dir_real not in real.parents:
+                    return (
+                        f"{sub} is a symlink to {real}, outside {self.dir_real}: restore would refuse every "
+                        "chunk saved there; move the whole chunks directory instead (a symlink at chunks/ is "
+                        "supported)"
+                    )
+        return None
+
     # -- writing ------------------------------------------------------------------------------------------
     def tmp_dir_for(self, partial: Path) -> Path:
         """Where a save whose partial directory is ``partial`` writes its temporary chunk files: ``partial``
