@@ -166,20 +166,19 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
 
 
 def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError) -> None:
-    """Record what a restore's full read found (writing managers only).
+    """Record what a restore's full read found, so that every view agrees with it.
 
-    Only a confirmed mismatch (``err.damaged``: read twice) or a manifest-level problem condemns the step and
-    quarantines the chunk; an I/O error is recorded as an unreadable check, never as corruption; a missing
-    chunk needs no record (listing sees it).
+    Only a confirmed mismatch (``err.damaged``: read twice) or a manifest-level problem condemns the step (and,
+    in a writing manager, quarantines the chunk); an I/O error is recorded as an unreadable check, never as
+    corruption; a missing chunk needs no record (listing sees it). A read-only manager records too (the records
+    are advisory files; nothing is written where the root is read-only) but never moves a chunk.
     """
-    if mgr.read_only:
-        return
     if err.unreadable:
         record_check(mgr.root, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
         return
     if err.chunk and not err.damaged:
         return
-    if err.chunk:
+    if err.chunk and not mgr.read_only:
         moved = mgr.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)

@@ -211,13 +211,18 @@ def inspect_step(
         return CheckpointInfo(step, "corrupt", 0, iso(t), t, str(e), str(path)), None
     problem = None
     bad_chunk = None
+    unreadable = None
     for rec in m.chunks.values():
         bad = store.check_present(rec)
-        if bad is not None:
+        if bad is not None and bad.startswith("cannot be read"):  # an I/O error (EACCES...): not damage
+            unreadable = unreadable or f"chunk {rec.path} {bad}; not marked corrupt"
+        elif bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
     status = "corrupt"
-    if problem is None:
+    if problem is None and unreadable is not None and corrupt_marker(root, step) is None:
+        status, problem = "unverified", unreadable
+    elif problem is None:
         marker = corrupt_marker(root, step)
         if marker is not None:
             problem = str(marker.get("problem", "corrupt"))

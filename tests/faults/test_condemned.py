@@ -318,6 +318,45 @@ def test_after_verify_finds_a_corrupt_chunk_every_view_agrees(saved):
     assert_state_is(state, 2)
 
 
+def test_a_read_only_restore_that_falls_back_makes_latest_step_agree(saved):
+    """Without any verify: the read-only manager's latest_step() returned the step its own restore_latest had
+    just found corrupt and skipped."""
+    rec = next(
+        r
+        for h, r in read_manifest_json(saved, 3)["chunks"].items()
+        if owners_of(saved, 3, h) == ["model.big"]
+    )
+    flip_bit(saved / rec["path"], 123, 4)
+    ro = tg.CheckpointManager(saved, read_only=True)
+    assert ro.latest_step() == 3  # nothing has read the bytes since the save: the last full read passed
+    state = blank_state()
+    assert ro.restore_latest(state) == 2
+    assert_state_is(state, 2)
+    assert ro.latest_step() == 2 and statuses(saved) == ["valid", "valid", "corrupt"]
+    assert (saved / rec["path"]).exists(), "a read-only manager moved a chunk"
+
+
+def test_a_chunk_whose_metadata_cannot_be_read_lists_as_unverified_not_corrupt(saved, monkeypatch):
+    rec = frozen_chunk(saved)
+    real_stat = Path.stat
+    denied = []
+
+    def stat(self: Path, *a: Any, **k: Any) -> Any:
+        if self.name == Path(rec["path"]).name:
+            denied.append(self)
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_stat(self, *a, **k)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    rows = ls_json(saved)
+    require(denied, "the stat failed")
+    assert [rows[s]["status"] for s in STEPS] == ["unverified"] * 3
+    assert "cannot be read" in rows[3]["problem"] and "not marked corrupt" in rows[3]["problem"]
+    state = blank_state()
+    assert tg.CheckpointManager(saved, read_only=True).restore_latest(state) == 3  # tried, not skipped
+    assert_state_is(state, 3)
+
+
 def test_verify_of_one_step_condemns_every_step_sharing_its_damaged_chunk(saved):
     rec = frozen_chunk(saved)
     flip_bit(saved / rec["path"], 3, 3)

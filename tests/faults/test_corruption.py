@@ -158,7 +158,7 @@ def test_any_single_bit_flip_in_a_chunk_of_the_newest_step_is_caught(pristine, d
         report = verify(pristine)
         assert not report.ok and [(c["step"], c["chunk"]) for c in report.corrupt] == [(3, rec["path"])]
         state = blank_state()
-        ro = tg.CheckpointManager(pristine, read_only=True)  # writes no marker: the root stays reusable
+        ro = tg.CheckpointManager(pristine, read_only=True)  # moves no chunk: the root stays reusable
         assert ro.restore_latest(state) == 2
         assert_state_is(state, 2)
         assert [s["step"] for s in ro.last_restore.skipped] == [3]
