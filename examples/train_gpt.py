@@ -248,7 +248,8 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
             mgr.save(step, state, metrics={"loss": float("nan")}, overwrite=True).wait()
         return  # the other faults hit one rank; the rest fail in their next collective
     print(
-        f"[fault] attempt {attempt}: {kind} at step {step}" + (f" on rank {rank}" if distributed else ""),
+        f"[fault] attempt {attempt}: {kind} after step {step - 1 if kind == 'kill_step' else step}"
+        + (f" on rank {rank}" if distributed else ""),
         flush=True,
     )
     if kind == "kill_step":  # SIGKILL in the middle of a training step

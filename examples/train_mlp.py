@@ -91,16 +91,11 @@ log_path = Path(args.log) if args.log else Path(args.root) / "losses.jsonl"
 print(f"{'resumed from step ' + str(start) if start else 'starting fresh'}; training to step {args.steps}")
 
 # -- training loop ------------------------------------------------------------------------------------------
-step = start
-batches = iter(loader)
+step, loss = start, None
+batches = loader.forever()  # epoch after epoch, from the restored position (created after restore_latest)
 with open(log_path, "a") as log:
-    while step < args.steps:
-        try:
-            xb, yb, idx = next(batches)
-        except StopIteration:
-            batches = iter(loader)  # next epoch
-            continue
-        step += 1
+    for step in range(start + 1, args.steps + 1):
+        xb, yb, idx = next(batches)
         model.train()
         loss = nn.functional.cross_entropy(model(xb), yb)
         optim.zero_grad(set_to_none=True)
@@ -115,12 +110,11 @@ with open(log_path, "a") as log:
             + "\n"
         )
         log.flush()
-        mgr.maybe_save(step, state, metrics={"loss": loss.item()})
+        # the policy decides; the last step is always saved (force), so a normal end loses nothing
+        mgr.maybe_save(step, state, metrics={"loss": loss.item()}, force=step == args.steps)
         if args.die_at_step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-if step > start:
-    if mgr.latest_step() != step:
-        mgr.save(step, state, metrics={"loss": loss.item()})  # the final state is always checkpointed
+if loss is not None:
     print(f"done: step {step}, loss {loss.item():.4f}")
 else:
     print(f"nothing to do: already at step {step}")

@@ -51,6 +51,8 @@ def test_a_demo_with_four_kinds_of_failure_ends_identical_and_each_recovery_used
     for f in s["failures"]:
         assert f["recovered"] and f["resumed_from_newest_valid"], f
         assert f["ttr_s"] > 0 and f["phases"]["load_s"] is not None and f["steps_lost"] >= 0
+        # one definition of the step a failure hit (the last heartbeat): the table's columns agree
+        assert f["steps_lost"] == max(0, f["step"] - f["resumed_from"]) and f["step"] <= f["planned_step"], f
     causes = {f["kind"]: f["cause"] for f in s["failures"]}
     assert causes["hang"] == "hang" and causes["kill_step"] == "signal"
     corrupt = next(f for f in s["failures"] if f["kind"] == "corrupt_newest")

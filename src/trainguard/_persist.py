@@ -112,6 +112,7 @@ def persist(
         return result
     m = manifest_box[0]
     mgr._manifest_chunks[step] = set(m.chunks)
+    mgr._manifest_metrics[step] = dict(m.metrics)
     result = SaveResult(
         step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
     )

@@ -263,6 +263,47 @@ def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:
     return CheckpointInfo(step, "incomplete", size, iso(t) if t else None, t, problem, str(path))
 
 
+def is_run_root(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds step directories, a chunk store or an event log (cheap: one listdir)."""
+    steps, partials = step_dirs(path)
+    p = Path(path)
+    return bool(steps or partials) or (p / "chunks").is_dir() or (p / "events").is_dir()
+
+
+def find_run_roots(parent: str | os.PathLike[str], *, max_depth: int = 2, limit: int = 20) -> list[Path]:
+    """Run roots inside ``parent`` (not ``parent`` itself), at most ``max_depth`` levels down, sorted by path.
+
+    Used to name the runs of a folder given where a run root was expected (``trainguard ls runs/``). Does
+    not descend into a run root nor follow symlinks; stops after ``limit`` roots.
+
+    Args:
+        parent: the folder to search.
+        max_depth: how many levels below ``parent`` to look (1: its direct subfolders).
+        limit: the most run roots returned.
+
+    Returns:
+        The run roots found, in path order.
+    """
+    found: list[Path] = []
+
+    def visit(d: Path, depth: int) -> None:
+        try:
+            subs = sorted((e for e in os.scandir(d) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in subs:
+            if len(found) >= limit:
+                return
+            sub = Path(e.path)
+            if is_run_root(sub):
+                found.append(sub)
+            elif depth < max_depth:
+                visit(sub, depth + 1)
+
+    visit(Path(parent), 1)
+    return found
+
+
 def scan(
     root: str | os.PathLike[str], store: ChunkStore | None = None, *, failed_saves: bool = False
 ) -> list[CheckpointInfo]:

@@ -124,6 +124,15 @@ def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
     return plan
 
 
+def after_step(fault: dict[str, Any]) -> int:
+    """The step a planned failure hits, as the supervisor reports it: the last step done when it fires.
+
+    ``kill_step`` fires in the middle of step ``s`` (so after step ``s - 1``); the other kinds fire once step
+    ``s`` and its ``maybe_save`` are done.
+    """
+    return int(fault["step"]) - 1 if fault["kind"] == "kill_step" else int(fault["step"])
+
+
 def _train_cmd(script: Path, root: Path, cfg: DemoConfig, plan_file: Path | None) -> list[str]:
     cmd = [
         sys.executable,
@@ -212,7 +221,7 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
     plan_file = out / "fault_plan.json"
     plan_file.write_text(json.dumps(plan, indent=1))
     for f in plan:
-        echo(f"planned failure: {KIND_LABELS[f['kind']]} at step {f['step']} (attempt {f['attempt']})")
+        echo(f"planned failure: {KIND_LABELS[f['kind']]} after step {after_step(f)} (attempt {f['attempt']})")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -305,7 +314,9 @@ def summarize(
         failures.append(
             {
                 "kind": f["kind"],
-                "step": f["step"],
+                # the supervisor's own record of the step (the last heartbeat), the planned one if it has none
+                "step": fev.get("last_step") if fev and fev.get("last_step") is not None else after_step(f),
+                "planned_step": after_step(f),
                 "cause": fev.get("cause") if fev else None,
                 "steps_lost": rec.steps_lost if rec else None,
                 "ttr_s": rec.ttr_s if rec else None,

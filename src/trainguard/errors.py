@@ -7,6 +7,16 @@ problem and the fix.
 
 from __future__ import annotations
 
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without terminal escape sequences (torch colours some of its messages), for error messages and
+    logs that may be read in a file or a CI log."""
+    return _ANSI.sub("", text)
+
 
 class TrainguardError(Exception):
     """Root of every trainguard error."""

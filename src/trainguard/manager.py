@@ -111,7 +111,8 @@ class CheckpointManager:
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
         if not isinstance(self.save_policy, SavePolicy):
             raise ConfigError(
-                f"save_policy must have should_save()/record_save(), got {type(save_policy).__name__}"
+                f"save_policy must have should_save()/record_save() (e.g. tg.EveryNSteps(100)), got "
+                f"{type(save_policy).__name__}"
             )
         self.retention = as_retention(keep)
         self.options = WriterOptions(
@@ -166,6 +167,7 @@ class CheckpointManager:
         self._events: EventLog | None = None
         self._first_step_logged = False
         self._manifest_chunks: dict[int, set[str]] = {}
+        self._manifest_metrics: dict[int, dict[str, Any]] = {}
         if read_only:
             if not self.root.is_dir():
                 raise ConfigError(f"run root {self.root} does not exist")
@@ -256,12 +258,31 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------------------
     def maybe_save(
-        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
     ) -> PendingSave | None:
         """Beat the heartbeat and save if the save policy says so (or a preemption was requested).
 
-        Returns the PendingSave, or None when no save was due. Raises what ``save`` raises, including the
-        error of an earlier background save.
+        Args:
+            step: the step just completed.
+            state: what ``save`` takes.
+            metrics: numbers recorded in the manifest (e.g. loss; ``KeepBest`` ranks by them).
+            force: save whatever the policy says, e.g. ``force=step == total_steps`` so the final steps of a
+                run whose length is not a multiple of the interval are not lost at a normal end. No second
+                save when this step is already committed or being saved; a forced save waits for a free
+                staging buffer even with ``when_busy="skip"``. Under torch.distributed pass the same value on
+                every rank.
+
+        Returns:
+            The PendingSave, or None when no save was due.
+
+        Raises:
+            TrainguardError: what ``save`` raises (``SaveError``, ``CheckpointExistsError``, ``ConfigError``),
+                including the error of an earlier background save.
         """
         from .recovery.heartbeat import heartbeat, preemption_requested
 
@@ -278,6 +299,10 @@ class CheckpointManager:
             self.close()
             exit_after_preemption_save()
         self._raise_background_error()
+        if force:
+            if step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+                return None  # the policy already saved this step
+            return self._save(step, state, metrics=metrics, metadata=None, overwrite=False, block=True)
         if self._should_save(step):
             return self._save(
                 step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"

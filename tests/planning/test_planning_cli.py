@@ -75,6 +75,14 @@ def test_a_per_gpu_mtbf_is_divided_by_the_gpus() -> None:
         (["--checkpoint-time", "5min", "--mtbf", "24h", "--price", "two dollars"], "cannot read"),
         (["--mtbf", "24h"], "--checkpoint-time"),
         (["--checkpoint-time", "5min"], "no MTBF given"),
+        (["--params", "70B", "--mtbf", "72", "--write-bandwidth", "20GB/s"], "'72' has no unit"),
+        (["--params", "70B", "--mtbf", "72h", "--write-bandwidth", "20"], "'20' has no unit"),
+        (["--checkpoint-time", "300", "--mtbf", "24h"], "'300' has no unit"),
+        (["--params", "70B", "--mtbf", "72h", "--write-bandwidth", "20gb/s"], "gigabits"),
+        (["--params", "70B", "--mtbf", "72s", "--write-bandwidth", "20GB/s"], "goodput -95.8%"),
+        (["--params", "70B", "--mtbf", "72s", "--write-bandwidth", "20GB/s"], "outside [0, 100%]"),
+        (["--checkpoint-time", "5min", "--mtbf", "1min"], "longer than the job's MTBF of 1 min"),
+        (["--checkpoint-time", "5min", "--mtbf", "24h", "--compare", "30h"], "compared interval of 30 h"),
     ],
 )
 def test_bad_input_to_plan_exits_2_with_a_message_naming_the_problem(args, fragment: str) -> None:
@@ -117,6 +125,16 @@ def test_simulate_prints_goodput_percentiles_and_the_comparison() -> None:
             "persist latency",
         ),
         (["--mtbf", "24h"], "--checkpoint-time"),
+        (["--checkpoint-time", "5min", "--mtbf", "72"], "'72' has no unit"),
+        (
+            ["--checkpoint-time", "5min", "--mtbf", "1min", "--no-sweep"],
+            "interval 300 s (no --interval given: the optimum for C = 5 min and MTBF = 1 min",
+        ),
+        (
+            ["--checkpoint-time", "5min", "--mtbf", "1min", "--interval", "2min"],
+            "interval 120 s (--interval)",
+        ),
+        (["--checkpoint-time", "20s", "--mtbf", "2min"], "longest of the sweep, 3 x Daly's optimum"),
     ],
 )
 def test_bad_input_to_simulate_exits_2(args, fragment: str) -> None:
@@ -129,3 +147,29 @@ def test_help_lists_plan_and_simulate() -> None:
     code, out = run("--help")
     assert code == 0
     assert "plan" in out and "simulate" in out
+
+
+def test_a_plan_that_is_printed_never_has_goodput_outside_0_1_nor_an_interval_beyond_the_mtbf() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from trainguard.errors import ConfigError
+    from trainguard.planning.capacity import JobSpec, plan_job
+
+    seconds = st.floats(min_value=0.1, max_value=1e7, allow_nan=False)
+
+    @settings(max_examples=300, deadline=None)
+    @given(c=seconds, m=seconds, r=st.floats(min_value=0, max_value=1e6), t=st.one_of(st.none(), seconds))
+    def check(c: float, m: float, r: float, t: float | None) -> None:
+        try:
+            plan = plan_job(
+                JobSpec(checkpoint_s=c, mtbf_s=m, restart_s=r, compare_intervals_s=() if t is None else (t,))
+            )
+        except ConfigError as e:
+            assert "MTBF" in str(e)
+            return
+        assert 0.0 <= plan.goodput <= 1.0 and plan.interval_s <= plan.mtbf_s
+        for point in plan.comparisons:
+            assert 0.0 <= point.goodput <= 1.0 and point.interval_s <= plan.mtbf_s
+
+    check()

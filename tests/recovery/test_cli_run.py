@@ -106,3 +106,23 @@ def test_a_signal_to_the_supervisor_is_forwarded_to_the_job_and_nothing_restarts
     [stop] = read_events(tmp_path / "root", event="stop")
     assert stop["signal"] == sig.name and stop["job_exit_code"] == 75
     assert "stopped" in out
+
+
+def test_run_of_a_missing_command_says_command_not_found_and_prints_no_empty_table(tmp_path):
+    result = CliRunner().invoke(main, ["run", "--root", str(tmp_path / "root"), "--", "/nonexistent/cmd"])
+    assert result.exit_code == 127
+    assert "command not found: '/nonexistent/cmd'" in result.output
+    assert "attempts" not in result.output.split("status:")[0]  # no empty attempts table before the status
+    assert "event log: " + str(tmp_path / "root" / "events") in result.output
+
+
+def test_run_without_a_double_dash_says_where_the_event_log_went_and_why(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRAINGUARD_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("import sys\n")
+    result = CliRunner().invoke(main, ["run", sys.executable, str(script), "--root", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert "the --root after COMMAND goes to the job" in result.output
+    log = tmp_path / "trainguard-run" / "events"
+    assert f"event log {log}" in result.output and any(log.iterdir())

@@ -437,3 +437,43 @@ def test_a_job_that_dies_before_its_first_heartbeat_gives_up_after_the_no_progre
     result = Supervisor([sys.executable, "-c", "raise SystemExit(1)"], cfg, echo=lambda m: None).run()
     assert result.exit_code == EXIT_NO_PROGRESS and result.reason == "no_progress"
     assert len(result.attempts) == 3, "the first attempt and two restarts, not ten"
+
+
+@pytest.mark.parametrize("program", ["no-such-program-xyz", "/nonexistent/cmd"])
+def test_a_command_that_is_not_found_is_named_as_not_found_in_the_message_result_and_event(tmp_path, program):
+    messages: list[str] = []
+    result = supervise([program], fast(tmp_path), messages)
+    assert result.exit_code == 127 and result.error is not None
+    assert result.error.startswith("command not found") and repr(program) in result.error
+    assert any("command not found" in m for m in messages)
+    assert read_events(tmp_path / "root", event="spawn_error")[0]["error"] == result.error
+    assert result.to_dict()["error"] == result.error
+
+
+def test_a_file_that_is_not_executable_is_named_as_such(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    result = supervise([str(script)], fast(tmp_path))
+    assert result.exit_code == 127 and "not executable" in (result.error or "")
+
+
+def test_the_supervisor_says_where_its_event_log_is(tmp_path, job, monkeypatch):
+    monkeypatch.delenv("TRAINGUARD_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    messages: list[str] = []
+    result = supervise(job({"end": 1}), fast(tmp_path, root=None), messages)
+    assert result.event_log is not None and Path(result.event_log).is_file()
+    assert Path(result.event_log).parent == tmp_path / "trainguard-run" / "events"
+    first = messages[0]
+    assert result.event_log in first and "no --root given" in first
+
+
+def test_the_step_a_failure_hit_is_the_last_heartbeat_in_the_message_event_and_recovery(tmp_path, job):
+    messages: list[str] = []
+    result = supervise(
+        job({"end": 91, "then": "signal:SIGKILL"}, {"start": 92, "end": 93}), fast(tmp_path), messages
+    )
+    assert result.exit_code == 0
+    assert any("failed (killed by SIGKILL), after step 91" in m for m in messages), messages
+    assert read_events(tmp_path / "root", event="failure")[0]["last_step"] == 91
+    assert result.failures[0].last_step == 91 and result.recoveries[0].last_step == 91

@@ -119,7 +119,7 @@ def print_summary(s: dict) -> None:
         f"max {ck['max_block_s'] * 1000:.1f} ms, persist mean {ck['mean_persist_s'] * 1000:.0f} ms"
     )
     t = Table(title="failures and time-to-resume (TTR, seconds)")
-    for col in ("failure", "at step", "resumed from", "steps lost", "TTR", "phases"):
+    for col in ("failure", "after step", "resumed from", "steps lost", "TTR", "phases"):
         t.add_column(col, justify="left" if col in ("failure", "phases") else "right")
     for f in s["failures"]:
         ok = f["recovered"] and f["resumed_from_newest_valid"]

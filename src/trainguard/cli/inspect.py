@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ..catalog import read_manifest, scan
+from ..catalog import find_run_roots, inspect_step, is_run_root, read_manifest, scan, step_dirs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import MANIFEST_NAME, TensorEntry
+from ..format import MANIFEST_NAME, TensorEntry, step_dir_name
 from ..recovery.events import read_events
 from .main import main
 
@@ -51,11 +52,15 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, time}.")
 def ls_cmd(root: str, as_json: bool) -> None:
-    """List the checkpoints under ROOT with status (valid / corrupt / incomplete), size and time."""
+    """List the checkpoints under ROOT with status (valid / unverified / corrupt / incomplete), size and time."""
     p = _root(root)
-    infos = scan(p, failed_saves=True)
+    infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
     if as_json:
+        if not infos:
+            hint = _runs_hint(p, "ls")
+            if hint:
+                click.echo(f"no checkpoints in {p}{hint}", err=True)
         rows = []
         for i in infos:
             row: dict[str, Any] = i.to_json()
@@ -65,11 +70,15 @@ def ls_cmd(root: str, as_json: bool) -> None:
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"checkpoints in {p}")
-    for col in ("step", "status", "size", "time", "block s", "persist s", "problem"):
-        table.add_column(col, justify="right" if col in ("step", "size", "block s", "persist s") else "left")
+    for col in ("step", "status", "size", "time (UTC)", "block s", "persist s"):
+        # fold: a value that does not fit wraps onto the next line, never cut with an ellipsis
+        right = col in ("step", "size", "block s", "persist s")
+        table.add_column(col, justify="right" if right else "left", overflow="fold")
+    problems = []
     for i in infos:
         ev = timings.get(i.step, {})
         color = {"valid": "green", "unverified": "cyan", "corrupt": "red", "incomplete": "yellow"}[i.status]
@@ -77,12 +86,34 @@ def ls_cmd(root: str, as_json: bool) -> None:
             str(i.step),
             f"[{color}]{i.status}[/]",
             human_bytes(i.bytes),
-            i.time or "",
+            (i.time or "")[:19].replace("T", " "),
             _fmt_s(ev.get("block_s")),
             _fmt_s(ev.get("persist_s")),
-            (i.problem or "")[:80],
         )
-    console().print(table if infos else f"no checkpoints in {p}")
+        if i.problem:
+            problems.append(f"step {i.step} [{color}]{i.status}[/]: {escape(i.problem)}")
+    if infos:
+        c = console()
+        c.print(table)
+        # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
+        for line in problems:
+            c.print(line, highlight=False, overflow="fold")
+    else:
+        click.echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+
+
+def _runs_hint(p: Path, command: str) -> str:
+    """Where ``p`` holds no checkpoints: the run roots inside it, and the command to run on one of them."""
+    if is_run_root(p):
+        return " yet"
+    runs = find_run_roots(p)
+    if not runs:
+        return " (not a run root: it holds no step-N directories, chunks/ or events/)"
+    names = ", ".join(str(r) for r in runs)
+    return (
+        f"; it is not a run root but holds {len(runs)} run root(s): {names}. "
+        f"Give one of them, e.g. `trainguard {command} {runs[0]}`"
+    )
 
 
 def _fmt_s(x: Any) -> str:
@@ -94,14 +125,22 @@ def _fmt_s(x: Any) -> str:
 @click.argument("step", required=False, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
-    """Show what the checkpoint of STEP (default: the newest valid or unverified one) under ROOT holds, and its
-    status as ``ls`` lists it."""
+    """Show what the checkpoint of STEP (default: the newest valid or unverified one) under ROOT holds.
+
+    Lists every entry (tensors with dtype, shape and bytes; non-tensor values such as a loader position or
+    a scheduler's state with their stored value) and the metrics. Exit 1 when the checkpoint is not valid
+    (a missing or damaged chunk, a recorded CRC32C mismatch): what can still be read is shown with the
+    problem.
+    """
+    from ..incremental.chunkstore import ChunkStore
+
     p = _root(root)
-    listed = {i.step: i for i in scan(p)}
+    store = ChunkStore(p)
     if step is None:
-        valid = [s for s, i in sorted(listed.items()) if i.usable]
+        valid = [i.step for i in scan(p, store) if i.usable]  # what restore_latest would try first
         if not valid:
-            click.echo(f"no valid checkpoint in {p}", err=True)
+            hint = "" if step_dirs(p)[0] else _runs_hint(p, "info")
+            click.echo(f"no valid checkpoint in {p}{hint}", err=True)
             sys.exit(1)
         step = valid[-1]
     try:
@@ -111,6 +150,43 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     except CorruptCheckpointError as e:
         click.echo(f"step {step}: {e}", err=True)
         sys.exit(1)
+    status = inspect_step(p, step, p / step_dir_name(step), store)[0]
+    entries = _entries(store, m)
+    summary = {
+        "step": m.step,
+        "status": status.status,
+        "problem": status.problem,
+        "time": m.time,
+        "world_size": m.world_size,
+        "format_version": m.format_version,
+        "bytes": m.bytes,
+        "chunks": len(m.chunks),
+        "metrics": json_safe(m.metrics),
+        "metadata": json_safe(m.metadata),
+        "top_level": m.top_level,
+        "entries": entries,
+    }
+    bad = status.status in ("corrupt", "incomplete")  # a status that only lacks a full read is not a failure
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, allow_nan=False))
+        if bad:
+            click.echo(f"step {step} is {status.status}: {status.problem}", err=True)
+        sys.exit(1 if bad else 0)
+    _print_info(summary)
+    if bad:
+        click.echo(
+            f"step {step} is {status.status}: {status.problem}; it will not be restored "
+            f"(`trainguard verify {root} --step {step}` re-reads every chunk)",
+            err=True,
+        )
+        sys.exit(1)
+
+
+def _entries(store: Any, m: Any) -> list[dict[str, Any]]:
+    """One row per manifest entry; values are decoded safely (JSON or weights_only) and made JSON-safe."""
+    from ..integrity.verify import read_value
+
+    cache: dict[str, bytearray] = {}
     entries: list[dict[str, Any]] = []
     for fqn, ent in m.entries.items():
         if isinstance(ent, TensorEntry):
@@ -124,47 +200,92 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
                     "bytes": sum(s.nbytes for s in ent.shards),
                 }
             )
-        else:
-            entries.append({"fqn": fqn, "kind": "value", "codec": ent.codec})
-    summary = {
-        "step": m.step,
-        "time": m.time,
-        "world_size": m.world_size,
-        "format_version": m.format_version,
-        "bytes": m.bytes,
-        "chunks": len(m.chunks),
-        "metrics": m.metrics,
-        "metadata": m.metadata,
-        "top_level": m.top_level,
-        "entries": entries,
-        "status": listed[step].status if step in listed else None,  # as `ls` lists it (the last full read)
-        "problem": listed[step].problem if step in listed else None,
-    }
-    if as_json:
-        click.echo(json.dumps(summary, indent=1))
-        return
+            continue
+        row: dict[str, Any] = {"fqn": fqn, "kind": "value", "codec": ent.codec}
+        try:
+            row["value"] = json_safe(read_value(store, m, ent, cache=cache))
+        except CorruptCheckpointError as e:
+            row["value"] = None
+            row["error"] = str(e)
+        entries.append(row)
+    return entries
+
+
+def json_safe(x: Any, depth: int = 0) -> Any:
+    """``x`` as strict JSON: tuples become lists, non-str keys strings, NaN/inf and other objects their repr."""
+    if depth > 50:
+        return repr(x)
+    if x is None or isinstance(x, (bool, str, int)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else repr(x)
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in x]
+    if isinstance(x, dict):
+        return {str(k): json_safe(v, depth + 1) for k, v in x.items()}
+    return repr(x)
+
+
+_VALUE_CHARS = 160
+
+
+def _value_rows(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(label, text)`` lines for a value: one line, or one per key of a dict too long for one line."""
+    if "error" in row:
+        return [(row["fqn"], f"unreadable: {row['error']}")]
+    value = row["value"]
+    if isinstance(value, dict) and value and len(json.dumps(value)) > _VALUE_CHARS:
+        head = [(row["fqn"], f"{{{len(value)} keys}}")]
+        return head + [(f"  .{k}", _show_value(v)) for k, v in value.items()]
+    return [(row["fqn"], _show_value(value))]
+
+
+def _show_value(value: Any) -> str:
+    text = json.dumps(value, separators=(", ", ": "))
+    if len(text) > _VALUE_CHARS:
+        # Elided visibly at a separator, never inside a number or a key: --json prints the whole value.
+        cut = max(text.rfind(", ", 0, _VALUE_CHARS), text.rfind(": ", 0, _VALUE_CHARS))
+        head = text[: cut if cut > 0 else _VALUE_CHARS]
+        text = f"{head}, ... (+{len(text) - len(head)} chars; --json shows all)"
+    return text
+
+
+def _print_info(summary: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     c = console()
     c.print(
-        f"[bold]step {m.step}[/]  {m.time}  world size {m.world_size}  format v{m.format_version}  "
-        f"{human_bytes(m.bytes)} in {len(m.chunks)} chunks"
+        f"[bold]step {summary['step']}[/]  {summary['time']}  world size {summary['world_size']}  "
+        f"format v{summary['format_version']}  {human_bytes(summary['bytes'])} in {summary['chunks']} chunks"
     )
-    if summary["status"] is not None:
-        c.print(f"status: {summary['status']}" + (f" ({summary['problem']})" if summary["problem"] else ""))
-    if m.metrics:
-        c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in m.metrics.items()))
+    if summary["status"] != "valid":
+        problem = f": {escape(str(summary['problem']))}" if summary["problem"] else ""
+        color = "cyan" if summary["status"] == "unverified" else "red"
+        c.print(f"[{color}]{summary['status']}[/]{problem}")
+    if summary["metrics"]:
+        c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in summary["metrics"].items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
-        table.add_column(col)
-    for row in entries:
-        table.add_row(
-            row["fqn"],
-            row["kind"],
-            row.get("dtype") or row.get("codec", ""),
-            str(row.get("shape", "")),
-            human_bytes(row["bytes"]) if "bytes" in row else "",
-        )
+        table.add_column(col, overflow="fold")  # wrap, never cut a name or a shape
+    table.add_column("value", overflow="fold")
+    for row in summary["entries"]:
+        if row["kind"] == "tensor":
+            table.add_row(
+                row["fqn"], "tensor", row["dtype"], str(row["shape"]), human_bytes(row["bytes"]), ""
+            )
+            continue
+        style = "red" if "error" in row else "none"
+        for i, (label, text) in enumerate(_value_rows(row)):
+            first = i == 0
+            table.add_row(
+                escape(label),
+                "value" if first else "",
+                row["codec"] if first else "",
+                "",
+                "",
+                f"[{style}]{escape(text)}[/]",
+            )
     c.print(table)
 
 
@@ -187,8 +308,19 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     p = _root(root)
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
-    dirs, _ = step_dirs(p)
+    dirs, partials = step_dirs(p)
     committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
+    if not committed and step is None:
+        # Nothing to check is a failed check: a mistyped root must not pass.
+        what = "no committed checkpoint" if dirs or partials else "no checkpoints"
+        hint = "" if dirs or partials else _runs_hint(p, "verify")
+        message = f"{what} in {p}{hint}; nothing was verified"
+        if as_json:
+            click.echo(
+                json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message})
+            )
+        click.echo(f"FAILED: {message}", err=True)
+        sys.exit(1)
     if step is not None:
         steps: list[int] | None = [step]
     elif all_steps:
@@ -212,8 +344,6 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:
-        if not report.checked:
-            click.echo(f"no committed checkpoints in {p}")
         for s in report.checked:
             bad = [c for c in report.corrupt if c["step"] == s]
             if not bad:

@@ -78,7 +78,11 @@ def _console() -> Any:
 
 
 @main.command("plan")
-@click.option("--checkpoint-time", type=DURATION, help="C: seconds a save blocks training (e.g. 7s, 5min).")
+@click.option(
+    "--checkpoint-time",
+    type=DURATION,
+    help="C: how long a save blocks training, with a unit (e.g. 7s, 5min).",
+)
 @click.option("--persist-time", type=DURATION, help="L: save start to durable, for async saves (e.g. 2min).")
 @click.option(
     "--restart-time", type=DURATION, help="R: detection to training again [default: the load time]."
@@ -138,7 +142,10 @@ def plan_cmd(**kw: Any) -> None:
     A job:     trainguard plan --params 70B --precision bf16 --gpus 1024 --write-bandwidth 20GB/s \\
                    --mtbf 72h --price '$2.50' --run-length 30d --compare 4h --compare 6h
 
-    Units: 70B, 72h, 5min, 20GB/s, $2.50. See docs/PLANNING.md for the formulas.
+    Units: 70B, 72h, 5min, 20GB/s, $2.50. Durations and rates need a unit (a bare 72 is refused: hours or
+    seconds?), and an all-lower-case 20gb/s is refused as ambiguous (GB/s bytes, Gb/s bits). A plan whose
+    interval exceeds the MTBF or whose goodput falls outside [0, 100%] is refused (exit 2). See
+    docs/PLANNING.md for the formulas.
     """
     try:
         spec = JobSpec(
@@ -267,7 +274,12 @@ def _print_plan(p: dict[str, Any]) -> None:
 
 
 @main.command("simulate")
-@click.option("--checkpoint-time", type=DURATION, required=True, help="C: seconds a save blocks training.")
+@click.option(
+    "--checkpoint-time",
+    type=DURATION,
+    required=True,
+    help="C: how long a save blocks training, with a unit (e.g. 7s).",
+)
 @click.option("--mtbf", type=POSITIVE_DURATION, required=True, help="The job's mean time between failures.")
 @click.option("--persist-time", type=DURATION, help="L: save start to durable, for async saves.")
 @click.option(
@@ -316,10 +328,19 @@ def simulate_cmd(**kw: Any) -> None:
             seed=kw["seed"],
         )
         c, m = config.checkpoint_s, config.mtbf_s
-        interval = kw["interval"] or optimal_interval_s(c, m, persist_s=config.persist_s)
+        d = units.format_duration
+        if kw["interval"]:
+            interval, source = kw["interval"], "--interval"
+        else:
+            interval = optimal_interval_s(c, m, persist_s=config.persist_s)
+            floor = "L" if config.persist_s is not None else "C"
+            source = (
+                f"no --interval given: the optimum for C = {d(c)} and MTBF = {d(m)}, the larger of Daly's "
+                f"{d(daly_interval_s(c, m))} and {floor} = {d(config.effective_persist_s)}"
+            )
         if interval <= 0:
             raise ConfigError("the checkpoint time is 0, so give the interval to simulate with --interval")
-        result = simulate(config, interval)
+        result = simulate(config, interval, source=source)
         out: dict[str, Any] = {
             "inputs": {k: v for k, v in vars(config).items()},
             "young_interval_s": young_interval_s(c, m),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError
-from ..recovery.supervisor import EXIT_CODES, Backoff, RunResult, Supervisor, SupervisorConfig
+from ..recovery.supervisor import EXIT_CODES, ROOT_ENV, Backoff, RunResult, Supervisor, SupervisorConfig
 from ..recovery.ttr import PHASES
 from .main import main
 
@@ -97,6 +98,14 @@ def run_command(
     """
     if not command:
         raise click.UsageError("no COMMAND given; usage: trainguard run [OPTIONS] -- COMMAND [ARGS]...")
+    job_root = next((a for a in command if a == "--root" or a.startswith("--root=")), None)
+    if root is None and job_root is not None and not os.environ.get(ROOT_ENV):
+        click.echo(
+            "[trainguard] note: the --root after COMMAND goes to the job, not to `trainguard run`, so the "
+            "supervisor's event log goes to the default root (its path follows). Give the supervisor the "
+            "same root before COMMAND: trainguard run --root R -- python train.py --root R",
+            err=True,
+        )
     try:
         config = SupervisorConfig(
             max_restarts=max_restarts,
@@ -158,7 +167,8 @@ def print_summary(result: RunResult, console: Console) -> None:
             "-" if a.last_step is None else str(a.last_step),
             _fmt(a.t_end - a.t_start),
         )
-    console.print(attempts)
+    if result.attempts:
+        console.print(attempts)
     if result.recoveries:
         rec = Table(title="recoveries (time-to-resume, seconds)", title_justify="left", box=box.SIMPLE_HEAD)
         for col in ("restart", "restored", "lost", "ttr", *(_PHASE_HEADERS[p] for p in PHASES)):
@@ -172,8 +182,12 @@ def print_summary(result: RunResult, console: Console) -> None:
                 *(_fmt(r.phases.get(p)) for p in PHASES),
             )
         console.print(rec)
-    reason = f" ({result.reason})" if result.reason else ""
+    reason = f" ({result.error or result.reason})" if result.error or result.reason else ""
     console.print(
         f"status: {result.status}{reason}; attempts {len(result.attempts)}, failures {len(result.failures)}; "
-        f"exit code {result.exit_code}"
+        f"exit code {result.exit_code}",
+        highlight=False,
+        markup=False,
     )
+    if result.event_log:
+        console.print(f"event log: {result.event_log}", highlight=False, markup=False)

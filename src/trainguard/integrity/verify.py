@@ -184,21 +184,14 @@ def _check_values(
 ) -> None:
     """Decode every stored (non-inline) value the way restore would, so an unsafe payload (a pickle that
     ``torch.load(weights_only=True)`` refuses) is reported here too, not only at restore."""
-    from ..state.values import TAG_JSON, TAG_TORCH, decode_value
-
     cache: dict[str, bytearray] = {}
     for fqn, e in m.entries.items():
         if not isinstance(e, ValueEntry) or e.segments is None:
             continue
         if any(chunk_ok.get(seg.chunk) is not None for seg in e.segments):
             continue  # its chunk is already reported
-        data = bytearray()
-        for seg in e.segments:
-            if seg.chunk not in cache:
-                cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=step)
-            data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
         try:
-            decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), fqn)
+            read_value(store, m, e, cache=cache)
         except CorruptCheckpointError as err:
             report.ok = False
             report.corrupt.append(
@@ -209,3 +202,34 @@ def _check_values(
                     "problem": str(err),
                 }
             )
+
+
+def read_value(
+    store: ChunkStore, m: Manifest, e: ValueEntry, *, cache: dict[str, bytearray] | None = None
+) -> Any:
+    """Decode one stored non-tensor value of a checkpoint the way restore does (never executes code).
+
+    Args:
+        store: the run root's chunk store.
+        m: the checkpoint's manifest.
+        e: the value's entry in ``m``.
+        cache: chunks already read, by content hash (filled in), so values sharing a chunk read it once.
+
+    Returns:
+        The value: inline JSON, JSON from its chunk, or ``torch.load(weights_only=True)`` of its bytes.
+
+    Raises:
+        CorruptCheckpointError: a chunk it lives in is missing or fails its CRC32C, or the payload does not
+            decode (``UnsafeCheckpointError`` when ``weights_only`` refuses it).
+    """
+    from ..state.values import TAG_JSON, TAG_TORCH, decode_value
+
+    if e.segments is None:
+        return e.value
+    cache = {} if cache is None else cache
+    data = bytearray()
+    for seg in e.segments:
+        if seg.chunk not in cache:
+            cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=m.step)
+        data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
+    return decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), e.fqn)

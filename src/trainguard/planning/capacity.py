@@ -300,6 +300,36 @@ def p_any_failure(run_s: float, mtbf_s: float) -> float:
     return -math.expm1(-float(run_s) / float(mtbf_s))
 
 
+def _check_model_applies(
+    what: str, interval_s: float, waste: float, c: float, restart: float, detect: float, mtbf: float
+) -> None:
+    """Refuse a plan whose interval exceeds the MTBF or whose waste leaves [0, 1]: the model does not hold.
+
+    Raises:
+        ConfigError: naming the interval, the numbers that put it outside the model, and what to check.
+    """
+    d = format_duration
+    inputs = (
+        f"C = {d(c)}, R = {d(restart)}" + (f", D = {d(detect)}" if detect else "") + f", MTBF = {d(mtbf)}"
+    )
+    fix = (
+        "Check the units (an MTBF of 72 hours is --mtbf 72h); otherwise the checkpoint and restart must take "
+        "well under the MTBF for any interval to make progress"
+    )
+    if interval_s > mtbf:
+        raise ConfigError(
+            f"{what} of {d(interval_s)} is longer than the job's MTBF of {d(mtbf)} ({inputs}): most "
+            f"intervals would end in a failure before their checkpoint, so the interval model does not apply. "
+            f"{fix}"
+        )
+    if not 0.0 <= waste <= 1.0:
+        raise ConfigError(
+            f"at {what} of {d(interval_s)} the expected waste would be {100 * waste:.1f}% (goodput "
+            f"{100 * (1 - waste):.1f}%), outside [0, 100%] ({inputs}): the first-order model does not apply "
+            f"when a failure costs about as much as the time between failures. {fix}"
+        )
+
+
 def plan_job(spec: JobSpec) -> Plan:
     """Derive the checkpoint plan of a job.
 
@@ -310,7 +340,8 @@ def plan_job(spec: JobSpec) -> Plan:
         The plan; see :class:`Plan` for the fields.
 
     Raises:
-        ConfigError: on inconsistent inputs.
+        ConfigError: on inconsistent inputs, and where the model does not apply: an interval (recommended or
+            compared) longer than the MTBF, or an expected waste outside [0, 1] (negative goodput).
     """
     gpus = int(spec.gpus)
     mtbf = (
@@ -379,6 +410,8 @@ def plan_job(spec: JobSpec) -> Plan:
         return expected_waste_fraction(t, c, mtbf, restart_s=restart, detect_s=detect, persist_s=persist)
 
     waste = waste_at(interval)
+    what = "the recommended interval" + (" (never shorter than the save itself)" if interval > opt else "")
+    _check_model_applies(what, interval, waste, c, restart, detect, mtbf)
     exact = None
     if persist is None:
         exact = expected_waste_fraction_exact(interval, c, mtbf, restart_s=restart, detect_s=detect)
@@ -427,6 +460,7 @@ def plan_job(spec: JobSpec) -> Plan:
     comparisons = []
     for t in spec.compare_intervals_s:
         w = waste_at(float(t))
+        _check_model_applies("the compared interval", float(t), w, c, restart, detect, mtbf)
         point: dict[str, Any] = {
             "interval_s": float(t),
             "waste_fraction": w,

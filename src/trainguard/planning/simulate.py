@@ -175,7 +175,11 @@ def _sampler(config: SimulationConfig) -> Callable[[np.random.Generator, int], n
     return lambda rng, n: rng.weibull(k, n) * scale
 
 
-def _check_intervals(config: SimulationConfig, intervals_s: Sequence[float] | np.ndarray) -> np.ndarray:
+def _check_intervals(
+    config: SimulationConfig, intervals_s: Sequence[float] | np.ndarray, source: str | None = None
+) -> np.ndarray:
+    """The intervals as an array, refused (naming where they came from: ``source``) where the model fails."""
+    where = f" ({source})" if source else ""
     taus = np.asarray(intervals_s, dtype=float).reshape(-1)
     if taus.size == 0:
         raise ConfigError("no interval to simulate; give at least one interval in seconds")
@@ -183,7 +187,7 @@ def _check_intervals(config: SimulationConfig, intervals_s: Sequence[float] | np
         raise ConfigError(f"intervals must be positive seconds, got {taus.tolist()}")
     if config.persist_s is not None and np.any(taus < config.effective_persist_s):
         raise ConfigError(
-            f"interval {float(taus.min()):g} s is shorter than the persist latency L = "
+            f"interval {float(taus.min()):g} s{where} is shorter than the persist latency L = "
             f"{config.effective_persist_s:g} s; an async save must be durable before the next starts, "
             "so use an interval >= L"
         )
@@ -199,7 +203,7 @@ def _check_intervals(config: SimulationConfig, intervals_s: Sequence[float] | np
     )
     if not math.isfinite(expected) or expected / config.mtbf_s > _MAX_FAILURES_PER_TRIAL / 20:
         raise ConfigError(
-            f"with interval {longest:g} s and MTBF {config.mtbf_s:g} s a run would almost never finish "
+            f"with interval {longest:g} s{where} and MTBF {config.mtbf_s:g} s a run would almost never finish "
             "(each interval would need very many tries); use an interval well below the MTBF"
         )
     return taus
@@ -285,12 +289,13 @@ def _results(config: SimulationConfig, taus: np.ndarray) -> list[SimulationResul
     return out
 
 
-def simulate(config: SimulationConfig, interval_s: float) -> SimulationResult:
+def simulate(config: SimulationConfig, interval_s: float, *, source: str | None = None) -> SimulationResult:
     """Simulate ``config.trials`` runs at one interval.
 
     Args:
         config: the run, failure and cost model.
         interval_s: T, compute seconds between saves (> 0, and >= L for asynchronous saves).
+        source: where ``interval_s`` came from (e.g. ``"--interval"``), named in a refusal.
 
     Returns:
         Goodput and wall-time statistics over the trials.
@@ -298,7 +303,7 @@ def simulate(config: SimulationConfig, interval_s: float) -> SimulationResult:
     Raises:
         ConfigError: on a bad interval, or inputs under which a run would practically never finish.
     """
-    return _results(config, _check_intervals(config, [interval_s]))[0]
+    return _results(config, _check_intervals(config, [interval_s], source))[0]
 
 
 def default_intervals_s(config: SimulationConfig, *, points: int = 24, span: float = 3.0) -> np.ndarray:
@@ -372,9 +377,11 @@ def sweep(
     """
     if intervals_s is None:
         taus = default_intervals_s(config, points=points, span=span)
+        source = f"the longest of the sweep, {span:g} x Daly's optimum"
     else:
         taus = np.unique(np.asarray(intervals_s, dtype=float))
-    taus = _check_intervals(config, taus)
+        source = "the longest interval given to the sweep"
+    taus = _check_intervals(config, taus, source)
     results: list[SimulationResult] = []
     step = max(int(batch), 1)
     for start in range(0, taus.size, step):

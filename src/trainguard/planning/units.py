@@ -1,15 +1,19 @@
 """Parsing and formatting of the quantities a plan is made of: durations, counts, sizes, bandwidths, money.
 
-Accepted forms (whitespace between number and unit is allowed, a plain number takes the base unit):
+Accepted forms (whitespace between number and unit is allowed):
 
 - durations: ``7s``, ``500ms``, ``5min``, ``1.5h``, ``72h``, ``3d``, ``2w``, ``1y`` (365 days), compounds like
-  ``1h30min``; a plain number is seconds. ``m`` means minutes.
+  ``1h30min``. ``m`` means minutes. Text needs a unit (``72`` is refused: hours or seconds?), except ``0``;
+  a Python int or float is seconds.
 - counts: ``70B`` (billion), ``1.5T``, ``350M``, ``8k``, ``7e10``; ``G`` is accepted for billion too.
-- sizes: ``140GB`` (SI, 10^9 bytes), ``1.5TiB`` (binary, 2^40 bytes), ``800Mb`` (bits: a lower-case ``b``
-  after the prefix); a plain number is bytes.
-- bandwidths: a size per second, ``20GB/s``, ``2.5GiB/s``, ``100Gbps`` / ``100Gb/s`` (bits); a plain number
-  is bytes per second.
+- sizes: ``140GB`` (SI, 10^9 bytes), ``1.5TiB`` (binary, 2^40 bytes), ``800Mb`` (bits: an upper-case prefix
+  and a lower-case ``b``), ``12 bytes``, ``96 bits``. Text needs a unit; a Python number is bytes.
+- bandwidths: a size per second, ``20GB/s``, ``2.5GiB/s``, ``100Gb/s`` (bits), ``100Gbps`` (``bps`` is always
+  bits per second, ``Bps`` bytes). Text needs a unit; a Python number is bytes per second.
 - money: ``$2.50``, ``2.5``, ``$2.50/h``, ``2.50 USD``, ``$1,200``, ``$1.84M``.
+
+An all-lower-case size unit (``20gb/s``, ``mb``, ``b``) is refused as ambiguous: the message gives both
+readings (bytes and bits) and how to write each.
 
 Every parser raises :class:`~trainguard.errors.ConfigError` with a message that names the bad text and shows
 a valid example. The formatters produce text the parsers read back (to 4 significant digits by default).
@@ -111,6 +115,10 @@ def parse_duration_s(text: str | float, *, what: str = "duration", allow_zero: b
     if s[0] in "+-":
         sign = -1.0 if s[0] == "-" else 1.0
         s = s[1:].lstrip()
+    if _NUM_RE.fullmatch(s) is not None and float(s.replace("_", "")) != 0:
+        raise ConfigError(
+            f"{what} {text!r} has no unit; durations need one: {s}h, {s}min or {s}s (e.g. {example})"
+        )
     parts = list(_DURATION_PART_RE.finditer(s))
     if (
         not parts
@@ -167,6 +175,35 @@ def parse_count(text: str | float, *, what: str = "count") -> float:
     return value
 
 
+_PREFIX_NAMES = {"": "", "k": "kilo", "m": "mega", "g": "giga", "t": "tera", "p": "peta", "e": "exa"}
+_BIN_NAMES = {"ki": "kibi", "mi": "mebi", "gi": "gibi", "ti": "tebi", "pi": "pebi"}
+
+
+def _plain(x: float) -> str:
+    """``20,000,000,000`` rather than ``2e+10``: a reader compares the two readings digit by digit."""
+    return f"{x:,.0f}" if x >= 1 and float(x).is_integer() and x < 1e21 else f"{x:,.4g}"
+
+
+def _check_ambiguous(value: float, unit: str, text: str, what: str, per: str) -> None:
+    """Refuse an all-lower-case ``b`` unit (``gb``, ``mb``, ``b``): bytes or bits cannot be told apart."""
+    m = _SIZE_RE.match(unit)
+    if m is None or m.group("unit") != "b" or (m.group("prefix") or "") != (m.group("prefix") or "").lower():
+        return
+    prefix = m.group("prefix") or ""
+    if prefix and prefix != prefix.lower():
+        return
+    p = prefix.lower()
+    name = _BIN_NAMES[p] if p.endswith("i") else _PREFIX_NAMES[p]
+    up = p[:1].upper() + p[1:] if p else ""
+    factor = _BIN_PREFIX[p] if p.endswith("i") else _SI_PREFIX[p]
+    n = f"{value:g}"
+    raise ConfigError(
+        f"{what} {text!r} is ambiguous: {unit!r} may mean {name}bytes ({n}{up}B{per} = {_plain(value * factor)} "
+        f"bytes{per}) or {name}bits ({n}{up}b{per} = {_plain(value * factor / 8)} bytes{per}); write {n}{up}B{per} "
+        f"for bytes or {n}{up}b{per} for bits"
+    )
+
+
 def _size_factor(unit: str) -> float | None:
     """Bytes per unit for ``GB``, ``GiB``, ``Gb``, ``B``, ``bytes``, ...; None when unknown."""
     if unit == "":
@@ -199,6 +236,9 @@ def parse_bytes(text: str | float, *, what: str = "size", allow_zero: bool = Fal
         value = float(text)
     else:
         value, rest = _split_number(text, what, example)
+        if not rest and value != 0:
+            raise ConfigError(f"{what} {text!r} has no unit; give e.g. {value:g}GB or {value:g}B ({example})")
+        _check_ambiguous(value, rest, text, what, "")
         factor = _size_factor(rest)
         if factor is None:
             raise ConfigError(
@@ -233,8 +273,15 @@ def parse_bandwidth_bytes_per_s(text: str | float, *, what: str = "bandwidth") -
                 f"unknown unit {rest!r} in {what} {text!r}; use a size per second (e.g. {example})"
             )
         size, per = m.group("size"), m.group("per")
+        if not size and per is None:
+            raise ConfigError(
+                f"{what} {text!r} has no unit; rates need one: {value:g}GB/s (bytes) or {value:g}Gb/s "
+                f"(bits) (e.g. {example})"
+            )
         if size.endswith("ps") and per is None:  # "GBps", "Gbps"
             size, per = size[:-2], "ps"
+        if per != "ps":  # "bps" is bits per second whatever the prefix's case; "/s" after "gb" is not
+            _check_ambiguous(value, size, text, what, "/s")
         factor = _size_factor(size)
         if factor is None:
             raise ConfigError(

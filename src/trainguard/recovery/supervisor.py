@@ -242,6 +242,7 @@ class Supervisor:
         self._job: _Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
+        self._spawn_error: str | None = None
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -254,6 +255,9 @@ class Supervisor:
         self._log = EventLog(self.root, "supervisor")
         self._log.set_context(run_id=self.run_id)
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
+        unset = self.config.root is None and not os.environ.get(ROOT_ENV)
+        hint = " (no --root given: pass the job's checkpoint root so its restore timings join the report)"
+        self._echo(f"[trainguard] run {self.run_id}: event log {self._log.path}" + (hint if unset else ""))
         self._hb_dir = Path(tempfile.mkdtemp(prefix=f"trainguard-{self.run_id}-"))
         previous = self._install_signal_handlers()
         try:
@@ -342,7 +346,8 @@ class Supervisor:
             how = {"hang": f"hung, {how}", "preempted": "preempted, checkpoint saved"}.get(
                 result.outcome, how
             )
-            at = "no heartbeat" if result.last_step is None else f"at step {result.last_step}"
+            # "The step a failure hit" is always the last step the job reported done (its newest heartbeat).
+            at = "before any heartbeat" if result.last_step is None else f"after step {result.last_step}"
             self._echo(f"[trainguard] attempt {attempt} failed ({how}), {at}")
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
@@ -388,8 +393,9 @@ class Supervisor:
         try:
             proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
         except OSError as e:
-            self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=str(e))
-            self._echo(f"[trainguard] cannot start {self.command[0]!r}: {e}")
+            self._spawn_error = _spawn_problem(self.command[0], e)
+            self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=self._spawn_error)
+            self._echo(f"[trainguard] cannot start the job: {self._spawn_error}")
             return None
         job = _Job(proc, attempt, hb_file, t_spawn)
         self._job = job
@@ -559,6 +565,8 @@ class Supervisor:
             command=self.command,
             attempts=tuple(self._attempts),
             recoveries=tuple(self._recoveries),
+            event_log=str(self._log.path),
+            error=self._spawn_error,
         )
 
     def _install_signal_handlers(self) -> dict[int, Any]:
@@ -568,6 +576,18 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
         return previous
+
+
+def _spawn_problem(program: str, e: OSError) -> str:
+    """Why ``program`` did not start, in words a user acts on."""
+    if isinstance(e, FileNotFoundError):
+        where = "no such file" if os.sep in program else "not found on PATH"
+        return f"command not found: {program!r} ({where}); check the spelling and the path"
+    if isinstance(e, PermissionError):
+        return (
+            f"{program!r} is not executable (permission denied); `chmod +x` it or run it with its interpreter"
+        )
+    return f"{program!r} could not be started: {e}"
 
 
 def _signal_name(returncode: int | None) -> str | None:

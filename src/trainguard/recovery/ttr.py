@@ -373,6 +373,8 @@ class RunResult:
         command: the supervised command.
         attempts: every launch, in order.
         recoveries: the TTR of every recovery, in order.
+        event_log: the supervisor's event log file (JSON lines), or None.
+        error: what went wrong in words, when the command could not start (``"command not found: ..."``).
     """
 
     exit_code: int
@@ -383,6 +385,8 @@ class RunResult:
     command: tuple[str, ...]
     attempts: tuple[Attempt, ...]
     recoveries: tuple[RecoveryTiming, ...]
+    event_log: str | None = None
+    error: str | None = None
 
     @property
     def failures(self) -> list[Attempt]:
@@ -403,4 +407,6 @@ class RunResult:
             "attempt_list": [asdict(a) for a in self.attempts],
             "failures": [asdict(a) for a in self.failures],
             "recoveries": [r.to_dict() for r in self.recoveries],
+            "event_log": self.event_log,
+            "error": self.error,
         }

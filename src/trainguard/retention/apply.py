@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..catalog import read_manifest, scan, step_dirs
 from ..errors import TrainguardError
 from ..format import MANIFEST_NAME, step_dir_name
 from ..storage.local import remove_tree
+from . import select, uses_metrics
 
 if TYPE_CHECKING:
     from ..manager import CheckpointManager
@@ -33,6 +34,18 @@ def chunks_of(mgr: CheckpointManager, step: int) -> set[str] | None:
         except TrainguardError:
             return None
     return mgr._manifest_chunks[step]
+
+
+def metrics_of(mgr: CheckpointManager, step: int) -> dict[str, Any] | None:
+    """The metrics the manifest of ``step`` recorded (cached with its chunks), or None if it cannot be read."""
+    if step not in mgr._manifest_metrics:
+        try:
+            m = read_manifest(mgr.root, step)
+        except TrainguardError:
+            return None
+        mgr._manifest_metrics[step] = dict(m.metrics)
+        mgr._manifest_chunks.setdefault(step, set(m.chunks))
+    return mgr._manifest_metrics[step]
 
 
 def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
@@ -58,7 +71,10 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     valid = [i.step for i in scan(mgr.root, mgr.store) if i.usable]  # valid or unverified
     if not valid:
         return
-    keep = set(mgr.retention.keep(valid)) | {max(valid)}
+    metrics: dict[int, dict[str, Any]] = {}
+    if uses_metrics(mgr.retention):
+        metrics = {s: m for s in valid if (m := metrics_of(mgr, s)) is not None}
+    keep = select(mgr.retention, valid, metrics) | {max(valid)}
     doomed = [s for s in valid if s not in keep]
     if not doomed:
         return
@@ -74,6 +90,7 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
             pass
         remove_tree(d)
         mgr._manifest_chunks.pop(s, None)
+        mgr._manifest_metrics.pop(s, None)
         mgr._event("retention_delete", step=s)
     referenced = referenced_chunks(mgr)
     if referenced is None:

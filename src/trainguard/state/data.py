@@ -37,9 +37,10 @@ class ResumableSampler(Sampler[int]):
         num_samples: dataset length (> 0).
         shuffle: shuffle each epoch (order from ``seed`` and the epoch number).
         seed: the shuffle seed.
-        rank, world_size: when given, the sampler yields only this rank's share of every epoch (samples
+        rank: this rank; the sampler yields only its share of every epoch (samples
             ``start + rank, start + rank + world_size, ...`` of the global order), as DistributedSampler does
             without padding.
+        world_size: the number of ranks sharing every epoch (1: one process takes all samples).
 
     State (``state_dict``): ``epoch`` and ``start`` (global samples of the epoch already consumed).
     """
@@ -89,10 +90,14 @@ class ResumableLoader:
     Args:
         dataset: a map-style dataset.
         batch_size: samples per batch (per rank).
-        shuffle, seed: per-epoch order (see :func:`epoch_permutation`).
+        shuffle: shuffle every epoch; the order is a function of ``(seed, epoch)`` (see
+            :func:`epoch_permutation`).
+        seed: the shuffle seed.
         drop_last: drop the last incomplete batch of each epoch.
-        rank, world_size: shard every epoch across ranks (the global position is shared; resuming at another
-            world size continues the same global order, so no sample of the epoch is repeated or skipped).
+        rank: this rank when every epoch is sharded across ranks (the global position is shared; resuming at
+            another world size continues the same global order, so no sample of the epoch is repeated or
+            skipped).
+        world_size: the number of ranks sharing every epoch.
         **loader_kwargs: passed to DataLoader (num_workers, collate_fn, pin_memory, ...). Workers get a base seed
             derived from ``(seed, epoch)`` so the global torch RNG is never drawn from by the loader.
     """
@@ -147,6 +152,32 @@ class ResumableLoader:
             s.start = min(s.start + self.batch_size * s.world_size, s.num_samples)
             yield batch
         s.epoch, s.start = s.epoch + 1, 0
+
+    def forever(self) -> Iterator[Any]:
+        """Batches without end, epoch after epoch, for a loop counted in steps rather than epochs.
+
+        ``for step in range(start + 1, total + 1): x, y = next(batches)`` with ``batches = loader.forever()``
+        never stops at an epoch end; the position saved with the loader stays exact (the epoch number and
+        the samples delivered in it). Create the iterator *after* ``restore_latest``, so it starts from the
+        restored position.
+
+        Yields:
+            The batches the ``DataLoader`` would yield (``batch_size`` samples, collated), without end.
+
+        Raises:
+            ConfigError: an epoch yields no batch (``drop_last=True`` with fewer samples than ``batch_size``
+                on this rank), so the iterator would spin forever.
+        """
+        while True:
+            delivered = False
+            for batch in self:
+                delivered = True
+                yield batch
+            if not delivered:
+                raise ConfigError(
+                    f"ResumableLoader.forever(): an epoch of {len(self.sampler)} samples on this rank yields no "
+                    f"batch of {self.batch_size} with drop_last=True; lower batch_size or set drop_last=False"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, TrainguardError, UnsafeCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, UnsafeCheckpointError, plain_text
 
 TAG_JSON = b"J"
 TAG_TORCH = b"T"
@@ -48,12 +49,42 @@ def is_strict_json(x: Any, depth: int = 0) -> bool:
     return False
 
 
+_GENERIC_FIX = (
+    "store it as tensors or plain Python values (int, float, str, list, dict, tuple), or wrap it in an object "
+    "with state_dict()/load_state_dict()"
+)
+
+
+def instead_of(value: Any) -> str:
+    """What to put in the state instead of ``value``, a value trainguard cannot store safely."""
+    from torch.utils.data import DataLoader, Sampler
+
+    if isinstance(value, DataLoader):
+        return (
+            "use tg.ResumableLoader(dataset, batch_size=..., shuffle=..., seed=...) in place of the DataLoader: "
+            "it takes the same arguments (num_workers, collate_fn, ...) and its position (epoch and samples "
+            "delivered) is saved and restored exactly; or torchdata's StatefulDataLoader"
+        )
+    if isinstance(value, Sampler):
+        return (
+            "use tg.ResumableLoader, or tg.ResumableSampler(len(dataset), shuffle=..., seed=...) whose "
+            "state_dict() holds the epoch and the position your loop advances"
+        )
+    if type(value).__name__.endswith("DataLoaderIter"):
+        return "save the loader, not its iterator: use tg.ResumableLoader, whose position is its state"
+    if isinstance(value, torch.Generator):
+        return "use tg.RNGState() for the global generators, or store generator.get_state() (a uint8 tensor)"
+    if callable(value):
+        return "store the settings that rebuild it (plain values), not the callable itself"
+    return _GENERIC_FIX
+
+
 def encode_value(value: Any, fqn: str) -> bytes:
     """Encode a value as tagged bytes.
 
     Raises:
-        TrainguardError: the value cannot be stored without pickle of arbitrary classes; the message names the
-            entry and suggests converting it to tensors / plain Python values.
+        ConfigError: the value cannot be stored without pickle of arbitrary classes; the message names the
+            entry, its type and what to store instead (e.g. ``tg.ResumableLoader`` for a ``DataLoader``).
     """
     if is_strict_json(value):
         return TAG_JSON + json.dumps(value, separators=(",", ":")).encode()
@@ -63,12 +94,66 @@ def encode_value(value: Any, fqn: str) -> bytes:
         data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means the value would need unsafe pickle
-        raise TrainguardError(
-            f"state entry {fqn!r} holds a {type(value).__name__} that cannot be stored without pickle of "
-            f"arbitrary classes ({str(e).splitlines()[0][:200]}). Store it as tensors or plain Python values "
-            "(int, float, str, list, dict, tuple), or wrap it in an object with state_dict()/load_state_dict()."
-        ) from None
+        raise unsupported_value(value, fqn, e) from None
     return TAG_TORCH + data
+
+
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.Tensor,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+
+
+def _culprit(x: Any, where: str = "", depth: int = 0) -> tuple[str, Any]:
+    """The first value inside containers ``x`` that is not a plain value, and where it is (``"['a'][0]"``)."""
+    if depth < 50 and isinstance(x, dict):
+        for k, v in x.items():
+            found = _culprit(v, f"{where}[{k!r}]", depth + 1)
+            if found[1] is not None:
+                return found
+    elif depth < 50 and isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            found = _culprit(v, f"{where}[{i}]", depth + 1)
+            if found[1] is not None:
+                return found
+    elif not isinstance(x, _PLAIN):
+        return where, x
+    return where, None
+
+
+def unsupported_value(value: Any, fqn: str, cause: BaseException | None = None) -> ConfigError:
+    """The error for a state entry that cannot be stored: names it, its type, and what to use instead."""
+    where, inner = _culprit(value)
+    at = ""
+    if inner is not None and where:  # name the object inside the container, not the container
+        at, value = f" at {where}", inner
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    why = ""
+    if cause is not None:
+        # torch's own advice (weights_only=False, add_safe_globals) would run code on load: keep only the fact.
+        text = plain_text(str(cause))
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found and found.group(1) != kind:
+            why = f" (it contains {found.group(1)}, which torch.load(weights_only=True) refuses to build)"
+        elif found:
+            why = ""
+        else:
+            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+            why = f" ({first[:160]})" if first and not first.startswith("Weights only load failed") else ""
+    return ConfigError(
+        f"state entry {fqn!r}{at} holds a value of type {kind}, which cannot be saved without pickle of arbitrary "
+        f"classes{why}; "
+        f"{instead_of(value)}"
+    )
 
 
 def decode_value(payload: bytes, fqn: str) -> Any:
@@ -89,6 +174,7 @@ def decode_value(payload: bytes, fqn: str) -> Any:
             return torch.load(io.BytesIO(bytes(body)), weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise UnsafeCheckpointError(
-                f"value {fqn!r}: payload refused by torch.load(weights_only=True): {str(e).splitlines()[0][:200]}"
+                f"value {fqn!r}: payload refused by torch.load(weights_only=True): "
+                f"{plain_text(str(e)).splitlines()[0][:200]}"
             ) from None
     raise CorruptCheckpointError(f"value {fqn!r}: unknown payload tag {tag!r}")
