@@ -308,10 +308,10 @@ def test_after_verify_finds_a_corrupt_chunk_every_view_agrees(saved):
     rows = ls_json(saved)
     assert rows[3]["status"] == "corrupt" and rec["path"] in rows[3]["problem"]
     info = CliRunner().invoke(cli, ["info", str(saved), "--json"])
-    assert info.exit_code == 0 and json.loads(info.output)["step"] == 2  # the newest usable one
-    assert json.loads(info.output)["status"] == "valid"
+    assert info.exit_code == 0 and json.loads(info.stdout)["step"] == 2  # the newest usable one
+    assert json.loads(info.stdout)["status"] == "valid"
     info3 = CliRunner().invoke(cli, ["info", str(saved), "3", "--json"])
-    assert json.loads(info3.output)["status"] == "corrupt"
+    assert info3.exit_code == 1 and json.loads(info3.stdout)["status"] == "corrupt"
     ro = tg.CheckpointManager(saved, read_only=True)
     state = blank_state()
     assert ro.latest_step() == ro.restore_latest(state) == 2
@@ -375,6 +375,8 @@ def test_a_checkpoint_no_full_read_has_checked_lists_as_unverified(saved):
     rows = ls_json(saved)
     assert [rows[s]["status"] for s in STEPS] == ["unverified"] * 3
     assert "trainguard verify" in rows[3]["problem"]
+    info = CliRunner().invoke(cli, ["info", str(saved), "--json"])
+    assert info.exit_code == 0 and json.loads(info.stdout)["status"] == "unverified"  # shown, not a failure
     ro = tg.CheckpointManager(saved, read_only=True)
     assert ro.latest_step() == 3
     state = blank_state()
