@@ -162,6 +162,7 @@ class ChunkStore:
         self._verified: dict[str, tuple[int, int, int, int]] = {}  # hash -> file identity when verified
         self.repaired: list[str] = []  # chunks found damaged or unreadable by a save and written anew
         self.last_progress = time.monotonic()  # a chunk stored or a flush finished (the stall watchdog)
+        self._io_streak = 0  # chunks in a row that could not be read: then no more retries (bounded scrubs)
 
     # -- verified-bytes memory ----------------------------------------------------------------------------
     @staticmethod
@@ -445,6 +446,8 @@ class ChunkStore:
         p = self.root / rec.path
         io_errors = 0
         mismatches = 0
+        if self._io_streak >= 3:  # the storage is unreadable, not this chunk: one attempt is enough
+            attempts = 1
         while True:
             try:
                 with open(p, "rb", buffering=0) as f:
@@ -459,6 +462,7 @@ class ChunkStore:
             except OSError as e:
                 io_errors += 1
                 if io_errors >= max(1, attempts):
+                    self._io_streak += 1
                     raise self._corrupt(
                         rec,
                         f"cannot be read ({e.strerror or e}; {io_errors} attempt(s)); not a checksum mismatch: "
@@ -478,6 +482,7 @@ class ChunkStore:
             elif crc != rec.crc32c:
                 what = f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})"
             else:
+                self._io_streak = 0
                 self._remember(rec.hash, st)
                 return
             mismatches += 1
