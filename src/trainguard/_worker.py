@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import sys
 import threading
@@ -53,8 +54,6 @@ def work(mgr: CheckpointManager, q: queue.Queue[Any]) -> None:
     from . import _persist
 
     try:  # lower this thread's CPU priority (its writer threads inherit it): training keeps the CPU
-        import os
-
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
@@ -206,8 +205,13 @@ def wait_handle(mgr: CheckpointManager, h: PendingSave, deadline: float | None) 
 def register_exit_flush(mgr: CheckpointManager) -> Any:
     """Flush ``mgr`` at interpreter exit unless it is closed first; returns the handle for ``unregister``."""
     ref = weakref.ref(mgr)
+    pid = os.getpid()
 
     def flush() -> None:
+        # A forked child (a DataLoader worker) inherits this hook and runs it at its exit
+        # (multiprocessing calls threading._shutdown): its copy of the manager has no persist thread.
+        if os.getpid() != pid:
+            return
         m = ref()
         if m is None or m._closed:
             return

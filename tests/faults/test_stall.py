@@ -202,3 +202,37 @@ def test_the_saves_history_keeps_only_the_most_recent_results(tmp_path, monkeypa
         for s in range(1, 8):
             mgr.save(s, {"w": torch.full((16,), float(s))})
         assert [r.step for r in mgr.saves] == [5, 6, 7]
+
+
+FORK_SCRIPT = """
+import multiprocessing as mp, sys, time
+import torch
+import trainguard as tg
+import trainguard.storage.local as local
+
+real = local.write_file
+def slow(path, buf, *, fsync=True):
+    time.sleep(1.0)  # the save is still in flight when the child is forked
+    real(path, buf, fsync=fsync)
+local.write_file = slow
+mgr = tg.CheckpointManager(sys.argv[1])
+mgr.save(3, {"w": torch.full((1 << 18,), 3.0)})
+child = mp.get_context("fork").Process(target=lambda: None)  # as a DataLoader worker is forked
+child.start()
+child.join(30)
+print("child exit", child.exitcode, flush=True)
+mgr.close()
+"""
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_saves_at_its_exit(tmp_path):
+    """A DataLoader worker forked while a save was in flight inherited the exit flush and hung at its exit
+    waiting for a save that only the parent's thread could finish."""
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "root")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child exit 0" in proc.stdout, (proc.stdout, proc.stderr)
+    assert manifest_path(tmp_path / "root", 3).exists()
