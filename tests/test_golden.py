@@ -3,6 +3,7 @@ a format change)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import torch
@@ -37,3 +38,25 @@ def test_the_golden_manifest_declares_the_current_format_version():
 
     m = json.loads((REPO / "tests" / "golden" / "v1" / "step-000000042" / "manifest.json").read_text())
     assert m["format_version"] == FORMAT_VERSION == 1
+
+
+def test_the_version_2_golden_checkpoint_with_per_rank_entries_loads_each_saved_ranks_values(tmp_path):
+    import pytest
+
+    from .golden.make_v2 import golden_state as golden_v2
+
+    root = tmp_path / "v2"
+    shutil.copytree(REPO / "tests" / "golden" / "v2", root)
+    m = json.loads((root / "step-000000007" / "manifest.json").read_text())
+    assert m["format_version"] == 2 and m["entries"]["cursor.offset@rank1"]["rank"] == 1
+    mgr = tg.CheckpointManager(root, read_only=True)
+    with pytest.raises(tg.StateMismatchError, match="cursor"):  # saved at 2 ranks, loaded in one process
+        mgr.restore_latest({"cursor": {}, "shared": {}})
+    for r in (0, 1):
+        state: dict = {"cursor": tg.PerRank({}, reshard=lambda saved, rank, ws, r=r: saved[r]), "shared": {}}
+        assert mgr.restore_latest(state) == 7
+        want = golden_v2(r)
+        got = state["cursor"].obj
+        assert got["offset"] == r and got["nested"] == want["cursor"]["nested"]
+        assert torch.equal(got["consumed"], want["cursor"]["consumed"])
+        assert torch.equal(state["shared"]["w"], want["shared"]["w"]) and state["shared"]["lr"] == 0.5

@@ -18,8 +18,10 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    MissingDependencyError,
     NoValidCheckpointError,
     RootLockedError,
+    RunConflictError,
     SaveError,
     StateMismatchError,
     StorageFullError,
@@ -32,6 +34,7 @@ _LAZY = {
     "CheckpointManager": ".manager",
     "SaveResult": ".manager",
     "PendingSave": ".staging.pending",
+    "PerRank": ".state.per_rank",
     "AnyOf": ".policies",
     "EveryNSteps": ".policies",
     "EveryTSeconds": ".policies",
@@ -44,11 +47,17 @@ _LAZY = {
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
     "ModelOptimizerState": ".distributed.state",
+    "dcp_reader": ".interop.dcp_reader",  # dcp_reader(root, step): a StorageReader for plain dcp.load
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
 }
 
 
+_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
@@ -75,17 +84,21 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "MissingDependencyError",
     "ModelOptimizerState",
     "NoValidCheckpointError",
     "PendingSave",
+    "PerRank",
     "RNGState",
     "ResumableLoader",
     "ResumableSampler",
     "RootLockedError",
+    "RunConflictError",
     "SaveError",
     "SaveResult",
     "StateMismatchError",
     "StorageFullError",
     "TrainguardError",
+    "dcp_reader",
     "heartbeat",
 ]

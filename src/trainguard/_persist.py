@@ -56,7 +56,7 @@ def persist(
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
-        m = build_manifest(step, md, results, all_paths, top, metrics, metadata)
+        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
         mgr._publish(m)
         manifest_box.append(m)
 
@@ -112,6 +112,7 @@ def persist(
         return result
     m = manifest_box[0]
     mgr._manifest_chunks[step] = set(m.chunks)
+    mgr._manifest_runs[step] = mgr.run.run_id
     mgr._manifest_metrics[step] = dict(m.metrics)
     result = SaveResult(
         step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed

@@ -4,6 +4,11 @@ Under torch.distributed every rank takes the same path: rank 0 lists the committ
 candidate cheaply (manifest, chunk presence), broadcasting both; every rank then loads the chosen step through
 DCP, whose load raises the same CheckpointException on all ranks when any rank fails, so a chunk found corrupt
 on one rank makes all ranks fall back to the next older step together.
+
+A reader racing a writer's retention (another process, typically a read-only manager) may find the step it
+chose deleted under it: its manifest gone, or a chunk gone after it. That step is not reported as corrupt; the
+reader lists the root again and tries the newest valid checkpoint of the new listing. "None is valid" is raised
+only after a pass over a listing that stayed the same from start to end.
 """
 
 from __future__ import annotations
@@ -17,10 +22,21 @@ import torch.distributed.checkpoint as dcp
 
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
-from .catalog import corrupt_marker, inspect_step, read_manifest, record_check, record_corrupt, step_dirs
+from .catalog import (
+    STABLE_SCAN_S,
+    corrupt_marker,
+    inspect_step,
+    is_committed,
+    read_manifest,
+    record_check,
+    record_corrupt,
+    step_dirs,
+)
 from .distributed import TrainguardLoadPlanner, TrainguardReader
-from .errors import CorruptCheckpointError, NoValidCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NoValidCheckpointError
 from .format import MANIFEST_NAME, TensorEntry, step_dir_name
+from .format.run import LEGACY_RUN_ID
+from .lineage import head
 from .state.dtypes import dtype_from_name
 
 if TYPE_CHECKING:
@@ -50,51 +66,102 @@ def committed_steps(mgr: CheckpointManager) -> list[int]:
     return mgr.dist.broadcast_ints(steps)
 
 
+OK, BAD, GONE, FOREIGN = 1, 0, 2, 3  # rank 0's verdict on a candidate step, broadcast to every rank
+
+
+def gone(mgr: CheckpointManager, step: int) -> bool:
+    """True on every rank when rank 0 finds the manifest of ``step`` deleted (retention raced this reader)."""
+    return bool(mgr.dist.broadcast_ints([int(not is_committed(mgr.root, step))])[0])
+
+
 def restore_latest(
-    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings
+    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
 ) -> int | None:
     t0 = time.perf_counter()
+    deadline = time.monotonic() + STABLE_SCAN_S
     problems: list[str] = []
-    unreadable: list[int] = []
+    unreadable: list[int] = []  # steps whose chunks could not be read (I/O errors): never condemned
+    judged: set[int] = set()  # steps found not valid; reported once
+    foreign: dict[int, str] = {}  # valid steps of runs outside the head run's lineage (rank 0's view)
     steps = committed_steps(mgr)
-    for step in steps:
-        ok, problem, chunk, tensors = True, "", None, None
-        if mgr.dist.is_coordinator:
-            info, _ = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
-            ok, problem, chunk = info.usable, info.problem or info.status, info.chunk
-            marker = corrupt_marker(mgr.root, step) if not ok else None
-            listed = marker.get("tensors") if marker is not None else None
-            if isinstance(listed, list):
-                tensors = [str(t) for t in listed]
-        if not mgr.dist.broadcast_ints([int(ok)])[0]:
-            err = CorruptCheckpointError(problem, step=step, chunk=chunk, tensors=tensors) if chunk else None
-            skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
-            continue
-        t_chosen = time.perf_counter()
-        try:
-            mgr._load(step, state)
-        except CorruptCheckpointError as e:
-            if e.unreadable:
-                unreadable.append(step)
-            skip(mgr, step, str(e), e, timings, problems)
-            continue
-        t_loaded = time.perf_counter()
-        timings.scan_s = t_chosen - t0
-        timings.load_s = t_loaded - t_chosen
-        timings.validate_s = 0.0
-        timings.bytes = mgr.last_restore.bytes
-        mgr._event(
-            "restore",
-            step=step,
-            scan_s=timings.scan_s,
-            load_s=timings.load_s,
-            validate_s=timings.validate_s,
-            bytes=timings.bytes,
-            skipped=timings.skipped,
-        )
-        log.info("restored step %d from %s in %.3f s", step, mgr.root, t_loaded - t0)
-        return step
-    if not steps:
+    while True:
+        raced = False
+        hd = head(mgr.root) if mgr.dist.is_coordinator else None
+        for step in steps:
+            if step in judged:
+                continue
+            verdict, problem, chunk, tensors = OK, "", None, None
+            if mgr.dist.is_coordinator:
+                info, m = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
+                if not info.usable:  # valid or unverified: restore reads and checks every byte it loads
+                    verdict = GONE if not is_committed(mgr.root, step) else BAD
+                    marker = corrupt_marker(mgr.root, step)
+                    listed = marker.get("tensors") if marker is not None else None
+                    if isinstance(listed, list):
+                        tensors = [str(x) for x in listed]
+                elif m is not None and hd is not None:
+                    rid = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+                    if not hd.owns(rid, step):
+                        verdict = FOREIGN
+                        if step not in foreign:
+                            log.info(
+                                "passing over step %d: run %s is not in the lineage of the newest run",
+                                step,
+                                rid,
+                            )
+                        foreign[step] = rid
+                problem, chunk = info.problem or info.status, info.chunk
+            verdict = mgr.dist.broadcast_ints([verdict])[0]
+            if verdict == GONE:
+                raced = True
+                continue
+            if verdict == FOREIGN:
+                continue
+            if verdict == BAD:
+                err = (
+                    CorruptCheckpointError(problem, step=step, chunk=chunk, tensors=tensors)
+                    if chunk
+                    else None
+                )
+                skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
+                judged.add(step)
+                continue
+            t_chosen = time.perf_counter()
+            try:
+                mgr._load(step, state, strict=strict)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                if gone(mgr, step):
+                    raced = True
+                    continue
+                if isinstance(e, CorruptCheckpointError) and e.unreadable:
+                    unreadable.append(step)
+                skip(
+                    mgr, step, str(e), e if isinstance(e, CorruptCheckpointError) else None, timings, problems
+                )
+                judged.add(step)
+                continue
+            t_loaded = time.perf_counter()
+            timings.scan_s = t_chosen - t0
+            timings.load_s = t_loaded - t_chosen
+            timings.validate_s = 0.0
+            timings.bytes = mgr.last_restore.bytes
+            mgr._event(
+                "restore",
+                step=step,
+                scan_s=timings.scan_s,
+                load_s=timings.load_s,
+                validate_s=timings.validate_s,
+                bytes=timings.bytes,
+                skipped=timings.skipped,
+            )
+            log.info("restored step %d from %s in %.3f s", step, mgr.root, t_loaded - t0)
+            return step
+        again = committed_steps(mgr)
+        stable = not raced and again == steps
+        if stable or time.monotonic() > deadline:
+            break
+        steps = again  # a writer committed or deleted meanwhile: judge the new listing
+    if not (set(steps) - set(foreign)) and not judged:
         mgr._event(
             "restore",
             step=None,
@@ -112,9 +179,17 @@ def restore_latest(
             + "\n  ".join(problems)
             + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
         )
+    other = (
+        f"\nValid checkpoints of other runs, kept apart from the newest run's lineage: steps {sorted(foreign)}; "
+        "restore one of them explicitly with restore(step, state)."
+        if foreign
+        else ""
+    )
+    which = "of the newest run's lineage is" if foreign else "is"
     raise NoValidCheckpointError(
-        f"{mgr.root} holds {len(steps)} checkpoint(s) but none is valid:\n  "
+        f"{mgr.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
         + "\n  ".join(problems)
+        + other
         + f"\nRun `trainguard verify {mgr.root} --all` for details; restore a replica or start a new run root "
         "deliberately."
     )
@@ -138,8 +213,16 @@ def skip(
     mgr._event("restore_skipped", **rec)
 
 
-def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> None:
-    m = read_manifest(mgr.root, step)
+def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
+    m = None
+    err0: BaseException | None = None
+    try:
+        m = read_manifest(mgr.root, step)
+    except (CheckpointNotFoundError, CorruptCheckpointError) as read_err:
+        err0 = read_err
+    if mgr.dist.any(err0 is not None):  # every rank gives up together: none may wait in dcp.load alone
+        raise err0 or CheckpointNotFoundError(f"another rank could not read the manifest of step {step}")
+    assert m is not None
     try:  # an unknown dtype (saved by a newer torch?) is a clear error, before DCP runs
         for e in m.entries.values():
             if isinstance(e, TensorEntry):
@@ -149,7 +232,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
         if mgr.dist.is_coordinator:
             mgr._mark_corrupt(step, bad_dtype)
         raise
-    template, paths = _statefn.build_template(m, state)
+    template, paths, reshard = _statefn.build_template(m, state, strict=strict)
     reader = TrainguardReader(mgr.store, m)
     try:
         with quiet_dcp():
@@ -158,10 +241,15 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any]) -> 
             )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
-        if isinstance(err, CorruptCheckpointError) and mgr.dist.is_coordinator:
-            mgr._mark_corrupt(step, err)
+        if (
+            isinstance(err, CorruptCheckpointError)
+            and mgr.dist.is_coordinator
+            and is_committed(mgr.root, step)
+        ):
+            mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
-    _statefn.apply(template, paths, state, step)
+    _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
+    mgr._restored(m)
     mgr.last_restore.bytes = reader.bytes_read
 
 

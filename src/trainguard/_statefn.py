@@ -9,16 +9,28 @@ result is then handed to ``load_state_dict``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import ConfigError, StateMismatchError
 from .format import Manifest, TensorEntry
+from .state import optim
 from .state.dtypes import dtype_from_name
-from .state.flatten import PathT, flatten, unflatten
+from .state.flatten import PathT, flatten, fqn_of, unflatten
+from .state.matching import match_names, mismatch_message
+from .state.per_rank import PerRank, job_rank, plan_load, saved_by_rank
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger("trainguard")
 
 
 def is_stateful(obj: Any) -> bool:
@@ -48,29 +60,92 @@ def _warn_if_unsafe_loader(obj: Any) -> None:
 
 
 def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT], dict[str, dict[str, Any]]]:
-    """``state_dict()`` of every Stateful value, then flatten. Returns ``(flat, paths, top_level)``."""
+    """``state_dict()`` of every Stateful value, then flatten. Returns ``(flat, paths, top_level)``.
+
+    Raises:
+        ConfigError: the state is not a dict, or holds a tensor whose elements alone do not give its value
+            (quantized, sparse, nested, meta tensors, tensor subclasses other than DTensor): refused here, before anything is written.
+    """
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
     resolved: dict[str, Any] = {}
     top: dict[str, dict[str, Any]] = {}
     for k, v in state.items():
         if is_stateful(v):
-            _warn_if_unsafe_loader(v)
+            inner = v.obj if isinstance(v, PerRank) else v
+            _warn_if_unsafe_loader(inner)
             resolved[k] = v.state_dict()
-            top[k] = {"stateful": True, "type": f"{type(v).__module__}.{type(v).__qualname__}"}
+            top[k] = {"stateful": True, "type": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+            if isinstance(v, PerRank):
+                top[k]["per_rank"] = True
         else:
             resolved[k] = v
             top[k] = {"stateful": False, "type": type(v).__name__}
+        cov = optim.coverage(resolved[k])
+        if cov:
+            top[k]["optimizer_state"] = cov
     flat, paths = flatten(resolved)
+    for fqn, v in flat.items():
+        if isinstance(v, torch.Tensor):
+            check_storable(v, fqn)
     return flat, paths, top
 
 
-def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]:
-    """The flat ``{fqn: destination}`` DCP loads into, and the saved paths of those entries.
+def check_storable(t: torch.Tensor, fqn: str) -> None:
+    """Refuse a tensor whose value is more than its elements in C order (they would come back different).
 
     Raises:
-        StateMismatchError: a requested top-level key is not in the checkpoint, or a live tensor has a
-            different shape than the saved one.
+        ConfigError: naming the entry, what it is and how to store it instead.
+    """
+    if getattr(t, "is_quantized", False):
+        what, fix = (
+            f"a quantized tensor ({t.dtype})",
+            "store t.int_repr() with t.q_scale()/t.q_zero_point() (or t.q_per_channel_scales(), "
+            "t.q_per_channel_zero_points(), t.q_per_channel_axis()), or t.dequantize()",
+        )
+    elif getattr(t, "is_nested", False):
+        what, fix = "a nested tensor", "store t.unbind() as a list of tensors"
+    elif t.layout != torch.strided:
+        what, fix = f"a {t.layout} tensor", "store t.to_dense(), or its indices and values as tensors"
+    elif t.device.type == "meta":
+        what, fix = (
+            "a meta tensor (it has no data)",
+            "materialize it (e.g. module.to_empty() and initialize it)",
+        )
+    elif is_traceable_wrapper_subclass(t) and not (DTensor is not None and isinstance(t, DTensor)):
+        what, fix = (
+            f"a tensor subclass ({type(t).__qualname__}) whose data lives in inner tensors (e.g. torchao's quantized "
+            "and float8 tensors)",
+            "store its inner tensors and parameters (t.__tensor_flatten__()), or a plain tensor (e.g. t.dequantize())",
+        )
+    else:
+        return
+    raise ConfigError(
+        f"state entry {fqn!r} is {what}: trainguard stores a tensor's elements, dtype and shape only, so it "
+        f"would not come back as it is; {fix}. Nothing was written."
+    )
+
+
+def build_template(
+    manifest: Manifest, state: Mapping[str, Any], *, strict: bool = True
+) -> tuple[dict[str, Any], dict[str, PathT], dict[str, list[str]]]:
+    """The flat ``{fqn: destination}`` DCP loads into, the paths that rebuild the nested state for
+    ``apply`` (the target's spelling of a name wherever it matched a saved one by its canonical name), and the
+    per-rank entries each PerRank-resharded top-level key needs (see :func:`per_rank.plan_load`).
+
+    Per-rank entries (:mod:`trainguard.state.per_rank`): at the saved world size only this rank's own are
+    loaded, matched under their logical path; at another world size every rank's are loaded, into buffers of
+    their own, for the key's ``PerRank(obj, reshard=fn)`` hook (without one: StateMismatchError).
+
+    Within each requested state entry, saved and live names are matched (:mod:`trainguard.state.matching`). A
+    plain entry (dict, list, tensor) must match the checkpoint key for key, dtype for dtype; an empty container
+    in the target takes everything saved beneath it as saved. A Stateful's own ``load_state_dict`` judges its
+    keys (saved entries it does not hold yet are handed to it), but a live tensor of another dtype is a mismatch
+    too, except optimizer state, which is replaced by what was saved, dtype included.
+
+    Raises:
+        StateMismatchError: a requested top-level key is not in the checkpoint; a live tensor has a different
+            shape; or, with ``strict``, keys, dtypes or recorded optimizer state differ (all of them listed).
     """
     saved_top: dict[str, list[str]] = {}
     for fqn, e in manifest.entries.items():
@@ -78,6 +153,8 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
         saved_top.setdefault(str(key), []).append(fqn)
     template: dict[str, Any] = {}
     paths: dict[str, PathT] = {}
+    reports: list[str] = []
+    skip, reshard = plan_load(manifest, state)
     for k, obj in state.items():
         if k not in saved_top:
             raise StateMismatchError(
@@ -85,33 +162,117 @@ def build_template(manifest: Manifest, state: Mapping[str, Any]) -> tuple[dict[s
                 f"{sorted(saved_top)}); remove {k!r} from the state passed to restore, or restore a checkpoint "
                 "saved with it"
             )
-        live = obj.state_dict() if is_stateful(obj) else obj
-        live_flat, _ = flatten({k: live})
-        for fqn in saved_top[k]:
-            e = manifest.entries[fqn]
-            paths[fqn] = e.path
-            if isinstance(e, TensorEntry):
-                cur = live_flat.get(fqn)
-                if isinstance(cur, torch.Tensor):
-                    if tuple(cur.shape) != tuple(e.shape):
-                        raise StateMismatchError(
-                            f"{fqn!r}: checkpoint of step {manifest.step} has shape {tuple(e.shape)} but the live "
-                            f"tensor has {tuple(cur.shape)}; build the model with the configuration it was saved with"
-                        )
-                    template[fqn] = cur
+        if k in reshard:  # every saved rank's state, for the PerRank hook; the hook's result is what loads
+            for f in saved_top[k]:
+                e = manifest.entries[f]
+                if e.rank is None:
+                    paths[f] = e.path
+                template[f] = (
+                    torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                    if isinstance(e, TensorEntry)
+                    else None
+                )
+            continue
+        stateful = is_stateful(obj)
+        live = obj.state_dict() if stateful else obj
+        live_flat, live_paths = flatten({k: live})
+        saved = [f for f in saved_top[k] if f not in skip]  # not other ranks' per-rank values
+        match = match_names(
+            {f: fqn_of(manifest.entries[f].path[1:]) for f in saved},
+            {f: fqn_of(p[1:]) for f, p in live_paths.items()},
+        )
+        record = (
+            (manifest.top_level.get(k) or {}).get("optimizer_state")
+            if isinstance(manifest.top_level.get(k), dict)
+            else None
+        )
+        sections = {optim.section_name(p) for p in optim.optimizer_sections(live)} | set(record or {})
+        opt_prefixes = tuple(".".join(x for x in (k, s, "state") if x) + "." for s in sections)
+        empties = [f for f, v in live_flat.items() if isinstance(v, (Mapping, list, tuple)) and len(v) == 0]
+        filled = {e for e in empties for f in saved if f.startswith(e + ".")}
+        only_saved = [] if stateful else [f for f in saved if f not in match and not _beneath(f, empties)]
+        used = set(match.values()) | filled
+        only_live = [] if stateful else [f for f in live_flat if f not in used]
+        dtypes: list[tuple[str, str, str]] = []
+        for f in saved:
+            e = manifest.entries[f]
+            lf = match.get(f)
+            paths[f] = live_paths[lf] if lf is not None else e.path
+            cur = live_flat.get(lf) if lf is not None else None
+            if not isinstance(e, TensorEntry):
+                template[f] = None
+                if isinstance(cur, torch.Tensor) and not stateful:
+                    dtypes.append((f, "a value", str(cur.dtype).removeprefix("torch.")))
+                continue
+            dtype = dtype_from_name(e.dtype)
+            if not isinstance(cur, torch.Tensor):
+                if lf is not None and not stateful and lf not in empties:
+                    dtypes.append((f, e.dtype, f"a {type(cur).__name__}"))
+                template[f] = torch.empty(e.shape, dtype=dtype)
+                continue
+            if tuple(cur.shape) != tuple(e.shape):
+                raise StateMismatchError(
+                    f"{f!r}: checkpoint of step {manifest.step} has shape {tuple(e.shape)} but the live "
+                    f"tensor has {tuple(cur.shape)}; build the model with the configuration it was saved with"
+                )
+            template[f] = cur
+            if cur.dtype != dtype:
+                if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
+                    template[f] = torch.empty_like(cur, dtype=dtype)  # replaced by what was saved
                 else:
-                    template[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-            else:
-                template[fqn] = None
-    return template, paths
+                    name = f if lf == f else f"{f} (target {lf})"
+                    dtypes.append((name, e.dtype, str(cur.dtype).removeprefix("torch.")))
+        if only_saved or only_live or dtypes:
+            reports.append(
+                mismatch_message(manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes)
+            )
+        missing = optim.missing_in_manifest(k, record, [fqn_of(manifest.entries[f].path) for f in saved])
+        if missing:
+            reports.append(
+                mismatch_message(
+                    manifest.step,
+                    k,
+                    missing_optim=missing,
+                    fix="The checkpoint lacks optimizer state that its manifest recorded at save time (an altered "
+                    "manifest?): restore an older checkpoint, or pass strict=False to continue with that state "
+                    "empty.",
+                )
+            )
+    if reports:
+        if strict:
+            raise StateMismatchError("\n".join(reports))
+        log.warning("strict=False: loading what matches; %s", "\n".join(reports))
+    return template, paths, reshard
+
+
+def _beneath(fqn: str, containers: list[str]) -> bool:
+    return any(fqn.startswith(c + ".") for c in containers)
 
 
 def apply(
-    loaded_flat: Mapping[str, Any], paths: Mapping[str, PathT], state: MutableMapping[str, Any], step: int
+    loaded_flat: Mapping[str, Any],
+    paths: Mapping[str, PathT],
+    state: MutableMapping[str, Any],
+    manifest: Manifest,
+    *,
+    strict: bool = True,
+    reshard: Mapping[str, list[str]] | None = None,
 ) -> None:
-    """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects, in-place updates of
-    dicts/lists, replacement of immutable values."""
+    """Hand loaded values to the live state: ``load_state_dict`` for Stateful objects (then the optimizer
+    checks of :mod:`trainguard.state.optim`), in-place updates of dicts/lists, replacement of immutable values.
+    Top-level keys in ``reshard`` get what their PerRank hook returns from every saved rank's state.
+
+    Raises:
+        StateMismatchError: a ``load_state_dict`` rejected the state, or (with ``strict``) an optimizer lacks
+            state that it had at save time.
+    """
+    step = manifest.step
     nested = unflatten(loaded_flat, paths)
+    for k, fqns in (reshard or {}).items():
+        obj = state[k]
+        assert isinstance(obj, PerRank) and obj.reshard is not None
+        rank, ws = job_rank()
+        nested[k] = obj.reshard(saved_by_rank(loaded_flat, paths, fqns, manifest, k), rank, ws)
     for k in list(state.keys()):
         obj = state[k]
         new = nested[k]
@@ -122,6 +283,10 @@ def apply(
                 raise StateMismatchError(
                     f"{k}.load_state_dict() rejected the checkpoint of step {step}: {e}"
                 ) from e
+            top = manifest.top_level.get(k)
+            _after_optimizer_load(
+                k, obj, new, top.get("optimizer_state") if isinstance(top, dict) else None, step, strict
+            )
         elif isinstance(obj, torch.Tensor):
             if new is not obj:
                 with torch.no_grad():
@@ -130,6 +295,35 @@ def apply(
             _merge(obj, new, state, k)
         else:
             state[k] = new
+
+
+def _after_optimizer_load(k: str, obj: Any, new: Any, record: Any, step: int, strict: bool) -> None:
+    """Saved dtypes back into a torch optimizer, then every parameter with state at save time must have it."""
+    from .distributed.state import ModelOptimizerState
+
+    if (
+        isinstance(obj, torch.optim.Optimizer)
+        and isinstance(new, Mapping)
+        and optim.optimizer_sections(new) == [()]
+    ):
+        params = optim.param_map_by_order(new["param_groups"], obj)
+        optim.restore_saved_dtypes(obj, new, params)
+        missing = optim.missing_after_load(obj, record, "", params)
+    elif isinstance(obj, ModelOptimizerState) and obj.optimizer is not None:
+        missing = optim.missing_after_load(obj.optimizer, record, "optim", obj.params_by_name())
+    else:
+        return
+    if missing:
+        msg = mismatch_message(
+            step,
+            k,
+            missing_optim=missing,
+            fix=f"{k}.load_state_dict() did not keep the saved state of these parameters (a wrapper or hook that "
+            "drops state?); fix that, or pass strict=False to continue with their state empty.",
+        )
+        if strict:
+            raise StateMismatchError(msg)
+        log.warning("strict=False: %s", msg)
 
 
 def _merge(live: Any, new: Any, parent: Any, key: Any) -> None:

@@ -12,12 +12,19 @@ Status (docs/FORMAT.md "Validity"), always in agreement with the last full read 
   (``step-N.partial-*``) with no committed checkpoint of that step.
 
 Ordering is always by the step number, never by mtime or by name as text.
+
+Readers race writers: a writer's retention deletes a checkpoint (manifest first, then its directory, then its
+chunks) at any moment, and a new one commits. A read-only reader in another process therefore treats a step
+whose manifest vanished while it was being read as gone, not as corrupt or missing, and only reports a listing
+once it is stable: the directory listing taken after judging every step equals the one it judged
+(:func:`scan`). ``restore_latest`` and ``trainguard info``/``verify`` follow the same rule.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +36,8 @@ from .incremental.chunkstore import ChunkStore
 CORRUPT_MARKER = "corrupt.json"
 CHECK_RECORD = "verified.json"
 MAX_MANIFEST_BYTES = 1 << 30
+STABLE_SCAN_S = 30.0  # a reader gives up waiting for a listing that stays the same after this long
+GONE = "deleted while being read (retention by a writer)"
 USABLE = ("valid", "unverified")  # statuses restore may load (it checks every byte it reads)
 
 
@@ -90,6 +99,29 @@ def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, 
     return steps, partials
 
 
+def listing(root: str | os.PathLike[str]) -> frozenset[tuple[int, bool]]:
+    """``(step, committed)`` for every step directory: what a stable scan compares (cheap: listdir + stats)."""
+    steps, _ = step_dirs(root)
+    return frozenset((s, (d / MANIFEST_NAME).exists()) for s, d in steps.items())
+
+
+def stable_committed_steps(root: str | os.PathLike[str], *, stable_s: float = STABLE_SCAN_S) -> list[int]:
+    """Steps with a manifest, ascending, from a stable listing: two listings in a row agree (a single one can
+    miss every checkpoint while a writer commits one and deletes the previous one)."""
+    deadline = time.monotonic() + stable_s
+    before = listing(root)
+    while True:
+        after = listing(root)
+        if after == before or time.monotonic() > deadline:
+            return sorted(s for s, committed in after if committed)
+        before = after
+
+
+def is_committed(root: str | os.PathLike[str], step: int) -> bool:
+    """True while the manifest of ``step`` exists (False once retention or a crash cleanup removed it)."""
+    return (Path(root) / step_dir_name(step) / MANIFEST_NAME).exists()
+
+
 def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
     """Parse and validate the manifest of ``step``.
 
@@ -104,16 +136,18 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
         )
     try:
-        size = p.stat().st_size
-    except FileNotFoundError:
+        with open(p, "rb") as f:  # one open: a manifest deleted after it is opened still reads whole
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(
+                    f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step
+                )
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
         ) from None
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(
-            f"manifest of step {step} is {size} bytes, larger than any real manifest", step=step
-        )
-    m = manifest_from_json(p.read_bytes(), root=str(root), expect_step=step)
+    m = manifest_from_json(data, root=str(root), expect_step=step)
     return m
 
 
@@ -201,14 +235,25 @@ def record_corrupt(
 def inspect_step(
     root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore
 ) -> tuple[CheckpointInfo, Manifest | None]:
-    """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data)."""
+    """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data).
+
+    A checkpoint deleted while it is inspected (a writer's retention) lists as ``incomplete`` with the problem
+    :data:`GONE`, never as corrupt; :func:`scan` rescans until such races are over.
+    """
     if not (path / MANIFEST_NAME).exists():
         return _incomplete(step, path, "no manifest (the save did not commit)"), None
     try:
         m = read_manifest(root, step)
+    except CheckpointNotFoundError:
+        return _incomplete(step, path, GONE), None
     except CorruptCheckpointError as e:
-        t = path.stat().st_mtime
-        return CheckpointInfo(step, "corrupt", 0, iso(t), t, str(e), str(path)), None
+        if not is_committed(root, step):
+            return _incomplete(step, path, GONE), None
+        try:
+            t: float | None = path.stat().st_mtime
+        except OSError:
+            t = None
+        return CheckpointInfo(step, "corrupt", 0, iso(t) if t else None, t, str(e), str(path)), None
     problem = None
     bad_chunk = None
     unreadable = None
@@ -219,6 +264,8 @@ def inspect_step(
         elif bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
+    if problem is not None and not is_committed(root, step):
+        return _incomplete(step, path, GONE), None  # its chunks went with it: deleted, not corrupt
     status = "corrupt"
     if problem is None and unreadable is not None and corrupt_marker(root, step) is None:
         status, problem = "unverified", unreadable
@@ -305,27 +352,38 @@ def find_run_roots(parent: str | os.PathLike[str], *, max_depth: int = 2, limit:
 
 
 def scan(
-    root: str | os.PathLike[str], store: ChunkStore | None = None, *, failed_saves: bool = False
+    root: str | os.PathLike[str],
+    store: ChunkStore | None = None,
+    *,
+    stable_s: float = STABLE_SCAN_S,
+    failed_saves: bool = False,
 ) -> list[CheckpointInfo]:
     """Every checkpoint under ``root`` with its status, ascending by step.
 
-    Args:
-        root: the run root.
-        store: its chunk store (a new one when None).
-        failed_saves: also list, as ``incomplete``, the steps whose save failed (``save_failed`` events: a
-            failed save leaves no directory) and that have no checkpoint, unless older than every checkpoint
-            listed.
+    Safe against a writer committing and deleting checkpoints meanwhile: the listing is taken again after every
+    step was judged, and the scan is repeated until both listings agree (at most ``stable_s`` seconds; then
+    the last scan is returned). So a checkpoint that retention deleted mid-scan is not reported, and a valid
+    checkpoint that existed during the whole scan is never missed. With ``failed_saves``, the steps whose save
+    failed (``save_failed`` events: a failed save leaves no directory) and that have no checkpoint are listed
+    as ``incomplete`` too, unless older than every checkpoint listed.
     """
     store = store or ChunkStore(root)
-    steps, partials = step_dirs(root)
-    out = [inspect_step(root, s, p, store)[0] for s, p in steps.items()]
-    for s, ps in partials.items():
-        if s not in steps:
-            out.append(_incomplete(s, ps[0], "save in progress or killed before commit"))
-    if failed_saves:
-        out += _failed_saves(root, {i.step for i in out})
-    out.sort(key=lambda i: i.step)
-    return out
+    deadline = time.monotonic() + stable_s
+    before = listing(root)
+    while True:
+        steps, partials = step_dirs(root)
+        out = [inspect_step(root, s, p, store)[0] for s, p in steps.items()]
+        for s, ps in partials.items():
+            if s not in steps:
+                out.append(_incomplete(s, ps[0], "save in progress or killed before commit"))
+        out.sort(key=lambda i: i.step)
+        after = listing(root)
+        stable = after == before and not any(i.problem == GONE for i in out)
+        if stable or time.monotonic() > deadline:
+            if failed_saves:
+                out = sorted(out + _failed_saves(root, {i.step for i in out}), key=lambda i: i.step)
+            return out
+        before = after
 
 
 def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[CheckpointInfo]:

@@ -43,7 +43,9 @@ from .format import (
     manifest_to_json,
     step_dir_name,
 )
+from .format.run import RunInfo
 from .state.dtypes import dtype_name
+from .state.per_rank import strip_rank
 from .storage.local import atomic_write, fsync_dir
 
 
@@ -55,9 +57,11 @@ def build_manifest(
     top: dict[str, dict[str, Any]],
     metrics: Mapping[str, Any] | None,
     metadata: Mapping[str, Any] | None,
+    run: RunInfo | None = None,
 ) -> Manifest:
     """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
-    (where the bytes are) into our manifest."""
+    (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
+    (:mod:`trainguard.state.per_rank`)."""
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
     for rank_results in results:
@@ -68,7 +72,7 @@ def build_manifest(
                 chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
     entries: dict[str, TensorEntry | ValueEntry] = {}
     for fqn, smd in md.state_dict_metadata.items():
-        path = tuple(paths[fqn])
+        path, rank = strip_rank(tuple(tuple(p) for p in paths[fqn]))
         if isinstance(smd, TensorStorageMetadata):
             shards = []
             for c in smd.chunks:
@@ -76,15 +80,15 @@ def build_manifest(
                 segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
                 shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
             entries[fqn] = TensorEntry(
-                fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards)
+                fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards), rank
             )
         elif isinstance(smd, BytesStorageMetadata):
             sd = by_index[(fqn, ())]
             if "value" in sd:
-                entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None)
+                entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None, rank)
             else:
                 segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs)
+                entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs, rank)
     t = time.time()
     return Manifest(
         step=step,
@@ -96,6 +100,7 @@ def build_manifest(
         metrics=dict(metrics or {}),
         metadata=dict(metadata or {}),
         top_level=top,
+        run=run,
     )
 
 

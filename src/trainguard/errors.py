@@ -81,7 +81,13 @@ class RootLockedError(TrainguardError):
 
 
 class StateMismatchError(TrainguardError, ValueError):
-    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure)."""
+    """The state given to restore does not match what the checkpoint holds (shape, dtype or structure).
+
+    The message lists every difference, the checkpoint's side and the target's: keys on one side only, dtypes
+    that differ, shapes, and optimizer state recorded at save time that the checkpoint or the optimizer lacks.
+    Key and dtype checks run before anything is loaded; restore into an empty dict to take everything as saved,
+    or pass ``strict=False`` to load what matches.
+    """
 
 
 class SaveError(TrainguardError):
@@ -108,5 +114,16 @@ class StorageFullError(SaveError, OSError):
         return str(self.args[0]) if self.args else super().__str__()
 
 
+class MissingDependencyError(TrainguardError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install
+    (``pip install 'trainguard[safetensors]'``)."""
+
+
 class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
+
+
+class RunConflictError(TrainguardError):
+    """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
+    two runs' checkpoints (and let retention delete one run's for the other's). Resume it
+    (``restore_latest``), use a new run root, or pass ``new_run=True``."""

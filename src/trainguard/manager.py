@@ -23,7 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from . import _persist, _restore, _statefn, _worker
+from . import _persist, _restore, _statefn, _worker, lineage
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, scan
 from .commit import publish
@@ -39,6 +39,7 @@ from .errors import (
 )
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
+from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .recovery.events import EventLog
@@ -46,6 +47,7 @@ from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
+from .state import per_rank
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -59,7 +61,8 @@ class CheckpointManager:
         save_policy: decides the steps ``maybe_save`` saves at (default: every 1000 steps).
         keep: retention: an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to keep all.
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
-        read_only: open without the write lock (list, verify and restore only).
+        read_only: open without the write lock (list, verify and restore only); local by default (no
+            collective, see ``collective``).
         fsync: make every save durable (default True).
         durability: how chunk files are made durable: ``"batched"`` (default: one ``syncfs(2)`` of the run
             root's filesystem per rank per save, after all chunks are written, then the renames into
@@ -78,10 +81,24 @@ class CheckpointManager:
             the next ``save``/``maybe_save``/``wait``/``close``), commits nothing, and its staging buffers
             are replaced so that the next save can run; ``close()`` returns after at most this long per
             stuck save. None (default) waits forever. Single process only.
+        new_run: start a new run on a root that holds another run's checkpoints without resuming it: the old
+            run's checkpoints stay (retention never orders them against the new run's, ``restore_latest``
+            follows the run that committed last). Without it, the first save of a manager that did not
+            restore refuses with RunConflictError when the root holds another run's checkpoint at or after
+            that step (a first save after every existing checkpoint continues the root's newest run).
+        collective: take part in torch.distributed collectives (default: True for a writer, False for
+            ``read_only``). A collective manager must be constructed on every rank; a local one may be opened
+            on one rank alone and never calls a collective (each rank then chooses its step on its own).
+        dist_timeout_s: timeout of trainguard's own process groups, in seconds (default: the timeout given to
+            ``init_process_group``), so a dead rank fails a save or restore in the time the user chose.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
         ConfigError: an invalid argument.
+
+    Collective calls (every rank, same order, when torch.distributed is initialized and the manager is
+    collective): the constructor, ``save``, ``maybe_save``, ``restore``, ``restore_latest``, ``close``.
+    Local: ``checkpoints``, ``latest_step``, ``wait`` and every call of a local (read-only) manager.
 
     Not thread-safe: call it from the training loop's thread.
     """
@@ -101,6 +118,9 @@ class CheckpointManager:
         staging_buffers: int = 2,
         when_busy: str = "wait",
         save_timeout_s: float | None = None,
+        new_run: bool = False,
+        collective: bool | None = None,
+        dist_timeout_s: float | None = None,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -125,7 +145,25 @@ class CheckpointManager:
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        self.dist = DistContext()
+        if dist_timeout_s is not None and (
+            isinstance(dist_timeout_s, bool)
+            or not isinstance(dist_timeout_s, (int, float))
+            or not 0 < dist_timeout_s < float("inf")
+        ):
+            raise ConfigError(f"dist_timeout_s must be a number of seconds > 0, got {dist_timeout_s!r}")
+        if collective is None:
+            collective = not read_only
+        if not collective and not read_only:
+            raise ConfigError(
+                "a writing manager must be collective under torch.distributed (every rank writes its shards); "
+                "collective=False is for read_only=True"
+            )
+        self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
+        self.new_run = bool(new_run)
+        # Run identity: rank 0 draws the id, every rank records the same one.
+        self.run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
+        self._resumed = False
+        self._run_checked = read_only
         if self.dist.enabled and when_busy == "skip":
             raise ConfigError(
                 "when_busy='skip' is not supported under torch.distributed (ranks could skip "
@@ -167,6 +205,7 @@ class CheckpointManager:
         self._events: EventLog | None = None
         self._first_step_logged = False
         self._manifest_chunks: dict[int, set[str]] = {}
+        self._manifest_runs: dict[int, str] = {}  # step -> id of the run that wrote it (retention's cache)
         self._manifest_metrics: dict[int, dict[str, Any]] = {}
         if read_only:
             if not self.root.is_dir():
@@ -202,8 +241,9 @@ class CheckpointManager:
 
             install_preemption_handler()
             self._preemption = True
+        self._events.set_context(checkpoint_run_id=self.run.run_id)
         self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
-        self._events.write("manager_start", root=str(self.root))
+        self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
 
     # -- context manager ----------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -370,11 +410,16 @@ class CheckpointManager:
             if bad_layout is not None:
                 raise ConfigError(bad_layout)
             self._layout_ok = True
+        if not self._run_checked:
+            lineage.check_before_first_save(self, step)
+            self._run_checked = True
         if not overwrite and (
             step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
         ):
             d = self.root / step_dir_name(step)
             info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
+            if info is not None and info.usable:
+                lineage.check_step_owner(self, step)
             if info is None or info.usable:
                 raise CheckpointExistsError(
                     f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
@@ -388,6 +433,7 @@ class CheckpointManager:
         now0 = time.monotonic()
         if not self.async_save:
             flat, paths, top = _statefn.collect(state)
+            flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
             try:
                 result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
@@ -418,6 +464,7 @@ class CheckpointManager:
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
             flat, paths, top = _statefn.collect(state)
+            flat, paths = per_rank.split(flat, paths, top, self.dist)
             staged = bufset.stage(flat)
         except BaseException:
             self._stager.release(bufset)  # type: ignore[union-attr]
@@ -439,8 +486,11 @@ class CheckpointManager:
             )
             self._worker.start()
 
-    def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
-        _restore.load(self, step, state)
+    def _load(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
+        _restore.load(self, step, state, strict=strict)
+
+    def _restored(self, m: Manifest) -> None:
+        lineage.record_resume(self, m)
 
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
@@ -497,39 +547,56 @@ class CheckpointManager:
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint under the root with status (valid / unverified / corrupt / incomplete), bytes and
         time, ascending by step (``trainguard ls`` also lists the steps whose save failed). Waits for this manager's pending saves first, so a save just made is listed.
-        Cheap: reads manifests and stats chunks; ``verify`` re-reads data."""
+        Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
+        process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
         return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
-        """The newest step whose checkpoint lists as valid or unverified (the one ``restore_latest`` tries
-        first), or None. A checkpoint that a full read (``verify``, a restore) found corrupt is not returned."""
+        """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one
+        ``restore_latest`` tries first), or None. A checkpoint that a full read (``verify``, a restore) found
+        corrupt is not returned."""
         valid = [i.step for i in self.checkpoints() if i.usable]
         return max(valid) if valid else None
 
     # -- restoring ----------------------------------------------------------------------------------------
-    def restore(self, step: int, state: MutableMapping[str, Any]) -> int:
+    def restore(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> int:
         """Load the checkpoint of ``step`` into ``state`` in place and return ``step``.
+
+        The top-level keys of ``state`` choose which saved entries to load. Within each, the state must match
+        the checkpoint: the same keys (wrapper prefixes such as ``_orig_mod.`` and ``module.`` aside) and, for
+        tensors loaded in place, the same dtypes and shapes. An empty dict or list takes everything saved as
+        saved; optimizer state always comes back as saved, dtype included, for every parameter that had it.
+
+        Args:
+            step: the step to load.
+            state: name -> object, as given to ``save``; loaded in place.
+            strict: with False, load what matches, convert dtypes to the target's and log the differences
+                instead of raising (shapes must still match).
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
             CorruptCheckpointError: the checkpoint failed an integrity check (nothing handed to load_state_dict;
                 tensors loaded in place before the failure may hold partial data).
-            StateMismatchError: the state does not match the checkpoint (shapes, missing entries).
+            StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
+                or missing optimizer state); the message lists the checkpoint's and the target's side.
         """
         if self._closed:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        self._load(step, state)
+        self._load(step, state, strict=strict)
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
         return step
 
-    def restore_latest(self, state: MutableMapping[str, Any]) -> int | None:
+    def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest VALID checkpoint into ``state`` in place and return its step.
 
         A corrupt or incomplete newer checkpoint is skipped with a logged warning (and an event naming the
-        corrupt chunk); the next older one is tried.
+        corrupt chunk); the next older one is tried. ``state`` and ``strict`` as in :meth:`restore`. Only the
+        lineage of the run that committed last is considered (another run kept apart with ``new_run=True`` is
+        passed over). A checkpoint that a writer in another process deletes meanwhile is not an error: the root
+        is listed again. A writing manager records the restored checkpoint's run as its parent (its lineage).
 
         Returns:
             The restored step, or None when the root holds no committed checkpoint at all.
@@ -542,7 +609,7 @@ class CheckpointManager:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        step = _restore.restore_latest(self, state, timings)
+        step = _restore.restore_latest(self, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
         return step

@@ -11,10 +11,18 @@ asserts on them. Scenarios:
 - ``fail``: rank 1's chunk writes fail in the middle of a save (async, then sync saves), then rank 0's
   manifest publish fails; each failed save is followed by one that must succeed. Last, a save whose background
   commit waits on rank 1's writes while the training loop keeps running collectives.
+- ``bf16``: bf16 Adam moments of FSDP2-sharded fp32 parameters restore as saved (issue 16).
 - ``corrupt``: save steps A < B, flip a bit in a chunk only B references that holds a shard written by rank 1,
   restore: every rank must fall back to A together.
 - ``orphans``: the last rank's chunk writes fail with ENOSPC in the save of step 2 while the other ranks write
   theirs; rank 0 then records the chunk files no checkpoint references and the listing; step 3 saves.
+- ``perrank``: every rank saves state whose values differ per rank (a Stateful cursor, plain values, plain
+  tensors, nested dicts) beside replicated ones, then restores into fresh objects at the same world size.
+- ``perrank_load``: restore such a root at another world size, without a reshard hook (must raise naming the
+  keys) and with ``tg.PerRank(obj, reshard=fn)``.
+- ``collectives``: trainguard's groups inherit the init_process_group timeout (or ``dist_timeout_s``); rank 0
+  alone opens a read-only manager and restores while the other ranks wait; a save whose peers never join fails
+  on rank 0 within ``dist_timeout_s``.
 """
 
 from __future__ import annotations
@@ -76,13 +84,13 @@ class Ids(torch.utils.data.Dataset):
 FEATURES = torch.randn(DATASET_SIZE, 16, generator=torch.Generator().manual_seed(1))
 
 
-def build(rank: int, ws: int) -> dict[str, Any]:
-    torch.manual_seed(0)  # same initial weights on every rank, as a real job has before fully_shard
+def build(rank: int, ws: int, optim_cls: Any = torch.optim.AdamW, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)  # same initial weights on every rank, as a real job has before fully_shard
     model = Net()
     for m in (model.l1, model.l2, model.l3):
         fully_shard(m)
     fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = optim_cls(model.parameters(), lr=0.01)
     torch.manual_seed(100 + rank)  # ranks draw different numbers: RNGState must restore each rank's own
     loader = tg.ResumableLoader(Ids(), batch_size=BATCH, shuffle=True, seed=5, rank=rank, world_size=ws)
     state = {
@@ -413,7 +421,188 @@ def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
     return res
 
 
+def scenario_bf16(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """FSDP2 parameters (fp32 DTensors) with bf16 moments, through ModelOptimizerState: the restored moments are
+    bf16 DTensors equal to the saved ones, and both runs continue identically."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bf16_optim import BF16MomentsAdamW
+
+    root = Path(spec["root"])
+    job = build(rank, ws, BF16MomentsAdamW)
+    for _ in range(2):
+        train_step(job)
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(2, job["state"])
+    ref = full_state(job)
+    fresh = build(rank, ws, BF16MomentsAdamW, seed=7)
+    with tg.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore_latest(fresh["state"])
+    res: dict[str, Any] = {
+        "restored": restored,
+        "moment_dtypes": sorted(
+            {str(st[k].dtype) for st in fresh["optim"].state.values() for k in ("exp_avg", "exp_avg_sq")}
+        ),
+        "local_types": sorted({type(st["exp_avg"]).__name__ for st in fresh["optim"].state.values()}),
+    }
+    got = full_state(fresh)
+    rng = torch.get_rng_state()  # both jobs live in this process: the same noise for both steps
+    train_step(job)
+    torch.set_rng_state(rng)
+    train_step(fresh)
+    ref_after, got_after = full_state(job), full_state(fresh)
+    if rank == 0:
+        res["differences"] = differences(got, ref)
+        res["differences_after_a_step"] = differences(got_after, ref_after)
+
+
+# -- per-rank state -----------------------------------------------------------------------------------------------
+class Cursor:
+    """State that is genuinely per rank (an iterable loader's position, a per-rank counter)."""
+
+    def __init__(self, rank: int) -> None:
+        self.sd: dict[str, Any] = {"offset": rank, "consumed": torch.tensor([rank * 10]), "rank": rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sd = sd
+
+
+def per_rank_state(rank: int) -> dict[str, Any]:
+    return {
+        "cursor": Cursor(rank),
+        "vals": {
+            "offset": rank,  # a value
+            "t": torch.full((3,), float(rank * 10)),  # a plain tensor
+            "nested": {
+                "a": {"b": [rank, "x"]},
+                "same_t": torch.ones(2),
+            },  # a nested dict; a replicated tensor
+        },
+        "shared": {"lr": 0.1, "w": torch.arange(4.0)},  # identical on every rank: stored once
+    }
+
+
+def observed(state: dict[str, Any]) -> dict[str, Any]:
+    """What a rank holds, as JSON."""
+    c = state["cursor"]
+    c = c.obj if isinstance(c, tg.PerRank) else c
+    v = state["vals"]
+    v = v.obj if isinstance(v, tg.PerRank) else v
+    return {
+        "cursor": {"offset": c.sd["offset"], "consumed": c.sd["consumed"].tolist(), "rank": c.sd["rank"]},
+        "vals": {"offset": v["offset"], "t": v["t"].tolist(), "b": v["nested"]["a"]["b"]},
+        "same_t": v["nested"]["same_t"].tolist(),
+        "shared": {"lr": state["shared"]["lr"], "w": state["shared"]["w"].tolist()},
+    }
+
+
+def fresh_per_rank_state() -> dict[str, Any]:
+    return {
+        "cursor": Cursor(-1),
+        "vals": {"offset": -1, "t": torch.zeros(3), "nested": {"a": {"b": None}, "same_t": torch.zeros(2)}},
+        "shared": {"lr": 0.0, "w": torch.zeros(4)},
+    }
+
+
+def scenario_perrank(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(10**9))
+    mgr.save(1, per_rank_state(rank)).wait()
+    mgr.close()
+    state = fresh_per_rank_state()
+    mgr = tg.CheckpointManager(root)
+    step = mgr.restore_latest(state)
+    mgr.close()
+    res: dict[str, Any] = {"step": step, "restored": observed(state)}
+    if rank == 0:
+        m = read_manifest(root, 1)
+        res["entries"] = {fqn: e.rank for fqn, e in m.entries.items()}
+        res["format_version"] = m.format_version
+    return res
+
+
+def scenario_perrank_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name, root in spec["roots"].items():
+        state = fresh_per_rank_state()
+        try:
+            tg.CheckpointManager(root, read_only=True).restore_latest(state)
+            no_hook: dict[str, Any] = {"error": None}
+        except tg.StateMismatchError as e:
+            no_hook = {"error": str(e), "untouched": observed(state)}
+        calls: list[dict[str, Any]] = []
+
+        def reshard(saved: list[Any], r: int, w: int, calls: list[dict[str, Any]] = calls) -> Any:
+            calls.append({"saved_ranks": len(saved), "rank": r, "world_size": w})
+            return saved[r % len(saved)]  # a rule the user chose: rank r takes saved rank r mod N
+
+        state = fresh_per_rank_state()
+        state["cursor"] = tg.PerRank(state["cursor"], reshard=reshard)
+        state["vals"] = tg.PerRank(state["vals"], reshard=reshard)
+        step = tg.CheckpointManager(root, read_only=True).restore_latest(state)
+        res[name] = {"no_hook": no_hook, "step": step, "hooked": observed(state), "calls": calls}
+    return res
+
+
+def group_timeout_s(group: Any) -> float:
+    return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
+def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    import time
+
+    base = Path(spec["root"])
+    res: dict[str, Any] = {}
+    # (a) the groups' timeouts: inherited from init_process_group, or dist_timeout_s
+    mgr = tg.CheckpointManager(base / "a", async_save=False)
+    res["inherited"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
+    # "pr" is the same on every rank, but PerRank stores it per rank all the same
+    mgr.save(1, {"w": {"t": torch.arange(8.0) + 1}, "note": "x", "pr": tg.PerRank({"k": torch.ones(2)})})
+    mgr.close()
+    if rank == 0:
+        res["entries"] = {fqn: e.rank for fqn, e in read_manifest(base / "a", 1).entries.items()}
+    mgr = tg.CheckpointManager(base / "b", async_save=False, dist_timeout_s=3.5)
+    res["override"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
+    mgr.close()
+    # (b) rank 0 alone: a read-only manager for inspection and a one-rank export; the others wait
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        ro = tg.CheckpointManager(base / "a", read_only=True)
+        export: dict[str, Any] = {"w": {}, "note": None}
+        res["alone"] = {
+            "latest": ro.latest_step(),
+            "listed": [i.step for i in ro.checkpoints()],
+            "restored": ro.restore_latest(export),
+            "w": export["w"]["t"].tolist(),
+            "elapsed_s": time.monotonic() - t0,
+        }
+        ro.close()
+    dist.barrier()
+    # (c) a save whose peers never join fails on rank 0 within dist_timeout_s, not 30 minutes
+    mgr = tg.CheckpointManager(base / "c", async_save=False, dist_timeout_s=3.0)
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            mgr.save(1, {"w": torch.ones(4)})
+            res["dead_peers"] = {"error": None}
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["dead_peers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        res["dead_peers"]["elapsed_s"] = time.monotonic() - t0
+    else:
+        time.sleep(spec["peers_away_s"])  # never joins the save
+    res["_exit"] = True  # the manager's groups are broken now: leave without tearing them down
+    return res
+
+
 SCENARIOS = {
+    "perrank": scenario_perrank,
+    "perrank_load": scenario_perrank_load,
+    "collectives": scenario_collectives,
+    "bf16": scenario_bf16,
     "save": scenario_save,
     "orphans": scenario_orphans,
     "load": scenario_load,
@@ -424,17 +613,20 @@ SCENARIOS = {
 
 def main() -> int:
     scenario, spec_path, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    spec = json.loads(spec_path.read_text())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("pg_timeout_s", 120)))
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     try:
-        res = SCENARIOS[scenario](json.loads(spec_path.read_text()), out, rank, ws)
+        res = SCENARIOS[scenario](spec, out, rank, ws)
         res.update(rank=rank, world_size=ws)
     except Exception:  # noqa: BLE001 - reported to the test
         res = {"error": f"rank {rank}: {traceback.format_exc()}"}
     tmp = out / f".{scenario}-rank{rank}.json.tmp"
     tmp.write_text(json.dumps(res))
     os.replace(tmp, out / f"{scenario}-rank{rank}.json")
+    if res.get("_exit"):
+        os._exit(0)
     if "error" in res:
         os._exit(1)  # a peer may be stuck in a collective: do not wait for it in destroy_process_group
     dist.destroy_process_group()

@@ -10,11 +10,22 @@ from typing import Any
 
 import click
 
-from ..catalog import find_run_roots, inspect_step, is_run_root, read_manifest, scan, step_dirs
+from ..catalog import (
+    find_run_roots,
+    inspect_step,
+    is_committed,
+    is_run_root,
+    read_manifest,
+    scan,
+    stable_committed_steps,
+    step_dirs,
+)
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import MANIFEST_NAME, TensorEntry, step_dir_name
+from ..format import TensorEntry, step_dir_name
 from ..recovery.events import read_events
 from .main import main
+
+RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
 
 def human_bytes(n: float) -> str:
@@ -136,21 +147,34 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
 
     p = _root(root)
     store = ChunkStore(p)
-    if step is None:
-        valid = [i.step for i in scan(p, store) if i.usable]  # what restore_latest would try first
-        if not valid:
-            hint = "" if step_dirs(p)[0] else _runs_hint(p, "info")
-            click.echo(f"no valid checkpoint in {p}{hint}", err=True)
+    latest = step is None
+    for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
+        if latest:
+            valid = [i.step for i in scan(p, store) if i.usable]  # what restore_latest would try first
+            if not valid:
+                hint = "" if step_dirs(p)[0] else _runs_hint(p, "info")
+                click.echo(f"no valid checkpoint in {p}{hint}", err=True)
+                sys.exit(1)
+            step = valid[-1]
+        assert step is not None
+        try:
+            m = read_manifest(p, step)
+        except CheckpointNotFoundError as e:
+            if latest:
+                continue
+            raise click.UsageError(str(e)) from None
+        except CorruptCheckpointError as e:
+            if latest and not is_committed(p, step):
+                continue
+            click.echo(f"step {step}: {e}", err=True)
             sys.exit(1)
-        step = valid[-1]
-    try:
-        m = read_manifest(p, step)
-    except CheckpointNotFoundError as e:
-        raise click.UsageError(str(e)) from None
-    except CorruptCheckpointError as e:
-        click.echo(f"step {step}: {e}", err=True)
+        status = inspect_step(p, step, p / step_dir_name(step), store)[0]
+        if latest and status.status != "valid" and not is_committed(p, step):
+            continue  # deleted (chunks and all) while being read: take the new newest
+        break
+    else:
+        click.echo(f"{p}: the newest checkpoint kept being deleted while being read; try again", err=True)
         sys.exit(1)
-    status = inspect_step(p, step, p / step_dir_name(step), store)[0]
     entries = _entries(store, m)
     summary = {
         "step": m.step,
@@ -164,6 +188,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "metrics": json_safe(m.metrics),
         "metadata": json_safe(m.metadata),
         "top_level": m.top_level,
+        "run": _run_json(m),
         "entries": entries,
     }
     bad = status.status in ("corrupt", "incomplete")  # a status that only lacks a full read is not a failure
@@ -180,6 +205,18 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             err=True,
         )
         sys.exit(1)
+
+
+def _run_json(m: Any) -> dict[str, Any] | None:
+    """The run that wrote the checkpoint: ``id``, ``resumed_from`` (``run_id``, ``step``) and ``lineage``."""
+    if m.run is None:
+        return None
+    src = m.run.resumed_from
+    return {
+        "id": m.run.run_id,
+        "resumed_from": None if src is None else {"run_id": src[0], "step": src[1]},
+        "lineage": m.run.to_json()["lineage"],
+    }
 
 
 def _entries(store: Any, m: Any) -> list[dict[str, Any]]:
@@ -200,8 +237,12 @@ def _entries(store: Any, m: Any) -> list[dict[str, Any]]:
                     "bytes": sum(s.nbytes for s in ent.shards),
                 }
             )
+            if ent.rank is not None:
+                entries[-1]["rank"] = ent.rank
             continue
         row: dict[str, Any] = {"fqn": fqn, "kind": "value", "codec": ent.codec}
+        if ent.rank is not None:
+            row["rank"] = ent.rank
         try:
             row["value"] = json_safe(read_value(store, m, ent, cache=cache))
         except CorruptCheckpointError as e:
@@ -263,6 +304,16 @@ def _print_info(summary: dict[str, Any]) -> None:
         problem = f": {escape(str(summary['problem']))}" if summary["problem"] else ""
         color = "cyan" if summary["status"] == "unverified" else "red"
         c.print(f"[{color}]{summary['status']}[/]{problem}")
+    if summary["run"] is not None:
+        run, src = summary["run"], summary["run"]["resumed_from"]
+        c.print(
+            f"run {run['id'] or '(unnamed)'}"
+            + (
+                f", resumed from run {src['run_id'] or '(unnamed)'} at step {src['step']}"
+                if src
+                else ", started fresh"
+            )
+        )
     if summary["metrics"]:
         c.print("metrics: " + ", ".join(f"{k}={v}" for k, v in summary["metrics"].items()))
     table = Table()
@@ -309,7 +360,8 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
     dirs, partials = step_dirs(p)
-    committed = [s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()]
+    # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
+    committed = stable_committed_steps(p)
     if not committed and step is None:
         # Nothing to check is a failed check: a mistyped root must not pass.
         what = "no committed checkpoint" if dirs or partials else "no checkpoints"
@@ -321,26 +373,35 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
             )
         click.echo(f"FAILED: {message}", err=True)
         sys.exit(1)
-    if step is not None:
-        steps: list[int] | None = [step]
-    elif all_steps:
-        steps = None
-    else:
-        steps = [max(committed)] if committed else []
     show = not as_json and sys.stderr.isatty()
-    try:
-        if show:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-            with Progress(
-                "verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
-            ) as prog:
-                task = prog.add_task("verify", total=None)
-                report = verify(p, steps, progress=lambda d, t: prog.update(task, completed=d, total=t))
+    for attempt in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer meanwhile
+        if attempt:
+            committed = stable_committed_steps(p)
+        if step is not None:
+            steps: list[int] | None = [step]
+        elif all_steps:
+            steps = None
         else:
-            report = verify(p, steps)
-    except CheckpointNotFoundError as e:
-        raise click.UsageError(str(e)) from None
+            steps = [max(committed)] if committed else []
+        try:
+            if show:
+                from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+                with Progress(
+                    "verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+                ) as prog:
+                    task = prog.add_task("verify", total=None)
+
+                    def progress(done: int, total: int, task: Any = task, prog: Any = prog) -> None:
+                        prog.update(task, completed=done, total=total)
+
+                    report = verify(p, steps, progress=progress)
+            else:
+                report = verify(p, steps)
+            break
+        except CheckpointNotFoundError as e:
+            if step is not None or attempt == RACE_RETRIES - 1:
+                raise click.UsageError(str(e)) from None
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:

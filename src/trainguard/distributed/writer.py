@@ -52,10 +52,13 @@ class WriterOptions:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Bytes of ``t`` in C order (a contiguous CPU copy only when needed: views store only their elements)."""
+    """Bytes of ``t`` in C order (a contiguous CPU copy only when needed: views store only their elements; a
+    conjugate or negative view is materialized, so its stored elements are its values)."""
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.detach().contiguous()
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dim() and t.stride(-1) != 1:  # size-1 dims count as contiguous whatever their stride
+        t = t.clone(memory_format=torch.contiguous_format)
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

@@ -22,8 +22,13 @@ import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .layout import chunk_relpath, validate_relpath
+from .run import RunInfo, run_from_json
 
 FORMAT_VERSION = 1
+PER_RANK_FORMAT_VERSION = (
+    2  # written only by manifests holding per-rank entries (a v1 reader would misread them)
+)
+SUPPORTED_VERSIONS = (FORMAT_VERSION, PER_RANK_FORMAT_VERSION)
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,40}")
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: anything larger in a manifest is corrupt or malicious
 MAX_NDIM = 64
@@ -94,26 +99,31 @@ class ShardRecord:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A tensor in the state: ``dtype`` name (e.g. "bfloat16"), global ``shape``, and its shards."""
+    """A tensor in the state: ``dtype`` name (e.g. "bfloat16"), global ``shape``, and its shards.
+
+    ``rank`` is set on a per-rank entry: the value of ``path`` saved by that rank (ranks held different values
+    under one key); None for an entry shared by every rank (sharded or replicated)."""
 
     fqn: str
     path: tuple[Any, ...]
     dtype: str
     shape: tuple[int, ...]
     shards: tuple[ShardRecord, ...]
+    rank: int | None = None
     kind: str = field(default="tensor", init=False)
 
 
 @dataclass(frozen=True)
 class ValueEntry:
     """A non-tensor value: inline JSON (``value``) or bytes in ``segments`` decoded by ``codec``
-    ("json", or "torch" = ``torch.load(weights_only=True)``)."""
+    ("json", or "torch" = ``torch.load(weights_only=True)``). ``rank``: as for :class:`TensorEntry`."""
 
     fqn: str
     path: tuple[Any, ...]
     codec: str
     value: Any = None
     segments: tuple[Segment, ...] | None = None
+    rank: int | None = None
     kind: str = field(default="value", init=False)
 
 
@@ -134,6 +144,7 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     top_level: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    run: RunInfo | None = None
 
     @property
     def bytes(self) -> int:
@@ -167,6 +178,13 @@ def _seg_to_json(s: Segment) -> list[Any]:
 
 
 def _entry_to_json(e: Entry) -> dict[str, Any]:
+    d = _entry_body(e)
+    if e.rank is not None:
+        d["rank"] = e.rank
+    return d
+
+
+def _entry_body(e: Entry) -> dict[str, Any]:
     if isinstance(e, TensorEntry):
         return {
             "kind": "tensor",
@@ -196,8 +214,9 @@ def _canonical(obj: Any) -> bytes:
 
 def manifest_to_json(m: Manifest) -> bytes:
     """Serialize to UTF-8 JSON bytes with a ``crc32c`` field over the canonical form of everything else."""
+    per_rank = any(e.rank is not None for e in m.entries.values())
     body: dict[str, Any] = {
-        "format_version": m.format_version,
+        "format_version": PER_RANK_FORMAT_VERSION if per_rank else m.format_version,
         "step": m.step,
         "t": m.t,
         "time": m.time,
@@ -211,6 +230,8 @@ def manifest_to_json(m: Manifest) -> bytes:
         },
         "entries": {fqn: _entry_to_json(e) for fqn, e in m.entries.items()},
     }
+    if m.run is not None:
+        body["run"] = m.run.to_json()
     body["crc32c"] = _crc32c.crc32c(_canonical(body))
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -297,9 +318,10 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     if not isinstance(body, dict):
         raise _bad("top level is not an object", expect_step)
     version = body.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         raise CorruptCheckpointError(
-            f"manifest format_version {version!r} is not supported by this trainguard (reads {FORMAT_VERSION}); "
+            f"manifest format_version {version!r} is not supported by this trainguard (reads "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}); "
             "upgrade trainguard to read it",
             step=expect_step,
         )
@@ -344,6 +366,11 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         if not isinstance(raw, dict):
             raise _bad(f"entry {fqn!r} must be an object", step)
         epath = _path(raw.get("path"), fqn)
+        erank = raw.get("rank")
+        if erank is not None:
+            if version < PER_RANK_FORMAT_VERSION:
+                raise _bad(f"{fqn}: a per-rank entry needs format_version {PER_RANK_FORMAT_VERSION}", step)
+            erank = _int(erank, f"{fqn} rank", 0, 1 << 24)
         kind = raw.get("kind")
         if kind == "tensor":
             dtype = raw.get("dtype")
@@ -390,7 +417,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                 raise _bad(
                     f"{fqn}: shards cover {covered} of the {math.prod(shape)} elements of shape {shape}", step
                 )
-            entries[fqn] = TensorEntry(fqn, epath, dtype, shape, tuple(shards))
+            entries[fqn] = TensorEntry(fqn, epath, dtype, shape, tuple(shards), erank)
         elif kind == "value":
             codec = raw.get("codec")
             if codec not in VALUE_CODECS:
@@ -399,12 +426,12 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                 if not isinstance(raw["segments"], list):
                     raise _bad(f"{fqn}: segments must be a list", step)
                 entries[fqn] = ValueEntry(
-                    fqn, epath, codec, None, tuple(_seg(s, chunks, fqn) for s in raw["segments"])
+                    fqn, epath, codec, None, tuple(_seg(s, chunks, fqn) for s in raw["segments"]), erank
                 )
             else:
                 if codec != "json":
                     raise _bad(f"{fqn}: an inline value must use the json codec", step)
-                entries[fqn] = ValueEntry(fqn, epath, codec, raw.get("value"), None)
+                entries[fqn] = ValueEntry(fqn, epath, codec, raw.get("value"), None, erank)
         else:
             raise _bad(f"{fqn}: unknown entry kind {kind!r}", step)
     t = body.get("t")
@@ -431,4 +458,5 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         metadata=metadata,
         top_level=top,
         format_version=version,
+        run=run_from_json(body.get("run"), step),
     )

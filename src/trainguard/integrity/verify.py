@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import read_manifest, record_check, record_corrupt, step_dirs
+from ..catalog import is_committed, read_manifest, record_check, record_corrupt, stable_committed_steps
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry
+from ..format import Manifest, TensorEntry, ValueEntry
 from ..format.manifest import DTYPE_ITEMSIZE
 from ..incremental.chunkstore import ChunkStore
 
@@ -65,24 +65,26 @@ def verify(
         record: record the findings in the step directories (module docstring); False leaves the root
             untouched.
 
+    A checkpoint that a writer's retention deletes while it is being checked is dropped from the report when
+    ``steps`` is None (it was deleted, not damaged); a requested step raises CheckpointNotFoundError.
+
     Raises:
-        CheckpointNotFoundError: a requested step has no committed checkpoint.
+        CheckpointNotFoundError: a requested step has no committed checkpoint (or was deleted meanwhile).
     """
     store = ChunkStore(root)
-    dirs, _ = step_dirs(root)
-    committed = {
-        s for s, d in dirs.items() if (d / MANIFEST_NAME).exists()
-    }  # no manifest: incomplete, not checked
+    committed = set(stable_committed_steps(root))  # stable listing; no manifest: incomplete, not checked
     wanted = sorted(committed) if steps is None else sorted(set(steps))
     report = VerifyReport()
     manifests = {}
     for s in wanted:
-        report.checked.append(s)
         try:
             manifests[s] = read_manifest(root, s)
+            report.checked.append(s)
         except CheckpointNotFoundError:
-            raise
+            if steps is not None:
+                raise
         except CorruptCheckpointError as e:
+            report.checked.append(s)
             report.ok = False
             report.corrupt.append({"step": s, "chunk": None, "tensors": [], "problem": str(e)})
     total = sum(c.length for m in manifests.values() for c in m.chunks.values())
@@ -111,6 +113,15 @@ def verify(
                 )
         _check_values(store, m, s, report, results)
         _check_dtypes(m, s, report)
+    vanished = {c["step"] for c in report.corrupt if not is_committed(root, c["step"])}
+    if vanished:  # deleted by a writer while being checked: its chunks went with it
+        if steps is not None:
+            raise CheckpointNotFoundError(
+                f"the checkpoint of step {min(vanished)} under {root} was deleted while it was being verified"
+            )
+        report.checked = [s for s in report.checked if s not in vanished]
+        report.corrupt = [c for c in report.corrupt if c["step"] not in vanished]
+        report.ok = not report.corrupt
     if record:
         _record(root, committed, manifests, report, errors)
     return report

@@ -61,14 +61,23 @@ def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
 
 
 def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
-    """Delete the valid checkpoints the policy does not keep (never the newest valid one), then their chunks.
+    """Delete the valid checkpoints of this run's lineage that the policy does not keep (never the newest valid
+    one), then their chunks. Other runs' checkpoints are neither counted nor deleted.
 
     Runs after each commit and, with ``at_open``, when a writer opens the root (so that reopening with a
     stricter ``keep`` frees space before the next save needs it). At open nothing has just been written: the
     newest checkpoint, the one kept, is re-read in full first, and if a chunk of it is not intact nothing is
     deleted.
     """
-    valid = [i.step for i in scan(mgr.root, mgr.store) if i.usable]  # valid or unverified
+    from ..lineage import head, own, run_of
+
+    usable = [i.step for i in scan(mgr.root, mgr.store) if i.usable]  # valid or unverified
+    if not at_open:
+        valid = own(mgr, usable)
+    else:  # before any restore: the lineage of the run this manager resumes, the root's newest (head) run
+        hd = None if mgr.new_run else head(mgr.root)
+        owner = [(s, run_of(mgr.root, s, mgr._manifest_runs)) for s in usable] if hd is not None else []
+        valid = [s for s, rid in owner if rid is not None and hd is not None and hd.owns(rid, s)]
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
@@ -90,6 +99,7 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
             pass
         remove_tree(d)
         mgr._manifest_chunks.pop(s, None)
+        mgr._manifest_runs.pop(s, None)
         mgr._manifest_metrics.pop(s, None)
         mgr._event("retention_delete", step=s)
     referenced = referenced_chunks(mgr)

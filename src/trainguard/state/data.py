@@ -179,8 +179,22 @@ class ResumableLoader:
                     f"batch of {self.batch_size} with drop_last=True; lower batch_size or set drop_last=False"
                 )
 
+    def _epoch_done(self) -> bool:
+        """True once the last batch of the current epoch was delivered (nothing of it is left to yield)."""
+        n = len(self.sampler)
+        return n == 0 or (self.drop_last and n < self.batch_size)
+
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        """``{"epoch", "start", "seed", "num_samples"}``. Right after the last batch of an epoch (before the loop
+        asks for the next one) the position is already the next epoch's start: ``(epoch + 1, 0)``."""
+        sd = self.sampler.state_dict()
+        if self._epoch_done():
+            sd["epoch"], sd["start"] = sd["epoch"] + 1, 0
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore the position; an epoch with nothing left (as older versions saved it after the last batch)
+        becomes the start of the next, so ``epoch`` counts completed epochs as the uninterrupted run does."""
         self.sampler.load_state_dict(sd)
+        if self._epoch_done():
+            self.sampler.epoch, self.sampler.start = self.sampler.epoch + 1, 0

@@ -1,0 +1,402 @@
+"""PyTorch Lightning: a ``CheckpointIO`` plugin that saves Lightning's checkpoints through trainguard.
+
+Lightning's documented extension point for checkpoint storage is ``CheckpointIO``; this plugin implements it over
+:class:`~trainguard.CheckpointManager`, so there is no second save path::
+
+    import trainguard as tg
+    trainer = Trainer(plugins=[tg.lightning.TrainguardCheckpointIO("ckpts/run1")],
+                      callbacks=[ModelCheckpoint(dirpath="ckpts/run1/lightning", every_n_train_steps=50,
+                                                 save_last=True)])
+    trainer.fit(model, ckpt_path="last")      # newest VALID trainguard checkpoint, or a fresh start
+
+Every checkpoint dict Lightning hands over is saved as the trainguard step ``global_step`` (async, CRC32C,
+atomic commit), with the process's RNG states beside it (Lightning does not save them). The file Lightning
+names (``epoch=0-step=50.ckpt``, ``last.ckpt``) becomes a small JSON pointer to that step, so Lightning's own
+bookkeeping (``save_top_k``, ``ckpt_path="last"``) keeps working; loading never unpickles anything.
+
+Requires the ``lightning`` extra: ``pip install 'trainguard[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import MissingDependencyError
+
+try:  # the standalone package first (what the extra installs), then the unified ``lightning`` package
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    except ImportError:
+        raise MissingDependencyError(
+            "trainguard.lightning needs the optional package 'pytorch_lightning', which is not installed; "
+            "install it with `pip install 'trainguard[lightning]'`",
+            name="pytorch_lightning",
+        ) from None
+
+import torch
+
+from .errors import CheckpointNotFoundError, ConfigError
+from .format import MANIFEST_NAME, step_dir_name
+from .state.data import ResumableLoader as _ResumableLoader
+from .storage.local import atomic_write
+
+log = logging.getLogger("trainguard")
+
+POINTER_FORMAT = "trainguard-lightning-pointer"
+_LAST = re.compile(r"^last(-v?\d+)?$")  # ModelCheckpoint's CHECKPOINT_NAME_LAST and its versioned variants
+
+
+def _plain(x: Any) -> Any:
+    """Dict subclasses Lightning puts in a checkpoint (``AttributeDict`` hparams) as plain dicts, so they are
+    stored as JSON/weights_only values; OrderedDicts stay (weights_only loads them)."""
+    if isinstance(x, Mapping) and type(x) not in (dict, OrderedDict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, dict):
+        return type(x)((k, _plain(v)) for k, v in x.items())
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, tuple) and type(x) is tuple:
+        return tuple(_plain(v) for v in x)
+    return x
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read the pointer file Lightning knows as a checkpoint path.
+
+    Returns:
+        ``{"format", "version", "root", "step"}``.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``path``.
+        ConfigError: the file is not a trainguard pointer (e.g. a ``torch.save`` Lightning checkpoint, which
+            this plugin never unpickles).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointNotFoundError(f"no checkpoint file at {p}")
+    raw = p.read_bytes()[: 1 << 16]
+    try:
+        ptr = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        ptr = None
+    if not isinstance(ptr, dict) or ptr.get("format") != POINTER_FORMAT or type(ptr.get("step")) is not int:
+        raise ConfigError(
+            f"{p} is not a trainguard checkpoint pointer (it looks like a plain Lightning/torch.save checkpoint, "
+            "which TrainguardCheckpointIO never unpickles); load it without the plugin, or resume from a "
+            "checkpoint written by TrainguardCheckpointIO"
+        )
+    return ptr
+
+
+class TrainguardCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that stores checkpoints in a trainguard run root.
+
+    Lightning calls ``save_checkpoint`` from ``ModelCheckpoint`` (or ``trainer.save_checkpoint``) with its
+    checkpoint dict (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``callbacks``, ...); the
+    dict is saved as the trainguard step ``checkpoint["global_step"]`` together with ``tg.RNGState()``, and
+    ``path`` receives a JSON pointer ``{"format", "version", "root", "step"}``, written atomically once that save
+    has committed (asynchronous saves: from a background thread), so no file Lightning finds names an
+    uncommitted checkpoint.
+
+    ``load_checkpoint`` of a ``last*.ckpt`` pointer (what ``ckpt_path="last"`` resolves to) restores the newest
+    VALID checkpoint of the root, whatever step the pointer names (a save killed before its commit, or a
+    corrupt checkpoint, falls back to the previous one); any other pointer restores exactly its step. RNG
+    states are restored too. The data position is Lightning's own: a train dataloader with
+    ``state_dict()``/``load_state_dict()`` (``tg.lightning.LightningLoader``) is saved inside ``loops`` and restored
+    mid-epoch.
+
+    ``remove_checkpoint`` (``save_top_k``) removes the pointer only; the trainguard checkpoints follow ``keep``.
+
+    Args:
+        root: the trainguard run root (a local directory; created if missing). Need not be the directory
+            ``ModelCheckpoint`` writes its pointers to.
+        keep: trainguard retention (an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to
+            keep all, the default); the newest valid checkpoint is never deleted.
+        rng: save and restore the RNG states (Python, numpy, torch CPU and CUDA) with each checkpoint.
+        **manager_kwargs: more :class:`~trainguard.CheckpointManager` options (``async_save``, ``durability``,
+            ``chunk_size_bytes``, ...).
+
+    Raises:
+        ConfigError: used under a multi-process strategy (DDP/FSDP): Lightning saves from rank 0 alone, while
+            trainguard's distributed save is collective; not supported yet.
+
+    The manager (and its write lock on ``root``) is created at the first save or load and closed by Lightning's
+    ``teardown`` at the end of ``fit``, which waits for pending asynchronous saves.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: Any = None,
+        rng: bool = True,
+        **manager_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(root, str) and "://" in root:
+            raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
+        self.root = Path(root)
+        self.keep = keep
+        self.rng = bool(rng)
+        self.manager_kwargs = dict(manager_kwargs)
+        self._mgr: Any = None
+        self._saved: dict[int, tuple[str, Any]] = {}  # step -> (training position key, PendingSave)
+        self._pointers: queue.Queue[Any] = queue.Queue()
+        self._pointer_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._cancelled: set[Path] = set()  # removed by Lightning before their save committed
+
+    @property
+    def manager(self) -> Any:
+        """The :class:`~trainguard.CheckpointManager` of ``root`` (created on first use)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "TrainguardCheckpointIO supports single-process Lightning runs so far: under a multi-process "
+                "strategy Lightning saves from rank 0 only, while trainguard's distributed save is collective; "
+                "use tg.CheckpointManager with tg.ModelOptimizerState in a plain loop for DDP/FSDP"
+            )
+        if self._mgr is None:
+            from .manager import CheckpointManager
+
+            self._mgr = CheckpointManager(self.root, keep=self.keep, **self.manager_kwargs)
+        return self._mgr
+
+    def _state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        from .state.rng import RNGState
+
+        state: dict[str, Any] = {"lightning": checkpoint}
+        if self.rng:
+            state["rng"] = RNGState()
+        return state
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` as trainguard step ``checkpoint["global_step"]``; write a pointer at ``path``.
+
+        Lightning often saves the same training position twice in one hook (a top-k file and ``last.ckpt``):
+        the second time only the pointer is written. A different position at a step already saved (an
+        end-of-epoch save after a batch-end save) replaces that step once the earlier save has committed.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict (tensors on any device; values plain Python).
+            path: the file Lightning names; receives the pointer.
+            storage_options: not supported (must be None).
+
+        Raises:
+            ConfigError: ``storage_options`` given, the checkpoint has no ``global_step``, or a value cannot be
+                stored without pickle (the message names it).
+            SaveError: the save failed (also raised later, by the next save or ``teardown``, for async saves);
+                earlier checkpoints are intact.
+        """
+        if storage_options is not None:
+            raise ConfigError(
+                "TrainguardCheckpointIO does not take storage_options; pass CheckpointManager options to the "
+                "plugin instead"
+            )
+        step = checkpoint.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"Lightning checkpoint without an int 'global_step' (got {step!r})")
+        key = json.dumps(
+            [checkpoint.get("epoch"), checkpoint.get("loops")], sort_keys=True, default=repr
+        )  # the training position; the callbacks' own bookkeeping may differ between two saves of it
+        mgr = self.manager
+        previous = self._saved.get(step)
+        if previous is None or previous[0] != key:
+            state = self._state(_plain(checkpoint))
+            if previous is None:
+                committed = (self.root / step_dir_name(step) / MANIFEST_NAME).exists()  # e.g. before a crash
+                handle = mgr.save(step, state, metrics=_metrics(checkpoint), overwrite=committed)
+            else:
+                mgr.wait()
+                handle = mgr.save(step, state, metrics=_metrics(checkpoint), overwrite=True)
+            self._saved[step] = (key, handle)
+        else:
+            handle = previous[1]
+        ptr = {"format": POINTER_FORMAT, "version": 1, "root": str(self.root.resolve()), "step": step}
+        data = json.dumps(ptr).encode() + b"\n"
+        if _LAST.match(Path(path).stem) and (
+            mgr.saves or next(self.root.glob(f"step-*/{MANIFEST_NAME}"), None)
+        ):
+            # ``last`` loads the newest valid checkpoint whatever step it names: publish it now, so a crash
+            # before this save commits still resumes from the previous one
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(path), data, fsync=mgr.fsync)
+        with self._lock:
+            self._cancelled.discard(Path(path))
+        self._pointers.put((handle, Path(path), data, mgr.fsync))
+        if self._pointer_thread is None or not self._pointer_thread.is_alive():
+            self._pointer_thread = threading.Thread(
+                target=self._write_pointers, name="trainguard-lightning-pointers", daemon=True
+            )
+            self._pointer_thread.start()
+
+    def _write_pointers(self) -> None:
+        """Publish each pointer once its save has committed, in save order, so a file Lightning finds (and
+        ``ckpt_path="last"``) never names a checkpoint that was not committed. A failed save gets no pointer
+        (its error is raised by the manager)."""
+        while True:
+            job = self._pointers.get()
+            try:
+                if job is None:
+                    return
+                handle, path, data, fsync = job
+                handle._event.wait()
+                if handle.error is not None or handle.skipped:
+                    continue
+                with self._lock:  # remove_checkpoint of a pointer not yet written cancels it
+                    if path in self._cancelled:
+                        continue
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write(path, data, fsync=fsync)
+            except OSError as e:  # one failed pointer must not stop the later ones
+                log.error("could not write the checkpoint pointer %s: %s", job[1], e)
+            finally:
+                self._pointers.task_done()
+
+    def wait(self) -> None:
+        """Block until every pending save has committed and its pointer file is written.
+
+        Raises:
+            SaveError: a background save failed.
+        """
+        if self._mgr is not None:
+            self._mgr.wait()
+        if self._pointer_thread is not None:
+            self._pointers.join()
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint a pointer names (``last*.ckpt``: the newest valid one) and restore RNG states.
+
+        Args:
+            path: a pointer written by :meth:`save_checkpoint`.
+            map_location: a device (or str) to move the tensors to; tensors load on the CPU otherwise.
+            weights_only: ignored: nothing is ever unpickled (values are JSON or ``weights_only`` loads).
+
+        Returns:
+            Lightning's checkpoint dict.
+
+        Raises:
+            CheckpointNotFoundError: no pointer at ``path``, or its step has no committed checkpoint.
+            NoValidCheckpointError: ``last``: checkpoints exist but none is valid.
+            CorruptCheckpointError: a specific step failed its CRC32C check (never loaded).
+            ConfigError: ``path`` is not a trainguard pointer.
+        """
+        from .catalog import read_manifest
+
+        ptr = read_pointer(path)
+        mgr = self.manager
+        step = int(ptr["step"])
+        if _LAST.match(Path(path).stem):
+            latest = _latest_valid(mgr)
+            if latest is None:
+                raise CheckpointNotFoundError(
+                    f"{path} points to {self.root}, which holds no committed checkpoint"
+                )
+            if latest != step:
+                log.warning(
+                    "%s names step %d; resuming from the newest valid checkpoint, step %d", path, step, latest
+                )
+            step = latest
+        state: dict[str, Any] = {"lightning": {}}
+        if self.rng and "rng" in read_manifest(self.root, step).top_level:
+            from .state.rng import RNGState
+
+            state["rng"] = RNGState()
+        if _LAST.match(Path(path).stem):
+            restored = mgr.restore_latest(state)  # falls back past a checkpoint that fails its CRC32C on read
+            assert restored is not None
+        else:
+            mgr.restore(step, state)
+        ckpt: dict[str, Any] = state["lightning"]
+        if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+            ckpt = _to_device(ckpt, torch.device(map_location))
+        return ckpt
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at ``path`` (``save_top_k``); trainguard's checkpoints follow ``keep``."""
+        p = Path(path)
+        with self._lock:
+            self._cancelled.add(p)  # a pointer still waiting for its commit is not written
+            try:
+                read_pointer(p)
+            except CheckpointNotFoundError:
+                return
+            p.unlink()
+
+    def teardown(self) -> None:
+        """Wait for pending saves and release the root (Lightning calls this at the end of ``fit``).
+
+        Raises:
+            SaveError: a background save failed.
+        """
+        mgr, self._mgr = self._mgr, None
+        self._saved.clear()
+        try:
+            if mgr is not None:
+                mgr.close()
+        finally:
+            if self._pointer_thread is not None:
+                self._pointers.put(None)
+                self._pointer_thread.join()
+                self._pointer_thread = None
+
+
+class LightningLoader(_ResumableLoader):
+    """``tg.ResumableLoader`` for Lightning's ``train_dataloader``: the same arguments and saved position.
+
+    Lightning ends an epoch by counting ``len(loader)`` batches rather than by exhausting the iterator, so the
+    plain loader would never see its epoch end and would yield an empty next epoch. This one starts the next
+    epoch at the next ``iter()`` once the current one is fully consumed. Lightning does not fetch ahead from a
+    loader with a length, so the position it saves in the checkpoint's ``loops`` (``state_dict()``: epoch and
+    samples delivered) is exactly the samples trained on, and it is restored mid-epoch on resume.
+    """
+
+    def __iter__(self) -> Any:
+        s = self.sampler
+        if len(s) == 0 or (self.drop_last and len(s) < self.batch_size):  # ended by count: start the next one
+            s.epoch, s.start = s.epoch + 1, 0
+        return super().__iter__()
+
+
+def _latest_valid(mgr: Any) -> int | None:
+    valid = [i.step for i in mgr.checkpoints() if i.status == "valid"]
+    return max(valid) if valid else None
+
+
+def _metrics(checkpoint: Mapping[str, Any]) -> dict[str, float]:
+    """The monitored value of each ``ModelCheckpoint`` state (``current_score``), for ``KeepBest``."""
+    out: dict[str, float] = {}
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, Mapping) and state.get("monitor") and state.get("current_score") is not None:
+            score = state["current_score"]
+            out[str(state["monitor"])] = float(score.item() if isinstance(score, torch.Tensor) else score)
+    return out
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return type(x)((k, _to_device(v, device)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+__all__ = ["LightningLoader", "TrainguardCheckpointIO", "read_pointer"]

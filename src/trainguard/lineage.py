@@ -1,0 +1,173 @@
+"""Run identity at save, retention and restore time (the records are in :mod:`trainguard.format.run`).
+
+- A manager that did not restore (and was not opened with ``new_run=True``) refuses its first save when the
+  root holds another run's checkpoint at or after that step: the two runs' checkpoints would interleave,
+  retention would delete one run's for the other's, and a restart would resume whichever step is highest.
+  A first save after every existing checkpoint continues the root's newest run (recorded in the lineage).
+- Retention orders only the checkpoints in the saving run's lineage.
+- ``restore_latest`` follows the *head* run: the run of the most recently committed manifest (by its mtime).
+  Checkpoints outside the head's lineage (another run kept apart with ``new_run=True``, or a branch an
+  ancestor abandoned) are passed over, never resumed.
+
+Rank 0 decides; the other ranks get its decision (these run inside collective calls).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from .catalog import read_manifest, step_dirs
+from .errors import CheckpointExistsError, RunConflictError, TrainguardError
+from .format import MANIFEST_NAME, Manifest
+from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger("trainguard")
+
+
+def run_of(root: str | os.PathLike[str], step: int, cache: dict[int, str] | None = None) -> str | None:
+    """Id of the run that wrote the checkpoint of ``step`` (``""`` for one written before run ids), or None
+    when its manifest cannot be read (deleted, corrupt)."""
+    if cache is not None and step in cache:
+        return cache[step]
+    try:
+        m = read_manifest(root, step)
+    except TrainguardError:
+        return None
+    rid = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+    if cache is not None:
+        cache[step] = rid
+    return rid
+
+
+def head(root: str | os.PathLike[str]) -> RunInfo | None:
+    """The run of the most recently committed checkpoint (newest manifest mtime) that parses, or None."""
+    dirs, _ = step_dirs(root)
+    stamped = []
+    for s, d in dirs.items():
+        try:
+            stamped.append((os.stat(d / MANIFEST_NAME).st_mtime_ns, s))
+        except OSError:
+            continue
+    for _, s in sorted(stamped, reverse=True):
+        try:
+            m = read_manifest(root, s)
+        except TrainguardError:
+            continue
+        return m.run or RunInfo(LEGACY_RUN_ID)
+    return None
+
+
+def foreign_steps(mgr: CheckpointManager) -> dict[int, str]:
+    """Committed checkpoints under the root that are not in ``mgr.run``'s lineage: step -> run id."""
+    dirs, _ = step_dirs(mgr.root)
+    out = {}
+    for s in sorted(dirs):
+        rid = run_of(mgr.root, s, mgr._manifest_runs)
+        if rid is not None and not mgr.run.owns(rid, s):
+            out[s] = rid
+    return out
+
+
+def _describe(foreign: dict[int, str]) -> str:
+    runs: dict[str, list[int]] = {}
+    for s, rid in foreign.items():
+        runs.setdefault(rid, []).append(s)
+    return "; ".join(
+        f"run {rid or '(unnamed, written before run ids)'}: steps {steps[0]}..{steps[-1]} ({len(steps)})"
+        for rid, steps in runs.items()
+    )
+
+
+def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
+    """Before the first save of a manager that did not restore: never interleave with another run.
+
+    - No other run's checkpoint under the root: a new run starts.
+    - Every other checkpoint is older than ``step``: the save continues the root's history (a process that
+      saves on where the last one stopped without loading, e.g. a tool or a test harness); the run of the
+      newest checkpoint becomes this run's parent, recorded in its lineage (event ``resume`` with
+      ``implicit``).
+    - Another run has a checkpoint at or after ``step``: refused, the choices spelled out.
+
+    Raises:
+        RunConflictError: on every rank, naming the other run(s), their steps and the three ways out.
+    """
+    if mgr._resumed or mgr.new_run:
+        return
+    msg = b""
+    parent: list[int] = []
+    if mgr.dist.is_coordinator:
+        foreign = foreign_steps(mgr)
+        if foreign and max(foreign) >= step:
+            msg = (
+                f"{mgr.root} holds checkpoints of another run ({_describe(foreign)}) and this manager "
+                f"(run {mgr.run.run_id}) did not resume it; saving step {step} would interleave the two runs' "
+                "checkpoints. Either call restore_latest(state) before the first save to resume that run, use a "
+                "new run root for a new run, or pass CheckpointManager(..., new_run=True) to start a new run "
+                "here that keeps the old run's checkpoints apart (its retention and restore_latest ignore them)."
+            ).encode()
+        elif foreign:
+            parent = [max(foreign)]
+    msg = mgr.dist.broadcast_bytes(msg)
+    if msg:
+        raise RunConflictError(msg.decode())
+    parent = mgr.dist.broadcast_ints(parent)
+    if parent:
+        m = read_manifest(mgr.root, parent[0]) if mgr.dist.is_coordinator else None
+        info = mgr.dist.broadcast_bytes(json.dumps(m.run.to_json() if m and m.run else None).encode())
+        mgr.run = mgr.run.resume(run_from_json(json.loads(info)), parent[0])
+        src = mgr.run.resumed_from
+        log.info(
+            "run %s continues after step %d of run %s (it did not restore)", mgr.run.run_id, parent[0], src
+        )
+        mgr._event(
+            "resume",
+            resumed_from={"run_id": src[0] if src else "", "step": parent[0]},
+            lineage=mgr.run.to_json()["lineage"],
+            implicit=True,
+        )
+
+
+def record_resume(mgr: CheckpointManager, m: Manifest) -> None:
+    """Record the checkpoint ``m`` just loaded as the parent of ``mgr``'s run (a writing manager only): its
+    lineage goes into every later manifest, and a ``resume`` event is logged."""
+    if mgr.read_only:
+        return
+    mgr.run = mgr.run.resume(m.run, m.step)
+    mgr._resumed = True
+    parent = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+    log.info("run %s resumes run %s at step %d", mgr.run.run_id, parent or "(unnamed)", m.step)
+    mgr._event(
+        "resume", resumed_from={"run_id": parent, "step": m.step}, lineage=mgr.run.to_json()["lineage"]
+    )
+
+
+def check_step_owner(mgr: CheckpointManager, step: int) -> None:
+    """Explain a step collision with another run's checkpoint (a root holds one checkpoint per step).
+
+    Raises:
+        CheckpointExistsError: the committed checkpoint of ``step`` belongs to a run outside this lineage.
+    """
+    rid = run_of(mgr.root, step)
+    if rid is not None and not mgr.run.owns(rid, step):
+        raise CheckpointExistsError(
+            f"step {step} under {mgr.root} holds a checkpoint of another run ({rid or '(unnamed)'}), kept apart "
+            f"from this run ({mgr.run.run_id}); a run root holds one checkpoint per step, so this run cannot "
+            "save that step here. Start the new run in a new run root, or delete the other run's checkpoints "
+            "deliberately."
+        )
+
+
+def own(mgr: CheckpointManager, steps: list[int]) -> list[int]:
+    """The steps whose checkpoints are in ``mgr.run``'s lineage (unreadable ones are left out)."""
+    out = []
+    for s in steps:
+        rid = run_of(mgr.root, s, mgr._manifest_runs)
+        if rid is not None and mgr.run.owns(rid, s):
+            out.append(s)
+    return out

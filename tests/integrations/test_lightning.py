@@ -1,0 +1,167 @@
+"""PyTorch Lightning through ``tg.lightning.TrainguardCheckpointIO``: a run SIGKILLed mid-training and resumed
+with ``fit(ckpt_path="last")`` continues identically (per-step losses and final weights, bitwise) to an
+uninterrupted run, on CPU with ``deterministic=True``. The job is ``examples/train_lightning.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ..conftest import REPO, run_env
+
+pytest.importorskip("pytorch_lightning")
+
+import trainguard as tg  # noqa: E402
+from trainguard.catalog import read_manifest  # noqa: E402
+from trainguard.format import chunk_relpath  # noqa: E402
+from trainguard.lightning import TrainguardCheckpointIO, read_pointer  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = REPO / "examples" / "train_lightning.py"
+STEPS, SAVE_EVERY = 25, 4  # 10 batches per epoch: the kills land mid-epoch 0 and mid-epoch 1
+
+
+def train(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(SCRIPT), "--root", str(root), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+           "--losses", str(out / "losses.jsonl"), "--final", str(out / "final.pt"), *extra]  # fmt: skip
+    env = run_env() | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(out: Path) -> dict[int, str]:
+    """Step -> loss (float.hex); a step redone after a resume keeps its last value."""
+    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("lightning")
+    ref, faulted = d / "reference", d / "faulted"
+    ref.mkdir()
+    faulted.mkdir()
+    r = train(ref / "root", ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kills = []
+    for kill_at in (7, 14):  # after the saves of steps 4 and 12 (mid-epoch); the run resumes twice
+        p = train(faulted / "root", faulted, "--kill-at", str(kill_at))
+        kills.append(p.returncode)
+    final = train(faulted / "root", faulted)
+    assert final.returncode == 0, final.stderr[-3000:]
+    return {"ref": ref, "faulted": faulted, "kills": kills}
+
+
+def test_a_killed_lightning_run_resumes_bit_exactly(runs: dict[str, Any]) -> None:
+    assert runs["kills"] == [-signal.SIGKILL, -signal.SIGKILL]  # both faults fired
+    ref, faulted = losses(runs["ref"]), losses(runs["faulted"])
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert faulted == ref
+    a = torch.load(runs["ref"] / "final.pt", weights_only=True)
+    b = torch.load(runs["faulted"] / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_step_of_every_attempt_matches_the_uninterrupted_run(runs: dict[str, Any]) -> None:
+    ref = losses(runs["ref"])
+    rows = [json.loads(line) for line in (runs["faulted"] / "losses.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    restarts = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
+    assert len(restarts) == 2  # two resumes, each from a committed checkpoint at or before its kill
+    assert [steps[i - 1] for i in restarts] == [7, 14]
+    assert all(steps[i] <= steps[i - 1] + 1 for i in restarts)
+    assert all(r["loss"] == ref[r["step"]] for r in rows)
+
+
+def test_lightning_files_are_pointers_and_checkpoints_are_trainguard_ones(runs: dict[str, Any]) -> None:
+    root = runs["faulted"] / "root"
+    newest = 24  # the last multiple of SAVE_EVERY
+    # Lightning keeps the last.ckpt it resumed from and writes last-v1.ckpt beside it; "last" is the newest file
+    lasts = sorted((root / "lightning").glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert read_pointer(lasts[-1])["step"] == newest
+    (named,) = (root / "lightning").glob(f"epoch=*-step={newest}.ckpt")
+    assert read_pointer(named)["step"] == newest
+    mgr = tg.CheckpointManager(root, read_only=True)
+    infos = {i.step: i.status for i in mgr.checkpoints()}
+    assert infos == {16: "valid", 20: "valid", 24: "valid"}  # keep=3 in the example
+    state: dict[str, Any] = {"lightning": {}}
+    mgr.restore(newest, state)
+    assert state["lightning"]["global_step"] == newest
+    assert set(state["lightning"]["state_dict"]) == {
+        "net.0.weight",
+        "net.0.bias",
+        "net.3.weight",
+        "net.3.bias",
+    }
+
+
+def test_last_resumes_from_the_newest_valid_checkpoint_when_the_newest_is_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    io = TrainguardCheckpointIO(root, async_save=False)
+    for step in (1, 2):
+        ckpt = {
+            "global_step": step,
+            "epoch": 0,
+            "state_dict": {"w": torch.full((4,), float(step))},
+            "loops": {},
+        }
+        io.save_checkpoint(ckpt, root / "lightning" / "last.ckpt")
+    io.teardown()
+    only_2 = set(read_manifest(root, 2).chunks) - set(read_manifest(root, 1).chunks)
+    chunk = root / chunk_relpath(sorted(only_2)[0])
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a bit flip in a chunk only step 2 references
+    chunk.write_bytes(bytes(data))
+    loaded = TrainguardCheckpointIO(root).load_checkpoint(root / "lightning" / "last.ckpt")
+    assert loaded["global_step"] == 1
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), 1.0))
+
+
+def test_a_plain_torch_save_checkpoint_is_refused_without_unpickling(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Armed:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (Path.touch, (marker,))
+
+    torch.save({"state_dict": {}, "x": Armed()}, tmp_path / "epoch=0-step=1.ckpt")
+    with pytest.raises(tg.ConfigError, match="not a trainguard checkpoint pointer"):
+        TrainguardCheckpointIO(tmp_path / "root").load_checkpoint(tmp_path / "epoch=0-step=1.ckpt")
+    assert not marker.exists()
+
+
+def test_remove_checkpoint_removes_the_pointer_and_keeps_the_data(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    io = TrainguardCheckpointIO(root, async_save=False)
+    io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    io.teardown()
+    assert not (tmp_path / "a.ckpt").exists()
+    assert [i.step for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == [3]
+
+
+def test_trainguard_imports_without_lightning_and_the_plugin_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "for m in ('pytorch_lightning', 'lightning_fabric', 'lightning'): sys.modules[m] = None\n"
+        "import trainguard as tg\n"
+        "tg.CheckpointManager\n"
+        "try:\n"
+        "    tg.lightning\n"
+        "except tg.MissingDependencyError as e:\n"
+        "    print('ERR', isinstance(e, ImportError), e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ERR True" in out.stdout and "pip install 'trainguard[lightning]'" in out.stdout
