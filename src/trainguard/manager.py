@@ -224,7 +224,6 @@ class CheckpointManager:
                 self._lock = RootLock(self.root)
                 self._lock.acquire()
                 self._cleanup_after_crash()
-                apply_retention(self, at_open=True)  # a stricter keep frees space before the next save
             except RootLockedError as e:
                 locked = str(e)
         if self.dist.enabled and self.dist.any(bool(locked)):
@@ -413,6 +412,8 @@ class CheckpointManager:
         if not self._run_checked:
             lineage.check_before_first_save(self, step)
             self._run_checked = True
+            if self.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
+                apply_retention(self, at_open=True)
         if not overwrite and (
             step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
         ):

@@ -439,14 +439,27 @@ def test_a_layout_whose_chunks_restore_would_refuse_is_refused_at_the_first_save
 
 
 # -- a full disk has a way out ------------------------------------------------------------------------------
-def test_reopening_with_a_stricter_keep_frees_space_at_open(saved):
+def test_reopening_with_a_stricter_keep_frees_space_before_the_first_save_writes(saved, monkeypatch):
+    import trainguard.storage.local as local
+
     before = chunk_files(saved)
+    kept = referenced_chunks(saved, [3])
+    seen: list[set[str]] = []
+    real = local.write_file
+
+    def watch(path: Path, buf: Any, *, fsync: bool = True) -> None:
+        if ".partial-" in Path(path).parent.name:
+            seen.append(chunk_files(saved))  # what is on disk when the save writes its first chunk
+        real(path, buf, fsync=fsync)
+
+    monkeypatch.setattr(local, "write_file", watch)
     with tg.CheckpointManager(saved, keep=1) as mgr:
-        assert [i.step for i in mgr.checkpoints()] == [3]  # before any save
-    assert chunk_files(saved) == referenced_chunks(saved, [3]) and len(before) > len(chunk_files(saved))
-    state = blank_state()
-    assert tg.CheckpointManager(saved, read_only=True).restore_latest(state) == 3
-    assert_state_is(state, 3)
+        state = blank_state()
+        assert mgr.restore_latest(state) == 3
+        assert_state_is(state, 3)
+        commit_save(mgr, 4, make_state(4))
+    assert seen and seen[0] == kept and len(before) > len(kept)
+    assert [i.step for i in tg.CheckpointManager(saved, read_only=True).checkpoints()] == [4]
 
 
 def test_retention_at_open_deletes_nothing_when_the_checkpoint_it_keeps_is_damaged(saved):
@@ -456,12 +469,13 @@ def test_retention_at_open_deletes_nothing_when_the_checkpoint_it_keeps_is_damag
         if owners_of(saved, 3, h) == ["model.big"]
     )
     flip_bit(saved / rec["path"], 9, 0)
-    with tg.CheckpointManager(saved, keep=1) as mgr:
-        assert [i.step for i in mgr.checkpoints()] == [1, 2, 3]
-        state = blank_state()
-        assert mgr.restore_latest(state) == 2
-    assert_state_is(state, 2)
+    with tg.CheckpointManager(saved, keep=1, async_save=False) as mgr:
+        commit_save(mgr, 4, make_state(4))  # continues the root's run without restoring (implicit resume)
     assert [e["step"] for e in read_events(saved, event="retention_deferred")] == [3]
+    assert not read_events(saved, event="retention_delete") or all(
+        e["t"] > read_events(saved, event="retention_deferred")[0]["t"]
+        for e in read_events(saved, event="retention_delete")
+    )  # nothing was deleted before step 4 committed
 
 
 def test_step_directories_deleted_by_hand_free_their_chunks_at_the_next_open(saved):

@@ -64,20 +64,14 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     """Delete the valid checkpoints of this run's lineage that the policy does not keep (never the newest valid
     one), then their chunks. Other runs' checkpoints are neither counted nor deleted.
 
-    Runs after each commit and, with ``at_open``, when a writer opens the root (so that reopening with a
-    stricter ``keep`` frees space before the next save needs it). At open nothing has just been written: the
-    newest checkpoint, the one kept, is re-read in full first, and if a chunk of it is not intact nothing is
-    deleted.
+    Runs after each commit and, with ``at_open``, before the first save of a writing manager writes anything
+    (after its restore, so the lineage it resumed is known: reopening with a stricter ``keep`` frees space
+    before the save needs it). Then nothing has just been written: the newest checkpoint, the one kept, is
+    re-read in full first, and if a chunk of it is not intact nothing is deleted.
     """
-    from ..lineage import head, own, run_of
+    from ..lineage import own
 
-    usable = [i.step for i in scan(mgr.root, mgr.store) if i.usable]  # valid or unverified
-    if not at_open:
-        valid = own(mgr, usable)
-    else:  # before any restore: the lineage of the run this manager resumes, the root's newest (head) run
-        hd = None if mgr.new_run else head(mgr.root)
-        owner = [(s, run_of(mgr.root, s, mgr._manifest_runs)) for s in usable] if hd is not None else []
-        valid = [s for s, rid in owner if rid is not None and hd is not None and hd.owns(rid, s)]
+    valid = own(mgr, [i.step for i in scan(mgr.root, mgr.store) if i.usable])  # valid or unverified
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
@@ -185,7 +179,7 @@ def space_hint(mgr: CheckpointManager) -> str:
     kept = set(manifests[newest].chunks)
     freed = {h: rec.length for s in older for h, rec in manifests[s].chunks.items() if h not in kept}
     return (
-        f" To make room, reopen the manager with keep=1: at open it keeps step {newest} (the newest valid "
-        f"checkpoint, re-read first) and deletes steps {older}, freeing {sum(freed.values())} bytes of chunks; "
+        f" To make room, reopen the manager with keep=1: before its first save it keeps step {newest} (the "
+        f"newest valid checkpoint, re-read first) and deletes steps {older}, freeing {sum(freed.values())} bytes of chunks; "
         "or delete step directories by hand (the next writer collects their orphaned chunks at open)."
     )
