@@ -247,6 +247,8 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
         if kind == "kill_during_save":  # a save is collective: every rank takes part, the fault's rank dies
             mgr.save(step, state, metrics={"loss": float("nan")}, overwrite=True).wait()
         return  # the other faults hit one rank; the rest fail in their next collective
+    # Recorded where it happens, before it fires: `trainguard report` joins it to the supervisor's failure.
+    mgr.log_event("fault_injected", kind=kind, step=step)
     print(
         f"[fault] attempt {attempt}: {kind} after step {step - 1 if kind == 'kill_step' else step}"
         + (f" on rank {rank}" if distributed else ""),

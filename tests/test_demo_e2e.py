@@ -101,3 +101,6 @@ def test_demo_json_has_the_documented_keys(tmp_path):
     assert set(s["checkpoints"]) >= {"count", "bytes", "mean_block_s", "max_block_s"}
     assert set(s["failures"][0]) >= {"kind", "step", "steps_lost", "ttr_s", "phases"}
     assert s["identical"] is True and 0 < s["goodput"] <= 1
+    # the demo writes the HTML report of its faulted run (`trainguard report`) and names it
+    assert s["report"] == str(tmp_path.absolute() / "report.html")
+    assert "<!DOCTYPE html>" in (tmp_path / "report.html").read_text()

@@ -6,7 +6,8 @@
    newest checkpoint (a flipped bit in a chunk) that the next restore must detect and skip.
 2. Trains the same job uninterrupted as a reference (concurrently, one CPU thread each).
 3. Compares the final model and optimizer tensors bitwise and reports checkpoints, failures with their
-   time-to-resume phases, and goodput.
+   time-to-resume phases, and goodput, and writes the HTML report of the faulted run (``trainguard
+   report``) to ``<out>/report.html``.
 """
 
 from __future__ import annotations
@@ -273,7 +274,17 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
         ref_log.close()
         if ref.poll() is None:
             ref.kill()
-    return summarize(cfg, plan, result, faulted, reference, t_faulted, t_ref, ref_rc)
+    summary = summarize(cfg, plan, result, faulted, reference, t_faulted, t_ref, ref_rc)
+    summary["report"] = str(write_demo_report(faulted, out / "report.html"))
+    return summary
+
+
+def write_demo_report(faulted: Path, path: Path) -> Path:
+    """Write the HTML report (``trainguard report``) of the faulted run and return its path."""
+    from .observe.figures import report_figures
+    from .observe.html import write_report
+
+    return write_report(report_figures(str(faulted)), path)
 
 
 def summarize(

@@ -42,7 +42,7 @@ from .format.layout import MANIFEST_NAME
 from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
-from .recovery.events import EventLog
+from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
@@ -51,6 +51,10 @@ from .state import per_rank
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
+
+PROGRESS_INTERVAL_S = 10.0
+"""``maybe_save`` logs a ``progress`` event (rank 0 only) at most this often: the step over wall time that
+``trainguard report`` plots between checkpoints (about 45 MB of event log per 30 days of training)."""
 
 
 class CheckpointManager:
@@ -91,6 +95,10 @@ class CheckpointManager:
             on one rank alone and never calls a collective (each rank then chooses its step on its own).
         dist_timeout_s: timeout of trainguard's own process groups, in seconds (default: the timeout given to
             ``init_process_group``), so a dead rank fails a save or restore in the time the user chose.
+        metrics_registry: the prometheus-client registry that receives this manager's save metrics
+            (``trainguard_save_block_seconds``, ``trainguard_save_persist_seconds``,
+            ``trainguard_checkpoint_bytes``, ``trainguard_save_failures_total``); None: a private one, see
+            :attr:`metrics_registry`. Pass ``prometheus_client.REGISTRY`` to export through the default one.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -121,6 +129,7 @@ class CheckpointManager:
         new_run: bool = False,
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
+        metrics_registry: Any = None,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -204,9 +213,11 @@ class CheckpointManager:
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
         self._first_step_logged = False
+        self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
         self._manifest_chunks: dict[int, set[str]] = {}
         self._manifest_runs: dict[int, str] = {}  # step -> id of the run that wrote it (retention's cache)
         self._manifest_metrics: dict[int, dict[str, Any]] = {}
+        self._metrics: Any = None
         if read_only:
             if not self.root.is_dir():
                 raise ConfigError(f"run root {self.root} does not exist")
@@ -214,6 +225,10 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._events = EventLog(self.root, "manager")
+        from .observe.metrics import SaveMetrics
+
+        self._metrics = SaveMetrics(metrics_registry)
+        self._events.listeners.append(self._metrics.observe)
         if self.dist.enabled:
             self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
         locked = ""
@@ -295,6 +310,36 @@ class CheckpointManager:
         if self._events is not None:
             self._events.write(name, **fields)
 
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append an event of your own to the run's event log (``events/``), e.g. a fault injected on purpose.
+
+        The record gets ``t``, ``time``, ``source`` ("manager"), ``pid`` and, where known, ``rank``, ``run_id``
+        and ``restart_count``, like trainguard's own events. ``trainguard report`` joins a ``fault_injected``
+        event (fields ``kind`` and ``step``) to the failure that follows it in the same attempt. Log it before
+        the fault fires: a line is handed to the OS at once, so it survives a SIGKILL right after.
+
+        Args:
+            event: the event name (not one of trainguard's own:
+                :data:`trainguard.recovery.events.OWN_EVENTS`).
+            **fields: JSON-serializable fields.
+
+        Raises:
+            ConfigError: an empty name or one of trainguard's own event names.
+            TrainguardError: the manager is read-only or closed (it has no event log then).
+        """
+        if not isinstance(event, str) or not event.strip():
+            raise ConfigError(f"event must be a non-empty string, got {event!r}")
+        if event in OWN_EVENTS:
+            raise ConfigError(
+                f"{event!r} is an event trainguard writes itself; give your event another name "
+                "(e.g. 'fault_injected' or 'user_note')"
+            )
+        if self._events is None or self._closed:
+            raise TrainguardError(
+                "this CheckpointManager has no event log (read_only=True or closed); log from the writer"
+            )
+        self._events.write(event, **fields)
+
     # -- saving -------------------------------------------------------------------------------------------
     def maybe_save(
         self,
@@ -329,6 +374,13 @@ class CheckpointManager:
         if not self._first_step_logged:
             self._first_step_logged = True
             self._event("first_step", step=step)
+        if self.dist.is_coordinator:
+            now = time.monotonic()
+            if self._progress_t is None:
+                self._progress_t = now
+            elif now - self._progress_t >= PROGRESS_INTERVAL_S:
+                self._event("progress", step=step)
+                self._progress_t = now
         if self._preemption and self.dist.any(preemption_requested()):  # every rank agrees on the step
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
@@ -514,6 +566,15 @@ class CheckpointManager:
         self._pending = keep
         if err is not None:
             raise err
+
+    @property
+    def metrics_registry(self) -> Any:
+        """The prometheus-client registry holding this manager's save metrics (None when read-only).
+
+        Serve it with ``prometheus_client.start_http_server(port, addr="127.0.0.1", registry=...)``; under
+        ``trainguard run --metrics-port`` the supervisor serves the same metrics from the event log.
+        """
+        return self._metrics.registry if self._metrics is not None else None
 
     @property
     def staging_bytes(self) -> int:

@@ -73,6 +73,17 @@ def test_a_killed_rank_brings_torchrun_down_and_the_supervisor_relaunches_it(run
     assert [(f["attempt"], f["cause"]) for f in failures] == [(0, "exit")]
     assert failures[0]["exit_code"] not in (0, None) and failures[0]["last_step"] == KILL_AT - 1
     assert len(read_events(runs["faulted"], event="job_start")) == 2
+    # the report joins the fault rank 1 logged before it fired with the cause torchrun's exit gave
+    from trainguard.observe.figures import report_figures
+
+    [f] = report_figures(str(runs["faulted"]))["failures"]
+    assert (f["kind"], f["cause"], f["injected"]) == ("kill_step", "exit", True)
+    assert (f["step"], f["injected_step"]) == (
+        KILL_AT - 1,
+        KILL_AT,
+    )  # killed in step KILL_AT: after the one before
+    [fault] = read_events(runs["faulted"], event="fault_injected")
+    assert fault["rank"] == KILL_RANK
 
 
 def test_every_rank_of_the_relaunched_job_resumed_from_the_newest_checkpoint(runs):

@@ -151,3 +151,5 @@ def print_summary(s: dict) -> None:
     if s["differences"]:
         c.print("differences: " + ", ".join(s["differences"]))
     c.print(f"logs and checkpoints: {s['out']}")
+    if s.get("report"):
+        c.print(f"report: {s['report']}")

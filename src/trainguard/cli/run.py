@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError
+from ..recovery.heartbeat import parse_signal
 from ..recovery.supervisor import EXIT_CODES, ROOT_ENV, Backoff, RunResult, Supervisor, SupervisorConfig
 from ..recovery.ttr import PHASES
 from .main import main
@@ -68,6 +69,29 @@ _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, mea
     help="Run root for the event log; use the job's checkpoint root so the manager's restore timings join "
     "the TTR report. Default: $TRAINGUARD_ROOT, else ./trainguard-run.",
 )
+@click.option(
+    "--run-id",
+    default=None,
+    help="The job's id, shared by every node's supervisor on the same --root: one restart budget "
+    "(--max-restarts for the whole job) and one event history. Default: torchrun's --rdzv-id in COMMAND, "
+    "else a new id.",
+)
+@click.option(
+    "--preempt-signal",
+    "preempt_signals",
+    multiple=True,
+    metavar="SIGNAL",
+    help="A signal (e.g. USR1, as Slurm's --signal=USR1@120 sends) meaning the job is about to be stopped: "
+    "the job gets SIGTERM (save_on_preemption=True saves and exits), the job's own handler also catches "
+    "SIGNAL, and trainguard run exits 75 without restarting so the batch script can requeue. Repeatable.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics of the run at http://127.0.0.1:PORT/metrics while it runs (this machine "
+    "only; 0: any free port). Default: off.",
+)
 @click.option("--poll-interval", type=float, default=0.1, show_default=True, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of the table.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -81,6 +105,9 @@ def run_command(
     backoff_factor: float,
     no_progress_limit: int,
     root: str | None,
+    run_id: str | None,
+    preempt_signals: tuple[str, ...],
+    metrics_port: int | None,
     poll_interval: float,
     as_json: bool,
     command: tuple[str, ...],
@@ -116,11 +143,14 @@ def run_command(
             max_no_progress_restarts=no_progress_limit,
             root=root,
             poll_interval_s=poll_interval,
+            run_id=run_id,
+            preempt_signals=tuple(parse_signal(s) for s in preempt_signals),
+            metrics_port=metrics_port,
         )
         supervisor = Supervisor(command, config)
+        result = supervisor.run()  # a metrics port that cannot be bound fails here, before any launch
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
-    result = supervisor.run()
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:

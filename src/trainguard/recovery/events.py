@@ -16,15 +16,46 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .._time import iso
 
 EVENTS_DIR = "events"
+
+OWN_EVENTS = frozenset(
+    {
+        "manager_start",
+        "resume",
+        "save",
+        "save_failed",
+        "save_skipped",
+        "replace_corrupt",
+        "restore",
+        "restore_skipped",
+        "first_step",
+        "progress",
+        "retention_delete",
+        "cleanup",
+        "preemption",
+        "preempted",
+        "adaptive_interval",
+        "supervisor_start",
+        "job_start",
+        "failure",
+        "restart",
+        "recovery",
+        "success",
+        "give_up",
+        "stop",
+        "spawn_error",
+    }
+)
+"""Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""
 
 
 class EventLog:
@@ -49,6 +80,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the process's life
         self._context: dict[str, Any] = {}
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with each record written (e.g. to update metrics); a failing listener is ignored."""
         run_id = os.environ.get("TRAINGUARD_RUN_ID")
         if run_id:
             self._context["run_id"] = run_id
@@ -85,12 +118,25 @@ class EventLog:
             self._fh.flush()
             if self._fsync:
                 os.fsync(self._fh.fileno())
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001, S110 - observers must never break the log or training
+                pass
         return record
 
     def close(self) -> None:
         with self._lock:
             if not self._fh.closed:
                 self._fh.close()
+
+
+def is_regular_file(path: Path) -> bool:
+    """True when ``path`` is (or links to) a regular file; False for FIFOs, devices, directories, errors."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> Iterator[dict[str, Any]]:
@@ -105,6 +151,8 @@ def iter_events(root: str | os.PathLike[str], *, event: str | None = None) -> It
     if not d.is_dir():
         return iter(())
     for f in sorted(d.glob("*.jsonl")):
+        if not is_regular_file(f):
+            continue  # a FIFO or a device named *.jsonl would block or never end: not an event file
         try:
             text = f.read_text(encoding="utf-8", errors="replace")
         except OSError:

@@ -42,6 +42,9 @@ from typing import Any, NoReturn
 from ..errors import ConfigError
 
 HEARTBEAT_FILE_ENV = "TRAINGUARD_HEARTBEAT_FILE"
+PREEMPT_SIGNALS_ENV = "TRAINGUARD_PREEMPT_SIGNALS"
+"""Comma-separated signal names (``USR1``) that ``trainguard run --preempt-signal`` passes to the job: the
+preemption handler catches them as well as SIGTERM (a scheduler may signal every process of the job)."""
 """Environment variable holding the heartbeat file's path (set by the supervisor)."""
 
 RECORD_SIZE_BYTES = 128
@@ -307,13 +310,14 @@ def _on_preemption_signal(signum: int, frame: object) -> None:
     _preempted.set()
 
 
-def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-    """Make SIGTERM set the preemption flag instead of killing the process.
+def install_preemption_handler(signals: tuple[int, ...] | None = None) -> None:
+    """Make SIGTERM (and ``$TRAINGUARD_PREEMPT_SIGNALS``) set the preemption flag instead of killing the process.
 
     Idempotent. Call from the main thread (Python runs signal handlers there), before the training loop.
 
     Args:
-        signals: the signals to catch (default SIGTERM only; SIGINT keeps raising KeyboardInterrupt).
+        signals: the signals to catch (default SIGTERM and the signals named in
+            ``$TRAINGUARD_PREEMPT_SIGNALS``; SIGINT keeps raising KeyboardInterrupt).
 
     Raises:
         ConfigError: when called outside the main thread.
@@ -323,10 +327,33 @@ def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> 
             "install_preemption_handler() must run in the main thread (Python delivers signals there); "
             "create the CheckpointManager with save_on_preemption=True in the main thread"
         )
+    if signals is None:
+        signals = (signal.SIGTERM, *preempt_signals_from_env())
     for sig in signals:
         previous = signal.signal(sig, _on_preemption_signal)
         if previous is not _on_preemption_signal:
             _previous_handlers[int(sig)] = previous
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"USR1"``, ``"SIGUSR1"``, ``"10"`` or ``10`` -> ``signal.SIGUSR1``.
+
+    Raises:
+        ConfigError: not a signal of this platform.
+    """
+    text = str(name).strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name!r} is not a signal name or number (e.g. USR1, SIGUSR2, 10)") from None
+
+
+def preempt_signals_from_env() -> tuple[signal.Signals, ...]:
+    """The signals named in ``$TRAINGUARD_PREEMPT_SIGNALS`` (empty when unset)."""
+    names = [n for n in os.environ.get(PREEMPT_SIGNALS_ENV, "").split(",") if n.strip()]
+    return tuple(parse_signal(n) for n in names)
 
 
 def uninstall_preemption_handler() -> None:

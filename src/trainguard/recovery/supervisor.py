@@ -39,6 +39,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ._process import Job, group_alive, signal_group, signal_name, spawn_problem
 from .events import EventLog
-from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, Heartbeat, read_heartbeats
+from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
+from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, validate_run_id
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
 EARLY_DEATH_S = 60.0  # an attempt that dies this soon without a heartbeat counts against --no-progress-limit
@@ -68,6 +71,8 @@ EXIT_CODES: dict[str, str] = {
     "3": "gave up: the job failed again after --max-restarts restarts",
     "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance, or "
     "the job died within 60 s of starting without any heartbeat)",
+    "75": "preempted: a --preempt-signal arrived, the job was told to save (SIGTERM) and was not restarted; "
+    "requeue it",
     "127": "COMMAND could not be started (not found or not executable)",
     "128+N": "stopped by signal N, forwarded to the job, no restart (130 SIGINT, 143 SIGTERM)",
 }
@@ -134,7 +139,15 @@ class SupervisorConfig:
         poll_interval_s: how often the heartbeat file is read (seconds). Exits are noticed at once.
         forward_signals: forward SIGTERM/SIGINT to the job (only possible from the main thread).
         env: extra environment for the job.
-        run_id: the run id; None: generated (``YYYYmmdd-HHMMSS-<6 hex>``).
+        run_id: the run id; None: torchrun's ``--rdzv-id`` in the command, else generated
+            (``YYYYmmdd-HHMMSS-<6 hex>``). Supervisors of one run id on one root share one restart budget
+            (see :mod:`.job`).
+        preempt_signals: signals that mean "the scheduler is about to stop this job" (e.g. Slurm's
+            ``--signal=USR1@120``): the job gets SIGTERM (with ``save_on_preemption=True`` it saves and
+            exits 75) and the supervisor exits 75 without restarting, so the batch script can requeue.
+        metrics_port: serve Prometheus metrics of the run (:mod:`trainguard.observe.metrics`) on this TCP
+            port of 127.0.0.1 (this machine only) while it runs (0: any free port, see
+            :attr:`Supervisor.metrics_url`); None: off.
     """
 
     max_restarts: int = 10
@@ -148,8 +161,22 @@ class SupervisorConfig:
     forward_signals: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
     run_id: str | None = None
+    preempt_signals: tuple[int, ...] = ()
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            from ..observe.metrics import check_port
+
+            check_port(self.metrics_port)
+        if self.run_id is not None:
+            validate_run_id(self.run_id)
+        for sig in self.preempt_signals:
+            if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGTERM):
+                raise ConfigError(
+                    f"{signal.Signals(sig).name} cannot be a preemption signal (SIGTERM and SIGINT already stop "
+                    "the job; SIGKILL and SIGSTOP cannot be caught); use SIGUSR1 or SIGUSR2"
+                )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.max_no_progress_restarts, int) or self.max_no_progress_restarts < 0:
@@ -168,43 +195,6 @@ class SupervisorConfig:
             raise ConfigError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed poll_interval_s ({self.poll_interval_s})"
             )
-
-
-class _Job:
-    """A running attempt; a waiter thread reaps it the instant it exits (no polling latency)."""
-
-    def __init__(
-        self, proc: subprocess.Popen[bytes], attempt: int, heartbeat_file: Path, t_spawn: float
-    ) -> None:
-        self.proc = proc
-        self.pgid = proc.pid  # start_new_session=True: the child leads its own group
-        self.attempt = attempt
-        self.heartbeat_file = heartbeat_file
-        self.t_spawn = t_spawn
-        self.done = threading.Event()
-        self.returncode: int | None = None
-        self.t_exit: float | None = None
-        self.forwarded = False
-        threading.Thread(target=self._wait, name=f"trainguard-wait-{proc.pid}", daemon=True).start()
-
-    def _wait(self) -> None:
-        rc = self.proc.wait()
-        self.t_exit = time.time()
-        self.returncode = rc
-        self.done.set()
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    # Caveat: a member left as a zombie under a non-reaping PID 1 counts as alive; callers bound their wait.
-    return _signal_group(pgid, 0)
 
 
 def _new_run_id() -> str:
@@ -235,14 +225,19 @@ class Supervisor:
         self.command = tuple(str(c) for c in command)
         self.config = config or SupervisorConfig()
         self.root = Path(self.config.root).absolute() if self.config.root is not None else default_root()
-        self.run_id = self.config.run_id or _new_run_id()
+        self.run_id = self.config.run_id or run_id_from_command(self.command) or _new_run_id()
+        self._budget = RestartBudget(self.root, self.run_id, self.config.max_restarts)
+        self._preempt_signal: int | None = None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
         self._stop_t: float | None = None
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
         self._spawn_error: str | None = None
+        self._metrics: Any = None
+        self.metrics_url: str | None = None
+        """The scrape URL while :meth:`run` serves metrics (``metrics_port`` set), else None."""
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -252,8 +247,11 @@ class Supervisor:
         Returns:
             The result; its ``exit_code`` is what ``trainguard run`` exits with.
         """
+        server = self._start_metrics()
         self._log = EventLog(self.root, "supervisor")
-        self._log.set_context(run_id=self.run_id)
+        self._log.set_context(run_id=self.run_id, host=socket.gethostname())
+        if self._metrics is not None:
+            self._log.listeners.append(self._metrics.observe)
         self._tail = EventTail(self.root, self.run_id, ignore=self._log.path)
         unset = self.config.root is None and not os.environ.get(ROOT_ENV)
         hint = " (no --root given: pass the job's checkpoint root so its restore timings join the report)"
@@ -267,6 +265,45 @@ class Supervisor:
                 signal.signal(sig, handler)
             self._log.close()
             shutil.rmtree(self._hb_dir, ignore_errors=True)
+            if server is not None:
+                self._poll_tail(None)
+                self._metrics.refresh()
+                server.close()
+                self.metrics_url = None
+
+    def _start_metrics(self) -> Any:
+        """Start the metrics endpoint when configured; return the server (None when off).
+
+        Raises:
+            ConfigError: the port cannot be bound.
+        """
+        if self.config.metrics_port is None:
+            return None
+        from ..observe.metrics import MetricsServer, RunMetrics
+
+        self._metrics = RunMetrics()
+        server = MetricsServer(self._metrics.registry, self.config.metrics_port)
+        self.metrics_url = server.url
+        self._echo(f"[trainguard] Prometheus metrics at {server.url}")
+        return server
+
+    def _poll_tail(self, pending: PendingRecovery | None) -> None:
+        """Read the job's new events: feed the metrics and the recovery in progress."""
+        records = self._tail.poll()
+        if self._metrics is not None:
+            self._metrics.observe_all(records)
+        if pending is not None and not pending.done:
+            for rec in records:
+                pending.offer(rec)
+
+    def request_preemption(self, signum: int = signal.SIGUSR1) -> None:
+        """Stop for a scheduler's preemption notice: SIGTERM to the job, no restart, exit 75.
+
+        Safe from a signal handler. A second notice or stop request kills the job's process group at once.
+        """
+        if self._stop_signal is None:
+            self._preempt_signal = int(signum)
+        self.request_stop(signal.SIGTERM)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop as if ``signum`` had been received: forward it to the job and exit with 128 + signum.
@@ -276,12 +313,12 @@ class Supervisor:
         job = self._job
         if self._stop_signal is not None:
             if job is not None:
-                _signal_group(job.pgid, signal.SIGKILL)
+                signal_group(job.pgid, signal.SIGKILL)
             return
         self._stop_signal = int(signum)
         self._stop_t = time.time()
         if job is not None and not job.done.is_set():
-            job.forwarded = _signal_group(job.pgid, signum) or job.forwarded
+            job.forwarded = signal_group(job.pgid, signum) or job.forwarded
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -294,11 +331,11 @@ class Supervisor:
         no_progress = 0
         early_deaths = 0  # attempts in a row that died before any heartbeat, within EARLY_DEATH_S of starting
         pending: PendingRecovery | None = None
-        attempt = 0
+        attempt = restart_count = 0  # this supervisor's attempt; the job-wide restart number (see .job)
         while True:
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
-            job = self._spawn(attempt)
+            job = self._spawn(attempt, restart_count)
             if job is None:
                 return self._finish("spawn_failed", "spawn_failed", EXIT_SPAWN_FAILED)
             if pending is not None:
@@ -314,7 +351,7 @@ class Supervisor:
                 self._log.write(
                     "success",
                     attempt=attempt,
-                    restart_count=attempt,
+                    restart_count=restart_count,
                     exit_code=0,
                     last_step=result.last_step,
                     runtime_s=result.t_end - result.t_start,
@@ -331,7 +368,7 @@ class Supervisor:
             self._log.write(
                 "failure",
                 attempt=attempt,
-                restart_count=attempt,
+                restart_count=restart_count,
                 cause=result.outcome,
                 exit_code=result.exit_code,
                 signal=result.signal,
@@ -361,14 +398,22 @@ class Supervisor:
                     f"each within {EARLY_DEATH_S:.0f} s of starting"
                 )
                 return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
-            if attempt >= cfg.max_restarts:
+            claimed = self._budget.claim(attempt=attempt)  # one budget for every node's supervisor
+            if claimed is None:
+                if cfg.max_restarts:
+                    self._echo(
+                        f"[trainguard] run {self.run_id}: the job's {cfg.max_restarts} restarts are spent "
+                        f"({self._budget.used()} claimed by this job's supervisors under {self._budget.dir}); a new "
+                        "job needs its own --run-id (or torchrun --rdzv-id)"
+                    )
                 return self._finish("gave_up", "max_restarts", EXIT_MAX_RESTARTS)
+            restart_count = claimed
             delay = cfg.backoff.delay_s(no_progress)
-            self._log.write("restart", attempt=attempt + 1, restart_count=attempt + 1, backoff_s=delay)
-            self._echo(f"[trainguard] restart {attempt + 1}/{cfg.max_restarts} in {delay:.2f} s")
+            self._log.write("restart", attempt=attempt + 1, restart_count=restart_count, backoff_s=delay)
+            self._echo(f"[trainguard] restart {restart_count}/{cfg.max_restarts} in {delay:.2f} s")
             slept = self._sleep(delay)
             pending = PendingRecovery(
-                restart_count=attempt + 1,
+                restart_count=restart_count,
                 t_death=result.t_death,
                 detect_s=result.detect_s,
                 teardown_s=result.teardown_s,
@@ -377,34 +422,40 @@ class Supervisor:
             )
             attempt += 1
 
-    def _spawn(self, attempt: int) -> _Job | None:
+    def _spawn(self, attempt: int, restart_count: int) -> Job | None:
         hb_file = self._hb_dir / f"heartbeat-{attempt}"
         env = dict(os.environ)
         env.update(self.config.env)
         env.update(
             {
-                RESTART_COUNT_ENV: str(attempt),
+                RESTART_COUNT_ENV: str(restart_count),
                 RUN_ID_ENV: self.run_id,
                 HEARTBEAT_FILE_ENV: str(hb_file),
                 ROOT_ENV: str(self.root),
             }
         )
+        if is_elastic_torchrun(self.command) and SHARE_STORE_ENV not in env:
+            env[SHARE_STORE_ENV] = "1"  # else a node joining a running torchrun job deadlocks (see .job)
+        if self.config.preempt_signals:
+            env[PREEMPT_SIGNALS_ENV] = ",".join(signal.Signals(s).name for s in self.config.preempt_signals)
         t_spawn = time.time()
         try:
             proc = subprocess.Popen(list(self.command), env=env, start_new_session=True)
         except OSError as e:
-            self._spawn_error = _spawn_problem(self.command[0], e)
-            self._log.write("spawn_error", attempt=attempt, restart_count=attempt, error=self._spawn_error)
+            self._spawn_error = spawn_problem(self.command[0], e)
+            self._log.write(
+                "spawn_error", attempt=attempt, restart_count=restart_count, error=self._spawn_error
+            )
             self._echo(f"[trainguard] cannot start the job: {self._spawn_error}")
             return None
-        job = _Job(proc, attempt, hb_file, t_spawn)
+        job = Job(proc, attempt, hb_file, t_spawn)
         self._job = job
         if self._stop_signal is not None and not job.forwarded:
-            job.forwarded = _signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
+            job.forwarded = signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
         self._log.write(
             "job_start",
             attempt=attempt,
-            restart_count=attempt,
+            restart_count=restart_count,
             command=list(self.command),
             pid=proc.pid,
             t_spawn=t_spawn,
@@ -413,7 +464,7 @@ class Supervisor:
         self._echo(f"[trainguard] attempt {attempt} started: pid {proc.pid}, run {self.run_id}")
         return job
 
-    def _watch(self, job: _Job, pending: PendingRecovery | None) -> Attempt:
+    def _watch(self, job: Job, pending: PendingRecovery | None) -> Attempt:
         cfg = self.config
         newest: Heartbeat | None = None
         max_step: int | None = None
@@ -439,20 +490,20 @@ class Supervisor:
             exited = job.done.wait(cfg.poll_interval_s)
             now = time.time()
             observe()
-            if pending is not None and not pending.done and (exited or time.monotonic() >= next_tail):
+            waiting = pending is not None and not pending.done
+            if (waiting or self._metrics is not None) and (exited or time.monotonic() >= next_tail):
                 next_tail = time.monotonic() + TAIL_INTERVAL_S
-                for rec in self._tail.poll():
-                    pending.offer(rec)
-                if pending.ready(now):
+                self._poll_tail(pending)
+                if pending is not None and not pending.done and pending.ready(now):
                     self._record_recovery(pending)
             if exited:
                 break
             if self._stop_signal is not None:
                 if not job.forwarded:
-                    job.forwarded = _signal_group(job.pgid, self._stop_signal)
+                    job.forwarded = signal_group(job.pgid, self._stop_signal)
                 if not killed_for_stop and now - (self._stop_t or now) > cfg.grace_period_s:
                     self._echo("[trainguard] job still running after the grace period: SIGKILL")
-                    _signal_group(job.pgid, signal.SIGKILL)
+                    signal_group(job.pgid, signal.SIGKILL)
                     killed_for_stop = True
                 continue
             hang = self._hang_reference(job, newest)
@@ -482,7 +533,7 @@ class Supervisor:
             outcome = "preempted"
         else:
             outcome = "exit"
-        if _group_alive(job.pgid):
+        if group_alive(job.pgid):
             # Leftovers (torchrun workers orphaned by a SIGKILLed agent) would hold GPUs and ports.
             self._terminate(job)
         return Attempt(
@@ -492,14 +543,14 @@ class Supervisor:
             t_end=time.time(),
             outcome=outcome,
             exit_code=rc if rc >= 0 else None,
-            signal=_signal_name(rc),
+            signal=signal_name(rc),
             last_step=max_step,
             t_death=t_death,
             detect_s=max(0.0, noticed - t_death),
             teardown_s=time.time() - noticed,
         )
 
-    def _hang_reference(self, job: _Job, newest: Heartbeat | None) -> tuple[float, float] | None:
+    def _hang_reference(self, job: Job, newest: Heartbeat | None) -> tuple[float, float] | None:
         """Return (time the liveness clock started, its limit in seconds), or None when not armed."""
         cfg = self.config
         if newest is not None:
@@ -508,19 +559,19 @@ class Supervisor:
             return job.t_spawn, cfg.startup_timeout_s
         return None
 
-    def _terminate(self, job: _Job) -> None:
+    def _terminate(self, job: Job) -> None:
         """SIGTERM the job's group, SIGKILL it after the grace period, and wait (bounded) until it is gone."""
         grace = self.config.grace_period_s
         deadline = time.monotonic() + grace
-        _signal_group(job.pgid, signal.SIGTERM)
+        signal_group(job.pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
-            if job.done.is_set() and not _group_alive(job.pgid):
+            if job.done.is_set() and not group_alive(job.pgid):
                 return
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-        _signal_group(job.pgid, signal.SIGKILL)
+        signal_group(job.pgid, signal.SIGKILL)
         job.done.wait(5.0)
         end = time.monotonic() + 1.0
-        while _group_alive(job.pgid) and time.monotonic() < end:
+        while group_alive(job.pgid) and time.monotonic() < end:
             time.sleep(0.02)
 
     def _sleep(self, delay_s: float) -> float:
@@ -541,7 +592,21 @@ class Supervisor:
         self._echo(f"[trainguard] {timing.describe()}")
 
     def _finish(self, status: str, reason: str | None, exit_code: int | None) -> RunResult:
-        if status == "stopped":
+        if status == "stopped" and self._preempt_signal is not None:
+            # The scheduler gave notice: the job was told to save (SIGTERM) and the batch script requeues.
+            status, reason, exit_code = "preempted", signal.Signals(self._preempt_signal).name, EXIT_PREEMPTED
+            last = self._attempts[-1] if self._attempts else None
+            self._log.write(
+                "preempted",
+                signal=reason,
+                exit_code=exit_code,
+                job_exit_code=last.exit_code if last else None,
+                last_step=last.last_step if last else None,
+            )
+            self._echo(
+                f"[trainguard] preemption notice ({reason}): job stopped, not restarting; exit 75 (requeue)"
+            )
+        elif status == "stopped":
             signum = self._stop_signal or signal.SIGTERM
             exit_code = EXIT_SIGNAL_BASE + signum
             last = self._attempts[-1] if self._attempts else None
@@ -575,28 +640,9 @@ class Supervisor:
         previous: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        for notice in self.config.preempt_signals:
+            previous[notice] = signal.signal(notice, lambda signum, frame: self.request_preemption(signum))
         return previous
-
-
-def _spawn_problem(program: str, e: OSError) -> str:
-    """Why ``program`` did not start, in words a user acts on."""
-    if isinstance(e, FileNotFoundError):
-        where = "no such file" if os.sep in program else "not found on PATH"
-        return f"command not found: {program!r} ({where}); check the spelling and the path"
-    if isinstance(e, PermissionError):
-        return (
-            f"{program!r} is not executable (permission denied); `chmod +x` it or run it with its interpreter"
-        )
-    return f"{program!r} could not be started: {e}"
-
-
-def _signal_name(returncode: int | None) -> str | None:
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _config_fields(cfg: SupervisorConfig) -> dict[str, Any]:

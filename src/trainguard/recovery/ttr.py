@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import EVENTS_DIR
+from .events import EVENTS_DIR, is_regular_file
 from .heartbeat import Heartbeat
 
 PHASES = (
@@ -83,7 +83,7 @@ class EventTail:
 
     def _files(self) -> list[Path]:
         try:
-            return [f for f in self.dir.glob("*.jsonl") if f != self._ignore]
+            return [f for f in self.dir.glob("*.jsonl") if f != self._ignore and is_regular_file(f)]
         except OSError:
             return []
 
@@ -366,7 +366,7 @@ class RunResult:
 
     Attributes:
         exit_code: see :data:`EXIT_CODES`.
-        status: ``"succeeded"``, ``"gave_up"``, ``"stopped"`` or ``"spawn_failed"``.
+        status: ``"succeeded"``, ``"gave_up"``, ``"stopped"``, ``"preempted"`` or ``"spawn_failed"``.
         reason: why it gave up or stopped (``"max_restarts"``, ``"no_progress"``, ``"SIGTERM"``, ...).
         run_id: the run id passed to every attempt.
         root: the run root.
