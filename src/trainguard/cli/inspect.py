@@ -169,7 +169,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             click.echo(f"step {step}: {e}", err=True)
             sys.exit(1)
         status = inspect_step(p, step, p / step_dir_name(step), store)[0]
-        if latest and status.status != "valid" and not is_committed(p, step):
+        if latest and not status.usable and not is_committed(p, step):
             continue  # deleted (chunks and all) while being read: take the new newest
         break
     else:
