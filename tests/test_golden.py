@@ -19,13 +19,18 @@ def test_the_version_1_golden_checkpoint_loads_bit_for_bit(tmp_path):
     root = tmp_path / "v1"
     shutil.copytree(REPO / "tests" / "golden" / "v1", root)
     mgr = tg.CheckpointManager(root, read_only=True)
-    assert [(i.step, i.status) for i in mgr.checkpoints()] == [(42, "valid")]
+    # copied in: no full read of its bytes is recorded here yet, so it lists as unverified (restore uses it)
+    assert [(i.step, i.status) for i in mgr.checkpoints()] == [(42, "unverified")]
     state: dict = {"model": {}, "meta": {}}
     assert mgr.restore_latest(state) == 42
     want = golden_state()
     for k, t in want["model"].items():
         assert state["model"][k].dtype == t.dtype and torch.equal(state["model"][k], t), k
     assert state["meta"] == want["meta"]
+    from trainguard.integrity.verify import verify
+
+    assert verify(root).ok  # a passing full read is recorded: every view now says valid
+    assert [(i.step, i.status) for i in mgr.checkpoints()] == [(42, "valid")]
 
 
 def test_the_golden_manifest_declares_the_current_format_version():

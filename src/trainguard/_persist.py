@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -21,7 +22,7 @@ from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
-from .retention.apply import referenced_chunks
+from .retention.apply import referenced_chunks, space_hint
 from .storage.local import remove_tree
 
 if TYPE_CHECKING:
@@ -40,18 +41,27 @@ def persist(
     *,
     blocking: bool,
     staging_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> SaveResult:
-    """Write chunks, commit, apply retention (in the caller's thread or the background worker)."""
+    """Write chunks, commit, apply retention (in the caller's thread or the background worker).
+
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
     partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     partial.mkdir()
+    mgr.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
     def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise SaveError(
+                f"the save of step {step} was abandoned (no progress); not committing it", step=step
+            )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
         mgr._publish(m)
         manifest_box.append(m)
 
-    writer = TrainguardWriter(mgr.store, partial, commit, mgr.options, step, paths=dict(paths))
+    chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
+    writer = TrainguardWriter(mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -60,8 +70,18 @@ def persist(
         ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
         mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(mgr, writer)
-        if isinstance(err, StorageFullError) and err.step is None:
-            err.step = step
+        if isinstance(err, StorageFullError):
+            if err.step is None:
+                err.step = step
+            hint = space_hint(mgr)
+            if hint and err.args and hint not in str(err.args[0]):
+                err.args = (str(err.args[0]) + hint, *err.args[1:])
+        if mgr.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
+            # a SaveError raised on one rank (StorageFullError): name that rank on every rank
+            cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
+            err.rank_errors = {ranks[0]: cause}
+            if err.args and f"rank {ranks[0]}" not in str(err.args[0]):
+                err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
         if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
@@ -76,6 +96,8 @@ def persist(
     finally:
         mgr.store.unpin(writer.hashes)
         remove_tree(partial)
+        if chunk_tmp != partial:
+            remove_tree(chunk_tmp)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
@@ -112,14 +134,28 @@ def persist(
 
 
 def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:
-    """After a failed save (one process): delete the chunks it wrote that no committed manifest references."""
-    if mgr.dist.enabled or not writer.new_hashes:
-        return  # other ranks' saves may share them: the next writer's cleanup collects them
+    """After a failed save: delete the chunks it wrote that no committed manifest references.
+
+    One process: this save's new chunks. Under torch.distributed, rank 0 (the lock holder) collects every
+    unreferenced chunk: DCP reports a failure to rank 0 only after every rank's ``write_data`` returned (its
+    chunks are renamed into ``chunks/`` or dropped by then), and no other save of this run can write before
+    rank 0 joins its planning collective, so every unreferenced chunk is garbage of this save (or of earlier
+    failed ones)."""
     mgr.store.unpin(writer.hashes)
     writer.hashes = []
+    if mgr.dist.enabled:
+        if not mgr.dist.is_coordinator:
+            return
+        candidates = mgr.store.all_hashes()
+    elif writer.new_hashes:
+        candidates = set(writer.new_hashes)
+    else:
+        return
     referenced = referenced_chunks(mgr)
     if referenced is not None:
-        mgr.store.collect(writer.new_hashes, referenced)
+        freed = mgr.store.collect(candidates, referenced)
+        if freed:
+            mgr._event("failed_save_chunks_freed", step=writer.step, bytes=freed)
 
 
 @contextlib.contextmanager

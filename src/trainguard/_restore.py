@@ -13,7 +13,6 @@ only after a pass over a listing that stayed the same from start to end.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import MutableMapping
@@ -23,8 +22,16 @@ import torch.distributed.checkpoint as dcp
 
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
-from ._time import iso
-from .catalog import CORRUPT_MARKER, STABLE_SCAN_S, inspect_step, is_committed, read_manifest, step_dirs
+from .catalog import (
+    STABLE_SCAN_S,
+    corrupt_marker,
+    inspect_step,
+    is_committed,
+    read_manifest,
+    record_check,
+    record_corrupt,
+    step_dirs,
+)
 from .distributed import TrainguardLoadPlanner, TrainguardReader
 from .errors import (
     CheckpointNotFoundError,
@@ -36,7 +43,6 @@ from .format import MANIFEST_NAME, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head
 from .state.dtypes import check_shard_bytes
-from .storage.local import atomic_write
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -79,6 +85,7 @@ def restore_latest(
     t0 = time.perf_counter()
     deadline = time.monotonic() + STABLE_SCAN_S
     problems: list[str] = []
+    unreadable: list[int] = []  # steps whose chunks could not be read (I/O errors): never condemned
     judged: set[int] = set()  # steps found not valid; reported once
     foreign: dict[int, str] = {}  # valid steps of runs outside the head run's lineage (rank 0's view)
     steps = committed_steps(mgr)
@@ -88,11 +95,15 @@ def restore_latest(
         for step in steps:
             if step in judged:
                 continue
-            verdict, problem, chunk = OK, "", None
+            verdict, problem, chunk, tensors = OK, "", None, None
             if mgr.dist.is_coordinator:
                 info, m = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
-                if info.status != "valid":
+                if not info.usable:  # valid or unverified: restore reads and checks every byte it loads
                     verdict = GONE if not is_committed(mgr.root, step) else BAD
+                    marker = corrupt_marker(mgr.root, step)
+                    listed = marker.get("tensors") if marker is not None else None
+                    if isinstance(listed, list):
+                        tensors = [str(x) for x in listed]
                 elif m is not None and hd is not None:
                     rid = m.run.run_id if m.run is not None else LEGACY_RUN_ID
                     if not hd.owns(rid, step):
@@ -112,7 +123,11 @@ def restore_latest(
             if verdict == FOREIGN:
                 continue
             if verdict == BAD:
-                err = CorruptCheckpointError(problem, step=step, chunk=chunk) if chunk else None
+                err = (
+                    CorruptCheckpointError(problem, step=step, chunk=chunk, tensors=tensors)
+                    if chunk
+                    else None
+                )
                 skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
                 judged.add(step)
                 continue
@@ -123,6 +138,8 @@ def restore_latest(
                 if gone(mgr, step):
                     raced = True
                     continue
+                if isinstance(e, CorruptCheckpointError) and e.unreadable:
+                    unreadable.append(step)
                 skip(
                     mgr, step, str(e), e if isinstance(e, CorruptCheckpointError) else None, timings, problems
                 )
@@ -164,6 +181,13 @@ def restore_latest(
             skipped=[],
         )
         return None
+    if unreadable:
+        raise NoValidCheckpointError(
+            f"{mgr.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
+            "could not be read (I/O errors, retried) and are NOT marked corrupt:\n  "
+            + "\n  ".join(problems)
+            + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
+        )
     other = (
         f"\nValid checkpoints of other runs, kept apart from the newest run's lineage: steps {sorted(foreign)}; "
         "restore one of them explicitly with restore(step, state)."
@@ -247,21 +271,20 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
 
 
 def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError) -> None:
-    if mgr.read_only:
+    """Record what a restore's full read found, so that every view agrees with it.
+
+    Only a confirmed mismatch (``err.damaged``: read twice) or a manifest-level problem condemns the step (and,
+    in a writing manager, quarantines the chunk); an I/O error is recorded as an unreadable check, never as
+    corruption; a missing chunk needs no record (listing sees it). A read-only manager records too (the records
+    are advisory files; nothing is written where the root is read-only) but never moves a chunk.
+    """
+    if err.unreadable:
+        record_check(mgr.root, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
         return
-    d = mgr.root / step_dir_name(step)
-    if err.chunk and err.damaged:
+    if err.chunk and not err.damaged:
+        return
+    if err.chunk and not mgr.read_only:
         moved = mgr.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-    if d.is_dir():
-        try:
-            atomic_write(
-                d / CORRUPT_MARKER,
-                json.dumps(
-                    {"problem": str(err), "chunk": err.chunk, "tensors": err.tensors, "time": iso()}
-                ).encode(),
-                fsync=mgr.fsync,
-            )
-        except OSError:
-            pass
+    record_corrupt(mgr.root, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=mgr.fsync)

@@ -1,10 +1,13 @@
 """Finding checkpoints under a run root and judging their status without reading chunk data.
 
-Status (docs/FORMAT.md "Validity"):
-- ``valid``: the manifest parses, its CRC32C matches, and every chunk it lists exists with the right length
-  (and no earlier full read found a CRC32C mismatch: see the ``corrupt.json`` marker).
-- ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a read found a chunk
-  whose CRC32C does not match (recorded in ``step-N/corrupt.json``).
+Status (docs/FORMAT.md "Validity"), always in agreement with the last full read of the checkpoint's bytes:
+- ``valid``: the manifest parses, its CRC32C matches, every chunk it lists exists with the right length, and
+  the last full check of its bytes passed (``step-N/verified.json``: the save that wrote it, ``verify``).
+- ``unverified``: as valid, but no full check of its bytes is recorded (a checkpoint written by an older
+  trainguard or copied in), or the last one could not read a chunk (an I/O error: never recorded as
+  corruption). Restore still uses it (and reads every byte it loads).
+- ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a full read found a
+  CRC32C or length mismatch, confirmed by a second read (recorded in ``step-N/corrupt.json``).
 - ``incomplete``: a step directory without a manifest, or a save still in progress / killed
   (``step-N.partial-*``) with no committed checkpoint of that step.
 
@@ -33,8 +36,10 @@ from .incremental.chunkstore import ChunkStore
 from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
 
 CORRUPT_MARKER = "corrupt.json"
+CHECK_RECORD = "verified.json"
 STABLE_SCAN_S = 30.0  # a reader gives up waiting for a listing that stays the same after this long
 GONE = "deleted while being read (retention by a writer)"
+USABLE = ("valid", "unverified")  # statuses restore may load (it checks every byte it reads)
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,11 @@ class CheckpointInfo:
 
     Attributes:
         step: the training step.
-        status: ``"valid"``, ``"corrupt"`` or ``"incomplete"``.
+        status: ``"valid"``, ``"unverified"``, ``"corrupt"`` or ``"incomplete"`` (module docstring).
         bytes: bytes of chunk data it references (for incomplete ones: bytes written so far).
         time: commit time, ISO 8601 UTC (for incomplete ones: directory mtime); None if unknown.
         t: the same as seconds since the epoch.
-        problem: why it is not valid (None when valid).
+        problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
     """
@@ -60,6 +65,11 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        """True when restore may load it (``valid`` or ``unverified``)."""
+        return self.status in USABLE
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -160,6 +170,76 @@ def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object]
         return {"problem": "corrupt (unreadable marker)"}
 
 
+def check_record(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+    """The last full check of ``step``'s bytes (``verified.json``), or None when none is recorded."""
+    p = Path(root) / step_dir_name(step) / CHECK_RECORD
+    try:  # a symlink, a named pipe or an oversized file is refused, never followed or read whole
+        data = json.loads(read_bounded(p, MAX_MARKER_BYTES, what="check record"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_record(path: Path, body: dict[str, object], fsync: bool) -> bool:
+    from .storage.local import atomic_write
+
+    if not path.parent.is_dir():  # deleted meanwhile (retention): nothing to record
+        return False
+    try:
+        atomic_write(path, json.dumps(body).encode(), fsync=fsync)
+    except OSError:  # a read-only root or a step deleted meanwhile: the record is advisory
+        return False
+    return True
+
+
+def record_check(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    by: str,
+    ok: bool = True,
+    problem: str | None = None,
+    chunk: str | None = None,
+    fsync: bool = False,
+) -> bool:
+    """Record the outcome of a full check of ``step``'s bytes that found no mismatch: ``ok`` (every chunk
+    read and matched, or written by the save from the bytes whose CRC32C it records) or not ok (a chunk could
+    not be read: an I/O error, which is never corruption). A passing check also clears a stale
+    ``corrupt.json``. Returns False when the record could not be written (read-only root)."""
+    d = Path(root) / step_dir_name(step)
+    body: dict[str, object] = {"ok": ok, "by": by, "time": iso(), "problem": problem, "chunk": chunk}
+    if not _write_record(d / CHECK_RECORD, body, fsync):
+        return False
+    if ok:
+        try:
+            (d / CORRUPT_MARKER).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+    return True
+
+
+def record_corrupt(
+    root: str | os.PathLike[str],
+    step: int,
+    problem: str,
+    *,
+    chunk: str | None = None,
+    tensors: list[str] | None = None,
+    fsync: bool = True,
+) -> bool:
+    """Condemn ``step`` (``corrupt.json``) after a confirmed mismatch. Returns False when it could not be
+    written (read-only root)."""
+    body: dict[str, object] = {
+        "problem": problem,
+        "chunk": chunk,
+        "tensors": list(tensors or []),
+        "time": iso(),
+    }
+    return _write_record(Path(root) / step_dir_name(step) / CORRUPT_MARKER, body, fsync)
+
+
 def inspect_step(
     root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore
 ) -> tuple[CheckpointInfo, Manifest | None]:
@@ -191,21 +271,43 @@ def inspect_step(
             check_shard_bytes(m)
         except CorruptCheckpointError as e:
             problem = str(e)
+    unreadable = None
     for rec in [] if problem else m.chunks.values():
         bad = store.check_present(rec)
-        if bad is not None:
+        if bad is not None and bad.startswith("cannot be read"):  # an I/O error (EACCES...): not damage
+            unreadable = unreadable or f"chunk {rec.path} {bad}; not marked corrupt"
+        elif bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
-    if problem is None:
+    if problem is not None and not is_committed(root, step):
+        return _incomplete(step, path, GONE), None  # its chunks went with it: deleted, not corrupt
+    status = "corrupt"
+    if problem is None and unreadable is not None and corrupt_marker(root, step) is None:
+        status, problem = "unverified", unreadable
+    elif problem is None:
         marker = corrupt_marker(root, step)
         if marker is not None:
             problem = str(marker.get("problem", "corrupt"))
             chunk = marker.get("chunk")
             bad_chunk = chunk if isinstance(chunk, str) else None
-    if problem is not None and not is_committed(root, step):
-        return _incomplete(step, path, GONE), None  # its chunks went with it: deleted, not corrupt
-    status = "valid" if problem is None else "corrupt"
+        else:
+            status, problem = _check_status(root, step)
     return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
+
+
+def _check_status(root: str | os.PathLike[str], step: int) -> tuple[str, str | None]:
+    check = check_record(root, step)
+    if check is None:
+        return (
+            "unverified",
+            f"no full read of its bytes is recorded (run `trainguard verify {root} --step {step}`)",
+        )
+    if check.get("ok") is True:
+        return "valid", None
+    return "unverified", (
+        f"the last full read ({check.get('by')}, {check.get('time')}) could not read a chunk: "
+        f"{check.get('problem')}; not marked corrupt"
+    )
 
 
 def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:
@@ -265,14 +367,20 @@ def find_run_roots(parent: str | os.PathLike[str], *, max_depth: int = 2, limit:
 
 
 def scan(
-    root: str | os.PathLike[str], store: ChunkStore | None = None, *, stable_s: float = STABLE_SCAN_S
+    root: str | os.PathLike[str],
+    store: ChunkStore | None = None,
+    *,
+    stable_s: float = STABLE_SCAN_S,
+    failed_saves: bool = False,
 ) -> list[CheckpointInfo]:
     """Every checkpoint under ``root`` with its status, ascending by step.
 
     Safe against a writer committing and deleting checkpoints meanwhile: the listing is taken again after every
     step was judged, and the scan is repeated until both listings agree (at most ``stable_s`` seconds; then
     the last scan is returned). So a checkpoint that retention deleted mid-scan is not reported, and a valid
-    checkpoint that existed during the whole scan is never missed.
+    checkpoint that existed during the whole scan is never missed. With ``failed_saves``, the steps whose save
+    failed (``save_failed`` events: a failed save leaves no directory) and that have no checkpoint are listed
+    as ``incomplete`` too, unless older than every checkpoint listed.
     """
     store = store or ChunkStore(root)
     deadline = time.monotonic() + stable_s
@@ -287,5 +395,35 @@ def scan(
         after = listing(root)
         stable = after == before and not any(i.problem == GONE for i in out)
         if stable or time.monotonic() > deadline:
+            if failed_saves:
+                out = sorted(out + _failed_saves(root, {i.step for i in out}), key=lambda i: i.step)
             return out
         before = after
+
+
+def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[CheckpointInfo]:
+    from .recovery.events import iter_events
+
+    last: dict[int, dict[str, object]] = {}
+    for ev in iter_events(root, event="save_failed"):
+        s = ev.get("step")
+        if (
+            isinstance(s, int)
+            and not isinstance(s, bool)
+            and s not in listed
+            and (not listed or s > min(listed))
+        ):
+            last[s] = ev  # the newest failure of that step
+    out = []
+    for s, ev in last.items():
+        ranks = ev.get("failed_ranks")
+        where = f" on rank(s) {ranks}" if isinstance(ranks, list) and ranks else ""
+        t = ev.get("t")
+        t = float(t) if isinstance(t, (int, float)) else None
+        problem = f"the save failed{where}: {ev.get('error')}; nothing was committed"
+        out.append(
+            CheckpointInfo(
+                s, "incomplete", 0, iso(t) if t else None, t, problem, str(Path(root) / step_dir_name(s))
+            )
+        )
+    return out

@@ -6,6 +6,11 @@
 2. DCP gathers every rank's results to the coordinator; only if no rank failed does it call ``finish``.
 3. The coordinator builds the manifest, creates ``step-N/`` (fsync of the root), and publishes
    ``step-N/manifest.json`` with tmp + fsync + rename + directory fsync. Its presence is the commit.
+   Just before the manifest, it records the save's check of the bytes (``step-N/verified.json``, not
+   fsynced: losing it only makes the checkpoint list as ``unverified``; without the manifest it means
+   nothing): every chunk was either written from the bytes whose CRC32C the manifest records, or re-read and
+   matched before the save referenced it (ChunkStore). Written before the commit, so that a kill right after
+   the commit never leaves a committed checkpoint without it.
 
 A failure anywhere before step 3 completes leaves no manifest, so no reader ever sees the step as valid, and
 nothing earlier was modified (chunks are immutable and content-addressed; manifests of other steps are never
@@ -24,7 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ._time import iso
-from .catalog import CORRUPT_MARKER
+from .catalog import CHECK_RECORD, CORRUPT_MARKER, record_check
 from .errors import SaveError
 from .format import (
     MANIFEST_NAME,
@@ -106,15 +111,19 @@ def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
     d.mkdir(exist_ok=True)
     if created and fsync:
         fsync_dir(root)
+    for stale in (CORRUPT_MARKER, CHECK_RECORD):  # records of a checkpoint this one replaces
+        try:
+            (d / stale).unlink()
+        except FileNotFoundError:
+            pass
     try:
-        (d / CORRUPT_MARKER).unlink()
-    except FileNotFoundError:
-        pass
-    try:
+        record_check(root, m.step, by="save")
         atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
             shutil.rmtree(d, ignore_errors=True)
+        else:  # the record must not vouch for the checkpoint this one failed to replace
+            (d / CHECK_RECORD).unlink(missing_ok=True)
         if isinstance(e, SaveError) and e.step is None:
             e.step = m.step
         raise

@@ -44,7 +44,10 @@ class CorruptCheckpointError(TrainguardError):
         step: the step of the checkpoint, when known.
         chunk: the relative path of the corrupt chunk, when the problem is in one chunk.
         tensors: fully qualified names of the state entries stored in that chunk.
-        damaged: True when the chunk's bytes are wrong (length or CRC32C), not merely unreadable.
+        damaged: True when the chunk's bytes are wrong (length or CRC32C), confirmed by a second read; only
+            such a finding condemns a chunk (``corrupt.json``, quarantine).
+        unreadable: True when the chunk could not be read at all (an I/O error such as EACCES or EIO that
+            persisted through the retries): reported, never recorded as corruption.
     """
 
     def __init__(
@@ -55,12 +58,14 @@ class CorruptCheckpointError(TrainguardError):
         chunk: str | None = None,
         tensors: list[str] | None = None,
         damaged: bool = False,
+        unreadable: bool = False,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.chunk = chunk
         self.tensors = list(tensors or [])
         self.damaged = damaged
+        self.unreadable = unreadable
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

@@ -375,7 +375,7 @@ class LightningLoader(_ResumableLoader):
 
 
 def _latest_valid(mgr: Any) -> int | None:
-    valid = [i.step for i in mgr.checkpoints() if i.status == "valid"]
+    valid = [i.step for i in mgr.checkpoints() if i.usable]  # what restore_latest would use
     return max(valid) if valid else None
 
 

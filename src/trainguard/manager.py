@@ -18,11 +18,12 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from . import _persist, _restore, _statefn, lineage
+from . import _persist, _restore, _statefn, _worker, lineage
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, scan
 from .commit import publish
@@ -50,6 +51,7 @@ from .staging import PendingSave, Stager
 from .state import per_rank
 
 log = logging.getLogger("trainguard")
+SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
 
 PROGRESS_INTERVAL_S = 10.0
 """``maybe_save`` logs a ``progress`` event (rank 0 only) at most this often: the step over wall time that
@@ -79,6 +81,11 @@ class CheckpointManager:
         when_busy: what ``maybe_save`` does when every buffer set is still persisting earlier saves:
             ``"wait"`` (block until one is free, default) or ``"skip"`` (skip this save, logging a
             ``save_skipped`` event). ``save`` always waits.
+        save_timeout_s: a background save that makes no progress (no chunk written or deduplicated, no flush
+            finished) for this many seconds is abandoned: it fails with a SaveError naming its step (raised by
+            the next ``save``/``maybe_save``/``wait``/``close``), commits nothing, and its staging buffers
+            are replaced so that the next save can run; ``close()`` returns after at most this long per
+            stuck save. None (default) waits forever. Single process only.
         new_run: start a new run on a root that holds another run's checkpoints without resuming it: the old
             run's checkpoints stay (retention never orders them against the new run's, ``restore_latest``
             follows the run that committed last). Without it, the first save of a manager that did not
@@ -121,6 +128,7 @@ class CheckpointManager:
         async_save: bool = True,
         staging_buffers: int = 2,
         when_busy: str = "wait",
+        save_timeout_s: float | None = None,
         new_run: bool = False,
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
@@ -175,6 +183,20 @@ class CheckpointManager:
             )
         if staging_buffers < 1:
             raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
+        if save_timeout_s is not None and not (
+            isinstance(save_timeout_s, (int, float))
+            and not isinstance(save_timeout_s, bool)
+            and save_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}"
+            )
+        if save_timeout_s is not None and self.dist.enabled:
+            raise ConfigError(
+                "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
+                "ranks' collectives out of step); rely on the supervisor's heartbeat timeout"
+            )
+        self.save_timeout_s = None if save_timeout_s is None else float(save_timeout_s)
         self.async_save = bool(async_save)
         self.when_busy = when_busy
         self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
@@ -183,8 +205,13 @@ class CheckpointManager:
         self._pending: list[PendingSave] = []
         self._in_flight: set[int] = set()
         self._in_flight_t: dict[int, float] = {}  # step -> wall time its save began
+        self._job_lock = threading.Lock()
+        self._current: _worker.Job | None = None  # the job the worker is persisting
+        self._abandoned: list[_worker.Job] = []  # abandoned jobs (their threads may still be stuck)
         self.last_restore = RestoreTimings()
-        self.saves: list[SaveResult] = []  # every committed save of this manager, in commit order
+        # the most recent SAVES_KEPT committed saves of this manager, in commit order
+        self.saves: deque[SaveResult] = deque(maxlen=SAVES_KEPT)
+        self._exit_flush: Any = None
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
@@ -198,6 +225,7 @@ class CheckpointManager:
             if not self.root.is_dir():
                 raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
             return
+        self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._events = _open_root(self.root)
         from .observe.metrics import SaveMetrics
 
@@ -233,6 +261,7 @@ class CheckpointManager:
             install_preemption_handler()
             self._preemption = True
         self._events.set_context(checkpoint_run_id=self.run.run_id)
+        self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
 
     # -- context manager ----------------------------------------------------------------------------------
@@ -255,7 +284,17 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
+        abandoned = sorted(_abandoned(self))
+        if abandoned:
+            log.error(
+                "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
+                abandoned,
+            )
         self._closed = True
+        if self._exit_flush is not None:
+            import atexit
+
+            atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
@@ -422,17 +461,24 @@ class CheckpointManager:
         self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        if not self._layout_ok:  # never report success for checkpoints that restore would refuse
+            bad_layout = self.store.layout_problem()
+            if bad_layout is not None:
+                raise ConfigError(bad_layout)
+            self._layout_ok = True
         if not self._run_checked:
             lineage.check_before_first_save(self, step)
             self._run_checked = True
+            if self.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
+                apply_retention(self, at_open=True)
         if not overwrite and (
             step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
         ):
             d = self.root / step_dir_name(step)
             info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
-            if info is not None and info.status == "valid":
+            if info is not None and info.usable:
                 lineage.check_step_owner(self, step)
-            if info is None or info.status == "valid":
+            if info is None or info.usable:
                 raise CheckpointExistsError(
                     f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
                     "replace it"
@@ -461,7 +507,13 @@ class CheckpointManager:
             )
             return handle
         assert self._stager is not None
-        bufset = self._stager.acquire(block=block)
+        bufset = _worker.acquire(self, block=block)
+        try:
+            self._raise_background_error()  # a save abandoned while this one waited for its buffers
+        except BaseException:
+            if bufset is not None:
+                self._stager.release(bufset)
+            raise
         if bufset is None:
             self._event(
                 "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"
@@ -490,58 +542,15 @@ class CheckpointManager:
         self._pending.append(handle)
         self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
         self._ensure_worker()
-        self._queue.put((handle, bufset, staged, paths, top, metrics, metadata, t0))
+        self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
         return handle
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="trainguard-persist", daemon=True)
+            self._worker = threading.Thread(
+                target=_worker.work, args=(self, self._queue), name="trainguard-persist", daemon=True
+            )
             self._worker.start()
-
-    def _work(self) -> None:
-        """Background persist loop: one save at a time, in order. Survives a failed save and reports it."""
-        try:  # lower this thread's CPU priority (its writer threads inherit it): training keeps the CPU
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            handle, bufset, staged, paths, top, metrics, metadata, t0 = job
-            try:
-                result = _persist.persist(
-                    self,
-                    handle.step,
-                    staged,
-                    paths,
-                    top,
-                    metrics,
-                    metadata,
-                    t0,
-                    blocking=False,
-                    staging_s=handle.staging_s,
-                )
-                handle._set_result(result)
-                self.save_policy.record_save(
-                    handle.step, now_s=time.monotonic(), block_s=handle.staging_s, persist_s=result.persist_s
-                )
-            except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
-                handle._set_error(
-                    e
-                    if isinstance(e, SaveError)
-                    else SaveError(
-                        f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
-                        step=handle.step,
-                        rank_errors={self.dist.rank: e},
-                    )
-                )
-            finally:
-                del staged
-                if self._stager is not None:
-                    self._stager.release(bufset)
-                self._in_flight.discard(handle.step)
-                self._in_flight_t.pop(handle.step, None)
 
     def _load(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
         _restore.load(self, step, state, strict=strict)
@@ -594,8 +603,7 @@ class CheckpointManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self._pending):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not h._event.wait(left):
+            if not _worker.wait_handle(self, h, deadline):
                 raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
         self._raise_background_error()
 
@@ -612,16 +620,18 @@ class CheckpointManager:
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every checkpoint under the root with status (valid / corrupt / incomplete), bytes and time,
-        ascending by step. Waits for this manager's pending saves first, so a save just made is listed.
+        """Every checkpoint under the root with status (valid / unverified / corrupt / incomplete), bytes and
+        time, ascending by step (``trainguard ls`` also lists the steps whose save failed). Waits for this manager's pending saves first, so a save just made is listed.
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
         process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
         return scan(self.root, self.store)
 
     def latest_step(self) -> int | None:
-        """The newest step whose checkpoint lists as valid (in a stable scan), or None."""
-        valid = [i.step for i in self.checkpoints() if i.status == "valid"]
+        """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one
+        ``restore_latest`` tries first), or None. A checkpoint that a full read (``verify``, a restore) found
+        corrupt is not returned."""
+        valid = [i.step for i in self.checkpoints() if i.usable]
         return max(valid) if valid else None
 
     # -- restoring ----------------------------------------------------------------------------------------
@@ -717,3 +727,7 @@ def _open_root(root: Path) -> EventLog:
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"
         ) from None
+
+
+def _abandoned(mgr: CheckpointManager) -> set[int]:
+    return {j.handle.step for j in mgr._abandoned}

@@ -14,6 +14,8 @@ asserts on them. Scenarios:
 - ``bf16``: bf16 Adam moments of FSDP2-sharded fp32 parameters restore as saved (issue 16).
 - ``corrupt``: save steps A < B, flip a bit in a chunk only B references that holds a shard written by rank 1,
   restore: every rank must fall back to A together.
+- ``orphans``: the last rank's chunk writes fail with ENOSPC in the save of step 2 while the other ranks write
+  theirs; rank 0 then records the chunk files no checkpoint references and the listing; step 3 saves.
 - ``perrank``: every rank saves state whose values differ per rank (a Stateful cursor, plain values, plain
   tensors, nested dicts) beside replicated ones, then restores into fresh objects at the same world size.
 - ``perrank_load``: restore such a root at another world size, without a reshard hook (must raise naming the
@@ -44,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 
 import trainguard as tg
 import trainguard.storage.local as local
-from trainguard.catalog import read_manifest
+from trainguard.catalog import read_manifest, scan
 from trainguard.format import TensorEntry, step_dir_name
 from trainguard.incremental.chunkstore import ChunkStore
 from trainguard.integrity.verify import verify
@@ -208,8 +210,9 @@ def scenario_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
 
 class Injector:
     """Replaces ``trainguard.storage.local.write_file`` (the seam every chunk and manifest write goes
-    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``fail_manifest``: the
-    manifest's write raises EIO; ``gate``: every write first waits for ``gate``; ``none``: pass through."""
+    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``enospc``: every write
+    raises ENOSPC; ``fail_manifest``: the manifest's write raises EIO; ``gate``: every write first waits for
+    ``gate``; ``none``: pass through."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -226,6 +229,9 @@ class Injector:
             if self.mode == "fail" or (self.mode == "fail_manifest" and "manifest" in Path(a[0]).name):
                 self.injected += 1
                 raise OSError(errno.EIO, "injected write failure", str(a[0]))
+            if self.mode == "enospc":
+                self.injected += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(a[0]))
             self.gate.wait(60)
             self.real(*a, **k)
 
@@ -377,6 +383,41 @@ def scenario_corrupt(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
         ]
         rep = verify(root)
         res["verify_after_resave"] = {"ok": rep.ok, "checked": rep.checked}
+    return res
+
+
+def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    root = Path(spec["root"])
+    job = build(rank, ws)
+    mgr = tg.CheckpointManager(root, async_save=spec["async"], save_policy=tg.EveryNSteps(10**9))
+    train_step(job)
+    mgr.save(1, job["state"]).wait()
+    train_step(job)  # new values: every rank has new chunks to write
+    res: dict[str, Any] = {"failure": None}
+    with Injector("enospc" if rank == ws - 1 else "none") as inj:
+        try:
+            mgr.save(2, job["state"]).wait()
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["failure"] = {
+                "type": type(e).__name__,
+                "is_storage_full": isinstance(e, tg.StorageFullError),
+                "message": str(e),
+                "step": getattr(e, "step", None),
+                "rank_errors": {str(k): repr(v) for k, v in getattr(e, "rank_errors", {}).items()},
+            }
+    res["injected"] = inj.injected
+    dist.barrier()
+    if rank == 0:
+        referenced = {c.path for c in read_manifest(root, 1).chunks.values()}
+        files = {p.relative_to(root).as_posix() for p in (root / "chunks").rglob("*") if p.is_file()}
+        res["orphans"] = sorted(files - referenced)
+        res["listed"] = [[i.step, i.status, i.problem] for i in scan(root, failed_saves=True)]  # as `ls`
+    dist.barrier()
+    train_step(job)
+    mgr.save(3, job["state"]).wait()
+    mgr.close()
+    if rank == 0:
+        res["verify_ok"] = verify(root).ok
     return res
 
 
@@ -563,6 +604,7 @@ SCENARIOS = {
     "collectives": scenario_collectives,
     "bf16": scenario_bf16,
     "save": scenario_save,
+    "orphans": scenario_orphans,
     "load": scenario_load,
     "fail": scenario_fail,
     "corrupt": scenario_corrupt,

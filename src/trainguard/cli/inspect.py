@@ -64,9 +64,9 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, time}.")
 def ls_cmd(root: str, as_json: bool) -> None:
-    """List the checkpoints under ROOT with status (valid / corrupt / incomplete), size and time."""
+    """List the checkpoints under ROOT with status (valid / unverified / corrupt / incomplete), size and time."""
     p = _root(root)
-    infos = scan(p)
+    infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
     if as_json:
         if not infos:
@@ -92,7 +92,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
     problems = []
     for i in infos:
         ev = timings.get(i.step, {})
-        color = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}[i.status]
+        color = {"valid": "green", "unverified": "cyan", "corrupt": "red", "incomplete": "yellow"}[i.status]
         table.add_row(
             str(i.step),
             f"[{color}]{i.status}[/]",
@@ -136,7 +136,7 @@ def _fmt_s(x: Any) -> str:
 @click.argument("step", required=False, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
 def info_cmd(root: str, step: int | None, as_json: bool) -> None:
-    """Show what the checkpoint of STEP (default: the newest valid one) under ROOT holds.
+    """Show what the checkpoint of STEP (default: the newest valid or unverified one) under ROOT holds.
 
     Lists every entry (tensors with dtype, shape and bytes; non-tensor values such as a loader position or
     a scheduler's state with their stored value) and the metrics. Exit 1 when the checkpoint is not valid
@@ -150,7 +150,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     latest = step is None
     for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
         if latest:
-            valid = [i.step for i in scan(p, store) if i.status == "valid"]
+            valid = [i.step for i in scan(p, store) if i.usable]  # what restore_latest would try first
             if not valid:
                 hint = "" if step_dirs(p)[0] else _runs_hint(p, "info")
                 click.echo(f"no valid checkpoint in {p}{hint}", err=True)
@@ -169,7 +169,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             click.echo(f"step {step}: {e}", err=True)
             sys.exit(1)
         status = inspect_step(p, step, p / step_dir_name(step), store)[0]
-        if latest and status.status != "valid" and not is_committed(p, step):
+        if latest and not status.usable and not is_committed(p, step):
             continue  # deleted (chunks and all) while being read: take the new newest
         break
     else:
@@ -301,7 +301,8 @@ def _print_info(summary: dict[str, Any]) -> None:
     )
     if summary["status"] != "valid":
         problem = f": {escape(str(summary['problem']))}" if summary["problem"] else ""
-        c.print(f"[red]{summary['status']}[/]{problem}")
+        color = "cyan" if summary["status"] == "unverified" else "red"
+        c.print(f"[{color}]{summary['status']}[/]{problem}")
     if summary["run"] is not None:
         run, src = summary["run"], summary["run"]["resumed_from"]
         c.print(

@@ -64,7 +64,10 @@ def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> st
     """Check a path read from a manifest and return it unchanged.
 
     A valid path is relative, uses ``/`` separators, has no empty, ``.`` or ``..`` components, no NUL or
-    backslash, and, when ``root`` is given, does not resolve (through symlinks) outside ``root``.
+    backslash, and, when ``root`` is given, does not resolve (through symlinks) outside ``root``. A path under
+    ``chunks/`` may instead resolve inside wherever ``<root>/chunks`` itself resolves: the user may place the
+    chunk store on another disk by making ``chunks`` a symlink; a chunk file or a ``chunks/<2 hex>``
+    directory that is a symlink leading out of it is still refused.
 
     Raises:
         UnsafeCheckpointError: naming the path and the rule it breaks.
@@ -83,6 +86,9 @@ def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> st
     if root is not None:
         root_real = Path(os.path.realpath(root))
         full = Path(os.path.realpath(Path(root) / rel))
-        if full != root_real and root_real not in full.parents:
+        inside = full == root_real or root_real in full.parents
+        if not inside and parts[0] == CHUNKS_DIR and len(parts) > 1:
+            inside = Path(os.path.realpath(Path(root) / CHUNKS_DIR)) in full.parents
+        if not inside:
             raise UnsafeCheckpointError(f"manifest path {rel!r} resolves outside the run root (symlink?)")
     return rel

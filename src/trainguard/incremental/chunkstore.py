@@ -12,12 +12,24 @@ directory in ``sync``).
 
 Invariants for garbage collection: a chunk referenced by a save in progress is *pinned* from the moment the
 save decides to reference it until it commits or fails; :meth:`ChunkStore.collect` never deletes a pinned chunk.
+
+Invariant for deduplication: a save never references stored bytes that this store has not verified since they
+were written or since the store was opened. A chunk this store wrote, or read back with a matching CRC32C, is
+remembered together with its file's identity (inode, size, mtime, ctime); any other existing chunk, or one whose
+file changed since, is re-read and its CRC32C compared with that of the bytes being saved before the save
+references it. A mismatch (or an unreadable file) is repaired: the chunk is written anew from the bytes being
+saved, which also repairs every older checkpoint that shares it.
+
+Reads retry an I/O error (``READ_ATTEMPTS``) and confirm a CRC32C or length mismatch with a second read; only a
+confirmed mismatch is reported as damage (``CorruptCheckpointError.damaged``), an I/O error that persists is
+reported as ``unreadable`` and never condemns a chunk.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import secrets
 import stat
@@ -37,6 +49,12 @@ from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage import local as _local
 from ..storage.local import fsync_dir, raise_if_full
 from ..storage.safeio import lstat_regular, open_regular
+
+log = logging.getLogger("trainguard")
+# An I/O error (EACCES, EIO, ...) is retried this many times in all, with this first backoff doubling each time;
+# a CRC32C or length mismatch is confirmed by one more read before it condemns a chunk.
+READ_ATTEMPTS = 3
+READ_RETRY_BACKOFF_S = 0.05
 
 
 def content_hash(buf: memoryview | bytes) -> str:
@@ -134,14 +152,99 @@ class ChunkStore:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
         self.dir = self.root / CHUNKS_DIR
+        # Resolved once, at open: ``chunks`` may be a symlink the user placed onto another disk.
+        self.dir_real = Path(os.path.realpath(self.dir))
         self.fsync = fsync
         self.durability = durability
         self._lock = threading.Lock()
         self._pins: Counter[str] = Counter()
         self._dirty_dirs: set[Path] = set()
         self._unpublished: list[tuple[Path, Path]] = []  # (temporary file, final path), batched mode
+        self._verified: dict[str, tuple[int, int, int, int]] = {}  # hash -> file identity when verified
+        self.repaired: list[str] = []  # chunks found damaged or unreadable by a save and written anew
+        self.last_progress = time.monotonic()  # a chunk stored or a flush finished (the stall watchdog)
+        self._io_streak = 0  # chunks in a row that could not be read: then no more retries (bounded scrubs)
+
+    # -- verified-bytes memory ----------------------------------------------------------------------------
+    @staticmethod
+    def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _remember(self, h: str, st: os.stat_result) -> None:
+        with self._lock:
+            self._verified[h] = self._identity(st)
+
+    def _forget(self, h: str) -> None:
+        with self._lock:
+            self._verified.pop(h, None)
+
+    def is_verified(self, h: str, st: os.stat_result) -> bool:
+        """True when this store wrote or read back chunk ``h`` with matching bytes and its file is unchanged."""
+        with self._lock:
+            return self._verified.get(h) == self._identity(st)
+
+    def _reusable(self, rec: ChunkRecord, final: Path) -> bool:
+        """Whether the existing file ``final`` holds exactly ``rec``'s bytes (verified now if not remembered)."""
+        st = lstat_regular(final)  # a symlink or an odd file there is no copy of this content
+        if st is None or st.st_size != rec.length:
+            return False
+        if not self.is_verified(rec.hash, st):
+            try:
+                self.verify(rec, attempts=1)
+            except CorruptCheckpointError as e:
+                log.warning(
+                    "chunk %s under %s %s; writing it anew from the bytes being saved (this also repairs the "
+                    "older checkpoints that share it)",
+                    rec.path,
+                    self.root,
+                    str(e).split(f"chunk {rec.path} ", 1)[-1],
+                )
+                with self._lock:
+                    self.repaired.append(rec.path)
+                return False
+        try:
+            os.utime(final)  # "in use": distributed GC spares recently modified chunks
+            self._remember(rec.hash, final.stat())
+        except OSError:
+            pass
+        return True
+
+    def layout_problem(self) -> str | None:
+        """Why chunks saved here would be refused by restore (checked before a manager's first save), else None:
+        ``chunks`` itself may be a symlink to a directory anywhere, but a ``chunks/<2 hex>`` directory that
+        leads out of it would hold chunks whose paths resolve outside the chunk store."""
+        if self.dir.is_symlink() and not self.dir.exists():
+            return f"{self.dir} is a symlink to {os.readlink(self.dir)!r}, which does not exist"
+        if self.dir.exists() and not self.dir.is_dir():
+            return f"{self.dir} exists but is not a directory"
+        if not self.dir.is_dir():
+            return None
+        for sub in self.dir.iterdir():
+            if sub.is_symlink():
+                real = Path(os.path.realpath(sub))
+                if self.dir_real not in real.parents:
+                    return (
+                        f"{sub} is a symlink to {real}, outside {self.dir_real}: restore would refuse every "
+                        "chunk saved there; move the whole chunks directory instead (a symlink at chunks/ is "
+                        "supported)"
+                    )
+        return None
 
     # -- writing ------------------------------------------------------------------------------------------
+    def tmp_dir_for(self, partial: Path) -> Path:
+        """Where a save whose partial directory is ``partial`` writes its temporary chunk files: ``partial``
+        itself, or, when ``chunks/`` lives on another filesystem (a symlink to another disk), a sibling
+        ``chunks/.<partial name>/`` on that filesystem (a rename cannot cross filesystems). Created here."""
+        try:
+            other_fs = self.dir.is_dir() and os.stat(self.dir).st_dev != os.stat(partial).st_dev
+        except OSError:
+            other_fs = False
+        if not other_fs:
+            return partial
+        tmp = self.dir / f".{partial.name}"
+        tmp.mkdir(exist_ok=True)
+        return tmp
+
     def put(
         self, buf: memoryview | bytes, tmp_dir: Path, *, step: int | None = None
     ) -> tuple[ChunkRecord, bool]:
@@ -158,12 +261,8 @@ class ChunkStore:
         with self._lock:
             self._pins[h] += 1
         try:
-            existing = lstat_regular(final)  # a symlink or an odd file there is no copy of this content
-            if existing is not None and existing.st_size == len(view):
-                try:
-                    os.utime(final)  # "in use": distributed GC spares recently modified chunks
-                except OSError:
-                    pass
+            if self._reusable(rec, final):
+                self.last_progress = time.monotonic()
                 return rec, False
             tmp = tmp_dir / f"{h}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
             batched = self.durability == "batched"
@@ -175,6 +274,7 @@ class ChunkStore:
                 if not batched:
                     final.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp, final)
+                    self._remember(h, final.stat())
             except OSError as e:
                 try:
                     tmp.unlink()
@@ -186,6 +286,7 @@ class ChunkStore:
                     self._unpublished.append((tmp, final))
                 else:
                     self._dirty_dirs.add(final.parent)
+            self.last_progress = time.monotonic()
             return rec, True
         except BaseException:
             self.unpin([h])
@@ -203,9 +304,11 @@ class ChunkStore:
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
             pending, self._unpublished = self._unpublished, []
+        fs = self.dir if self.dir.is_dir() else self.root  # the chunks' filesystem (may be another disk)
+        self.last_progress = time.monotonic()
         try:
             if pending:
-                if self.fsync and not syncfs(self.root):
+                if self.fsync and not syncfs(fs):
                     for tmp, _ in pending:  # no syncfs here: one fsync per file
                         fd = os.open(tmp, os.O_RDONLY)
                         try:
@@ -216,7 +319,8 @@ class ChunkStore:
                     final.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp, final)
                     dirs.add(final.parent)
-                if self.fsync and syncfs(self.root):
+                    self._remember(final.name, final.stat())
+                if self.fsync and syncfs(fs):
                     return  # the renames and the new directories are durable
         except OSError as e:
             raise_if_full(e, self.dir, step)
@@ -262,26 +366,6 @@ class ChunkStore:
             return f"has the wrong length ({st.st_size} bytes, expected {rec.length})"
         return None
 
-    def _open(self, rec: ChunkRecord, step: int | None, owners: list[str] | None) -> int:
-        """Open a chunk for reading (no symlink, no blocking, a regular file of exactly ``rec.length`` bytes,
-        checked before a byte is read or a buffer allocated for it)."""
-        p = self.root / rec.path
-        try:
-            fd = open_regular(p, what="chunk")
-        except FileNotFoundError:
-            raise self._corrupt(rec, "is missing", step, owners) from None
-        except UnsafeFileError as e:
-            raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
-        except OSError as e:
-            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
-        size = os.fstat(fd).st_size
-        if size != rec.length:
-            os.close(fd)
-            raise self._corrupt(
-                rec, f"has the wrong length ({size} bytes, expected {rec.length})", step, owners, damaged=True
-            )
-        return fd
-
     def read(
         self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None
     ) -> bytearray:
@@ -293,7 +377,9 @@ class ChunkStore:
         """
         bad = self.check_present(rec)  # before allocating: the recorded length could be absurd
         if bad is not None:
-            raise self._corrupt(rec, bad, step, owners, damaged="length" in bad)
+            raise self._corrupt(
+                rec, bad, step, owners, damaged="length" in bad, unreadable=bad.startswith("cannot be read")
+            )
         buf = bytearray(rec.length)
         self.readinto(rec, memoryview(buf), step=step, owners=owners)
         return buf
@@ -301,33 +387,22 @@ class ChunkStore:
     def readinto(
         self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
     ) -> None:
-        """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it."""
+        """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it (retries and
+        confirmation as :meth:`verify`)."""
         out = out.cast("B") if out.format != "B" else out
-        fd = self._open(rec, step, owners)
-        try:
-            with os.fdopen(fd, "rb", buffering=0) as f:
-                got = 0
-                while got < rec.length:
-                    n = f.readinto(out[got : rec.length])
-                    if not n:
-                        break
-                    got += n
-                extra = f.read(1)
-        except OSError as e:
-            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
-        if got != rec.length or extra:
-            raise self._corrupt(
-                rec, f"has the wrong length (expected {rec.length} bytes)", step, owners, damaged=True
-            )
-        actual = crc32c.crc32c(out[: rec.length])
-        if actual != rec.crc32c:
-            raise self._corrupt(
-                rec,
-                f"fails CRC32C (stored {rec.crc32c:#010x}, read {actual:#010x})",
-                step,
-                owners,
-                damaged=True,
-            )
+
+        def once(f: Any) -> tuple[int | None, int]:
+            got = 0
+            while got < rec.length:
+                n = f.readinto(out[got : rec.length])
+                if not n:
+                    break
+                got += n
+            if got != rec.length or f.read(1):
+                return None, 0
+            return got, crc32c.crc32c(out[: rec.length])
+
+        self._checked_read(rec, once, step, owners, READ_ATTEMPTS)
 
     def verify(
         self,
@@ -336,40 +411,97 @@ class ChunkStore:
         step: int | None = None,
         owners: list[str] | None = None,
         block_bytes: int = 16 << 20,
+        attempts: int = READ_ATTEMPTS,
     ) -> None:
-        """Re-read a chunk in blocks (bounded memory) and check length and CRC32C (a file of the wrong size is
-        reported without reading it)."""
-        crc = 0
-        total = 0
-        fd = self._open(rec, step, owners)
+        """Re-read a chunk in blocks (bounded memory) and check length and CRC32C.
+
+        An I/O error is retried (``attempts`` reads in all, with a doubling backoff); a length or CRC32C
+        mismatch is confirmed by a second read before it is reported as damage. A chunk that passes is
+        remembered as verified (deduplication against it needs no further read while its file is unchanged).
+
+        Raises:
+            CorruptCheckpointError: ``damaged`` for a confirmed mismatch, ``unreadable`` for a persisting I/O
+                error, neither for a missing chunk or one that is not a regular file.
+        """
         buf = bytearray(min(block_bytes, max(rec.length, 1)))
         view = memoryview(buf)
-        try:
-            with os.fdopen(fd, "rb", buffering=0) as f:
-                while True:
-                    n = f.readinto(view)
-                    if not n:
-                        break
-                    crc = crc32c.crc32c(view[:n], crc)
-                    total += n
-        except OSError as e:
-            raise self._corrupt(rec, f"cannot be read ({e.strerror or e})", step, owners) from None
-        if total != rec.length:
-            raise self._corrupt(
-                rec,
-                f"has the wrong length ({total} bytes, expected {rec.length})",
-                step,
-                owners,
-                damaged=True,
-            )
-        if crc != rec.crc32c:
-            raise self._corrupt(
-                rec, f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})", step, owners, damaged=True
-            )
+
+        def once(f: Any) -> tuple[int | None, int]:
+            crc = 0
+            total = 0
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                crc = crc32c.crc32c(view[:n], crc)
+                total += n
+            return total, crc
+
+        self._checked_read(rec, once, step, owners, attempts)
+
+    def _checked_read(
+        self, rec: ChunkRecord, once: Any, step: int | None, owners: list[str] | None, attempts: int
+    ) -> None:
+        """Run ``once(file) -> (length read or None, crc32c)`` on the chunk's file until it matches ``rec``,
+        retrying I/O errors and confirming a mismatch by one more read."""
+        p = self.root / rec.path
+        io_errors = 0
+        mismatches = 0
+        if self._io_streak >= 3:  # the storage is unreadable, not this chunk: one attempt is enough
+            attempts = 1
+        while True:
+            try:
+                # no symlink followed, no blocking open (a named pipe), and the size checked before reading
+                with os.fdopen(open_regular(p, what="chunk"), "rb", buffering=0) as f:
+                    st = os.fstat(f.fileno())
+                    if st.st_size != rec.length:  # a sparse 64 GiB file is never read
+                        total, crc = st.st_size, 0
+                    else:
+                        total, crc = once(f)
+            except FileNotFoundError:
+                raise self._corrupt(rec, "is missing", step, owners) from None
+            except UnsafeFileError as e:
+                raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
+            except OSError as e:
+                io_errors += 1
+                if io_errors >= max(1, attempts):
+                    self._io_streak += 1
+                    raise self._corrupt(
+                        rec,
+                        f"cannot be read ({e.strerror or e}; {io_errors} attempt(s)); not a checksum mismatch: "
+                        "fix access to the storage and retry",
+                        step,
+                        owners,
+                        unreadable=True,
+                    ) from None
+                time.sleep(READ_RETRY_BACKOFF_S * 2 ** (io_errors - 1))
+                continue
+            if total != rec.length:
+                what = (
+                    f"has the wrong length ({total} bytes, expected {rec.length})"
+                    if total is not None
+                    else f"has the wrong length (expected {rec.length} bytes)"
+                )
+            elif crc != rec.crc32c:
+                what = f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})"
+            else:
+                self._io_streak = 0
+                self._remember(rec.hash, st)
+                return
+            mismatches += 1
+            if mismatches >= 2:  # confirmed by a second read: the bytes on storage are wrong
+                self._forget(rec.hash)
+                raise self._corrupt(rec, what, step, owners, damaged=True)
 
     @staticmethod
     def _corrupt(
-        rec: ChunkRecord, what: str, step: int | None, owners: list[str] | None, *, damaged: bool = False
+        rec: ChunkRecord,
+        what: str,
+        step: int | None,
+        owners: list[str] | None,
+        *,
+        damaged: bool = False,
+        unreadable: bool = False,
     ) -> CorruptCheckpointError:
         names = ", ".join((owners or [])[:8]) + (" ..." if owners and len(owners) > 8 else "")
         where = f" of step {step}" if step is not None else ""
@@ -379,12 +511,14 @@ class ChunkStore:
             chunk=rec.path,
             tensors=owners,
             damaged=damaged,
+            unreadable=unreadable,
         )
 
     def quarantine(self, rel: str) -> str | None:
         """Move a chunk found corrupt aside (``<hash>.corrupt-<time>``) so the next save that needs the same
         content writes it anew instead of deduplicating against damaged bytes. Returns the new path."""
         src = self.root / rel
+        self._forget(src.name)
         dst = src.with_name(f"{src.name}.corrupt-{int(time.time())}")
         try:
             os.replace(src, dst)
@@ -420,6 +554,7 @@ class ChunkStore:
                     if protect_newer_than is not None and st.st_mtime > protect_newer_than:
                         continue
                     p.unlink()
+                    self._verified.pop(h, None)
                     freed += st.st_size
                 except OSError:
                     continue

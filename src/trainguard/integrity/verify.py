@@ -1,6 +1,12 @@
 """The ``verify`` scrub: re-read every chunk of the chosen checkpoints and check length and CRC32C.
 
 Chunks shared by several checkpoints are read once. Memory is bounded (chunks are read in 16 MiB blocks).
+
+What a scrub finds is recorded, so that every view (``ls``, ``info``, ``latest_step``, ``restore_latest``)
+agrees with the last full read: a checked step whose chunks all match gets ``verified.json`` (clearing a stale
+``corrupt.json``); a confirmed mismatch (read twice) condemns every committed step that references the chunk
+(``corrupt.json``); a chunk that cannot be read (an I/O error, retried) is recorded as an unreadable check,
+never as corruption. Recording is skipped where the root is not writable.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import is_committed, read_manifest, stable_committed_steps
+from ..catalog import is_committed, read_manifest, record_check, record_corrupt, stable_committed_steps
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import Manifest, ValueEntry
 from ..format.manifest import DTYPE_ITEMSIZE
@@ -48,6 +54,7 @@ def verify(
     steps: Iterable[int] | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
+    record: bool = True,
 ) -> VerifyReport:
     """Re-read and check the checkpoints of ``steps`` (default: every committed checkpoint).
 
@@ -55,6 +62,8 @@ def verify(
         root: the run root.
         steps: the steps to check; None checks all committed ones.
         progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
+        record: record the findings in the step directories (module docstring); False leaves the root
+            untouched.
 
     A checkpoint that a writer's retention deletes while it is being checked is dropped from the report when
     ``steps`` is None (it was deleted, not damaged); a requested step raises CheckpointNotFoundError.
@@ -80,6 +89,7 @@ def verify(
             report.corrupt.append({"step": s, "chunk": None, "tensors": [], "problem": str(e)})
     total = sum(c.length for m in manifests.values() for c in m.chunks.values())
     results: dict[str, str | None] = {}
+    errors: dict[str, CorruptCheckpointError] = {}
     done = 0
     for s, m in manifests.items():
         owners = m.chunk_owners()
@@ -91,6 +101,7 @@ def verify(
                     report.bytes_read += rec.length
                 except CorruptCheckpointError as e:
                     results[h] = str(e)
+                    errors[h] = e
                     report.bytes_read += rec.length
             done += rec.length
             if progress is not None:
@@ -111,7 +122,59 @@ def verify(
         report.checked = [s for s in report.checked if s not in vanished]
         report.corrupt = [c for c in report.corrupt if c["step"] not in vanished]
         report.ok = not report.corrupt
+    if record:
+        _record(root, committed, manifests, report, errors)
     return report
+
+
+def _record(
+    root: str | os.PathLike[str],
+    committed: set[int],
+    manifests: dict[int, Manifest],
+    report: VerifyReport,
+    errors: dict[str, CorruptCheckpointError],
+) -> None:
+    """Write what the scrub found into the step directories (advisory: failures to write are ignored)."""
+    damaged = {h: e for h, e in errors.items() if e.damaged}
+    condemned: dict[int, tuple[str, str | None, list[str]]] = {}
+    if damaged:  # a confirmed bad chunk condemns every committed step that references it, checked or not
+        for s in sorted(committed):
+            m = manifests.get(s)
+            if m is None:
+                try:
+                    m = read_manifest(root, s)
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    continue
+            for h in m.chunks:
+                if h in damaged:
+                    e = damaged[h]
+                    condemned.setdefault(s, (str(e).replace(f" of step {e.step}", ""), e.chunk, e.tensors))
+    for s, m in manifests.items():
+        if s in condemned:
+            continue
+        by_path = {rec.path: h for h, rec in m.chunks.items()}
+        content: list[dict[str, Any]] = []
+        unreadable: list[CorruptCheckpointError] = []
+        for c in (c for c in report.corrupt if c["step"] == s):
+            found = errors.get(by_path.get(c["chunk"], ""))
+            if (
+                found is None
+            ):  # an unsafe value or an unknown dtype: deterministic, from the manifest and good bytes
+                content.append(c)
+            elif found.unreadable:
+                unreadable.append(found)
+            # else: a missing chunk or one that is not a file: listing sees it without a record
+        if content:
+            c = content[0]
+            record_corrupt(root, s, c["problem"], chunk=c["chunk"], tensors=c["tensors"])
+        elif unreadable:
+            record_check(
+                root, s, by="verify", ok=False, problem=str(unreadable[0]), chunk=unreadable[0].chunk
+            )
+        elif not any(c["step"] == s for c in report.corrupt):
+            record_check(root, s, by="verify")
+    for s, (problem, chunk, tensors) in condemned.items():
+        record_corrupt(root, s, f"verify: {problem}", chunk=chunk, tensors=tensors)
 
 
 def _check_dtypes(m: Manifest, step: int, report: VerifyReport) -> None:

@@ -42,7 +42,7 @@ def open_checkpoint(root: str | os.PathLike[str], step: int | None) -> tuple[Chu
     store = ChunkStore(r)
     if step is None:
         infos = scan(r, store)
-        valid = [i.step for i in infos if i.status == "valid"]
+        valid = [i.step for i in infos if i.usable]  # valid or unverified (export reads every byte)
         if not valid:
             if infos:
                 raise NoValidCheckpointError(
@@ -52,7 +52,7 @@ def open_checkpoint(root: str | os.PathLike[str], step: int | None) -> tuple[Chu
         step = valid[-1]
     m = read_manifest(r, step)
     info, _ = inspect_step(r, step, r / step_dir_name(step), store)
-    if info.status != "valid":
+    if not info.usable:
         raise CorruptCheckpointError(
             f"the checkpoint of step {step} under {r} is {info.status}: {info.problem}; it is not exported "
             f"(`trainguard ls {r}` lists the valid ones)",

@@ -60,7 +60,7 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
     counts: dict[str, int] = {}
     for i in infos:
         counts[i.status] = counts.get(i.status, 0) + 1
-    valid = [i for i in infos if i.status == "valid"]
+    valid = [i for i in infos if i.usable]  # what restore_latest would use
     newest_valid = None
     if valid:
         v = valid[-1]

@@ -60,12 +60,18 @@ def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
     return referenced
 
 
-def apply_retention(mgr: CheckpointManager) -> None:
+def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     """Delete the valid checkpoints of this run's lineage that the policy does not keep (never the newest valid
-    one), then their chunks. Other runs' checkpoints are neither counted nor deleted."""
+    one), then their chunks. Other runs' checkpoints are neither counted nor deleted.
+
+    Runs after each commit and, with ``at_open``, before the first save of a writing manager writes anything
+    (after its restore, so the lineage it resumed is known: reopening with a stricter ``keep`` frees space
+    before the save needs it). Then nothing has just been written: the newest checkpoint, the one kept, is
+    re-read in full first, and if a chunk of it is not intact nothing is deleted.
+    """
     from ..lineage import own
 
-    valid = own(mgr, [i.step for i in scan(mgr.root, mgr.store) if i.status == "valid"])
+    valid = own(mgr, [i.step for i in scan(mgr.root, mgr.store) if i.usable])  # valid or unverified
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
@@ -74,6 +80,8 @@ def apply_retention(mgr: CheckpointManager) -> None:
     keep = select(mgr.retention, valid, metrics) | {max(valid)}
     doomed = [s for s in valid if s not in keep]
     if not doomed:
+        return
+    if at_open and not _intact(mgr, max(valid)):
         return
     candidates: set[str] = set()
     for s in doomed:
@@ -100,13 +108,35 @@ def apply_retention(mgr: CheckpointManager) -> None:
     log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
 
 
+def _intact(mgr: CheckpointManager, step: int) -> bool:
+    """Re-read every chunk of ``step`` (retention at open deletes nothing unless the checkpoint it keeps is
+    intact); records the check like ``verify`` does."""
+    from ..catalog import record_check
+
+    try:
+        m = read_manifest(mgr.root, step)
+        owners = m.chunk_owners()
+        for h, rec in m.chunks.items():
+            mgr.store.verify(rec, step=step, owners=owners.get(h))
+    except TrainguardError as e:
+        log.warning(
+            "retention at open deletes nothing: the newest checkpoint (step %d) is not intact: %s", step, e
+        )
+        mgr._event("retention_deferred", step=step, problem=str(e))
+        return False
+    record_check(mgr.root, step, by="verify")
+    return True
+
+
 def cleanup_after_crash(mgr: CheckpointManager) -> None:
     """With the lock held, before any save: remove partial directories and step directories without a manifest
-    (commits killed midway) and the orphan chunks they left."""
+    (commits killed midway), and collect every orphan chunk (left by a killed or failed save, or by step
+    directories deleted by hand)."""
     steps, partials = step_dirs(mgr.root)
     dead = [s for s, d in steps.items() if not (d / MANIFEST_NAME).exists()]
-    if not partials and not dead:
-        return
+    # temporary chunk files of killed saves when chunks/ is on another filesystem (ChunkStore.tmp_dir_for)
+    for tmp_dir in mgr.store.dir.glob(".step-*.partial-*") if mgr.store.dir.is_dir() else []:
+        remove_tree(tmp_dir)
     for d in steps.values():  # temporary manifests of a publish killed before its rename
         for tmp in d.glob(f".{MANIFEST_NAME}.tmp-*"):
             tmp.unlink(missing_ok=True)
@@ -120,10 +150,36 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
         log.warning("a manifest under %s is unreadable; not collecting orphan chunks", mgr.root)
         return
     freed = mgr.store.collect(mgr.store.all_hashes(), referenced)
+    if not (partials or dead or freed):
+        return
     mgr._event(
         "cleanup",
         partials=sum(len(v) for v in partials.values()),
         uncommitted_steps=dead,
         orphan_bytes_freed=freed,
         t_cleanup=time.time(),
+    )
+
+
+def space_hint(mgr: CheckpointManager) -> str:
+    """What reopening with ``keep=1`` would free, naming the step it keeps (for a StorageFullError)."""
+    try:
+        usable = sorted(i.step for i in scan(mgr.root, mgr.store) if i.usable)
+    except OSError:
+        return ""
+    if not usable:
+        return " No checkpoint exists yet: free space on the device."
+    newest, older = usable[-1], usable[:-1]
+    if not older:
+        return f" The only checkpoint is step {newest}: free space on the device."
+    try:
+        manifests = {s: read_manifest(mgr.root, s) for s in usable}
+    except TrainguardError:
+        return ""
+    kept = set(manifests[newest].chunks)
+    freed = {h: rec.length for s in older for h, rec in manifests[s].chunks.items() if h not in kept}
+    return (
+        f" To make room, reopen the manager with keep=1: before its first save it keeps step {newest} (the "
+        f"newest valid checkpoint, re-read first) and deletes steps {older}, freeing {sum(freed.values())} bytes of chunks; "
+        "or delete step directories by hand (the next writer collects their orphaned chunks at open)."
     )

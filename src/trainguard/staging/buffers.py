@@ -109,9 +109,23 @@ class Stager:
 
     def release(self, s: BufferSet) -> None:
         with self._cond:
+            if not any(x is s for x in self.sets):  # replaced after its save was abandoned: never reused
+                return
             self._free.append(s)
             self._free.sort(key=lambda x: x.index)
             self._cond.notify_all()
+
+    def replace(self, s: BufferSet) -> None:
+        """Put a fresh, free set in place of ``s``, whose save was abandoned while a stuck thread may still
+        read it (``s`` is never handed out again; its memory goes when that thread drops it)."""
+        with self._cond:
+            for i, x in enumerate(self.sets):
+                if x is s:
+                    self.sets[i] = BufferSet(s.index)
+                    self._free.append(self.sets[i])
+                    self._free.sort(key=lambda b: b.index)
+                    self._cond.notify_all()
+                    return
 
     def busy(self) -> int:
         with self._cond:

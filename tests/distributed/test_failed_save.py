@@ -1,0 +1,49 @@
+"""A distributed save that fails on one rank leaves nothing behind and names that rank (issue 16).
+
+Four ranks; the last one's chunk writes fail with ENOSPC while ranks 0-2 write theirs. The issue's input: the
+other ranks' chunk files stayed in ``chunks/`` unreferenced forever, the failed step was not listed even as
+incomplete, and ``rank_errors`` was empty with a message naming no rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .launch import run_workers
+
+pytestmark = pytest.mark.distributed
+RANKS = 4
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def failed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("orphans")
+    return run_workers(RANKS, "orphans", d, root=str(d / "root"), **{"async": request.param})
+
+
+def test_enospc_on_one_rank_raises_storage_full_naming_that_rank_on_every_rank(failed):
+    bad = RANKS - 1
+    assert failed[bad]["injected"] >= 1 and all(r["injected"] == 0 for r in failed[:bad])
+    for r in failed:
+        f = r["failure"]
+        assert f is not None, f"rank {r['rank']}: the failed save did not raise"
+        assert f["is_storage_full"] and f["step"] == 2, f
+        assert list(f["rank_errors"]) == [str(bad)], f
+        assert f"rank {bad}" in f["message"], f["message"]
+
+
+def test_the_other_ranks_chunks_of_the_failed_save_are_collected_at_once(failed):
+    assert failed[0]["orphans"] == []
+
+
+def test_the_failed_step_is_listed_as_incomplete_with_its_error(failed):
+    listed = {s: (status, problem) for s, status, problem in failed[0]["listed"]}
+    assert listed[1][0] == "valid"
+    status, problem = listed[2]
+    assert status == "incomplete" and "failed" in problem and f"[{RANKS - 1}]" in problem, problem
+
+
+def test_the_next_save_commits_and_every_checkpoint_verifies(failed):
+    assert failed[0]["verify_ok"] is True
