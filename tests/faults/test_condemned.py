@@ -13,7 +13,6 @@ last full read (issue 18).
 
 from __future__ import annotations
 
-import builtins
 import errno
 import json
 import logging
@@ -81,8 +80,11 @@ def saved(tmp_path: Path) -> Path:
     return root
 
 
+_REAL_OPEN_CHUNK = chunkstore._open_chunk
+
+
 class FlakyOpen:
-    """Stands in for ``open`` in trainguard.incremental.chunkstore: for the file ``path``, raises ``error``
+    """Stands in for ``_open_chunk`` in trainguard.incremental.chunkstore: for the file ``path``, raises ``error``
     (an errno) on every open while ``failing``, or serves flipped bytes on the first ``bad_reads`` reads."""
 
     def __init__(self, path: Path, *, error: int | None = None, bad_reads: int = 0) -> None:
@@ -93,7 +95,7 @@ class FlakyOpen:
         self.injected = 0
 
     def __call__(self, file: Any, *a: Any, **k: Any) -> Any:
-        f = builtins.open(file, *a, **k)
+        f = _REAL_OPEN_CHUNK(file)
         if Path(file) != self.path:
             return f
         if self.failing and self.error is not None:
@@ -195,16 +197,16 @@ def test_a_chunk_changed_after_this_process_verified_it_is_checked_again(tmp_pat
 def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypatch):
     """The issue's input: permissions broke every chunk read during a restore; after they were fixed the
     checkpoints still listed corrupt and restore_latest raised NoValidCheckpointError."""
-    real_open = builtins.open
+    real_open = _REAL_OPEN_CHUNK
     injected = []
 
-    def denied(file: Any, *a: Any, **k: Any) -> Any:
+    def denied(file: Any) -> Any:
         if "/chunks/" in str(file):
             injected.append(file)
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
-        return real_open(file, *a, **k)
+        return real_open(file)
 
-    monkeypatch.setattr(chunkstore, "open", denied, raising=False)
+    monkeypatch.setattr(chunkstore, "_open_chunk", denied)
     with tg.CheckpointManager(saved) as mgr:
         with pytest.raises(tg.NoValidCheckpointError) as ei:
             mgr.restore_latest(blank_state())
@@ -217,7 +219,7 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
     assert statuses(saved) == ["unverified"] * 3  # not corrupt, and not "valid" after a failed read
     code, report = verify_json(saved, "--all")
     assert code == 1 and "cannot be read" in report["corrupt"][0]["problem"]
-    monkeypatch.setattr(chunkstore, "open", real_open, raising=False)  # permissions fixed
+    monkeypatch.setattr(chunkstore, "_open_chunk", real_open)  # permissions fixed
     state = blank_state()
     with tg.CheckpointManager(saved) as mgr:
         assert mgr.restore_latest(state) == 3
@@ -236,7 +238,7 @@ def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved, monkeypatch):
         flaky.failing = False  # the storage recovers while the reader backs off
         real_sleep(s)
 
-    monkeypatch.setattr(chunkstore, "open", flaky, raising=False)
+    monkeypatch.setattr(chunkstore, "_open_chunk", flaky)
     monkeypatch.setattr(chunkstore.time, "sleep", sleep_then_heal)
     state = blank_state()
     with tg.CheckpointManager(saved) as mgr:
@@ -250,7 +252,7 @@ def test_a_mismatch_that_a_second_read_does_not_confirm_condemns_nothing(saved, 
     """A writing restore that reads a shared chunk wrong once: no marker, no quarantine, no fallback."""
     rec = frozen_chunk(saved)
     flaky = FlakyOpen(saved / rec["path"], bad_reads=1)
-    monkeypatch.setattr(chunkstore, "open", flaky, raising=False)
+    monkeypatch.setattr(chunkstore, "_open_chunk", flaky)
     state = blank_state()
     with tg.CheckpointManager(saved) as mgr:
         assert mgr.restore_latest(state) == 3

@@ -129,6 +129,11 @@ def syncfs(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+def _open_chunk(path: Path) -> Any:
+    """Open a chunk file for reading: no symlink followed, no blocking open, a regular file or UnsafeFileError."""
+    return os.fdopen(open_regular(path, what="chunk"), "rb", buffering=0)
+
+
 class ChunkStore:
     """Chunks of one run root.
 
@@ -452,7 +457,7 @@ class ChunkStore:
         while True:
             try:
                 # no symlink followed, no blocking open (a named pipe), and the size checked before reading
-                with os.fdopen(open_regular(p, what="chunk"), "rb", buffering=0) as f:
+                with _open_chunk(p) as f:
                     st = os.fstat(f.fileno())
                     if st.st_size != rec.length:  # a sparse 64 GiB file is never read
                         total, crc = st.st_size, 0
