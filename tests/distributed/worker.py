@@ -453,6 +453,7 @@ def scenario_bf16(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
     if rank == 0:
         res["differences"] = differences(got, ref)
         res["differences_after_a_step"] = differences(got_after, ref_after)
+    return res
 
 
 # -- per-rank state -----------------------------------------------------------------------------------------------

@@ -182,6 +182,36 @@ def test_import_refuses_a_layout_it_cannot_read_and_an_existing_step(tmp_path):
     assert not (tmp_path / "r2").exists() or not list((tmp_path / "r2").glob("step-*"))
 
 
+def test_import_keeps_the_run_identity_rules(tmp_path):
+    """An import is a save that did not restore: after the newest checkpoint it continues that run (lineage
+    recorded), below a later checkpoint it is refused before the source is read, and replacing a step with
+    overwrite starts a run of its own there."""
+    sd = net().state_dict()
+    torch.save(sd, tmp_path / "w.pt")
+    root = tmp_path / "root"
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(5, {"model": net()})
+    first = read_manifest(root, 5).run.run_id
+    with pytest.raises(tg.RunConflictError, match="after step 3.*Import at a step after 5"):
+        import_checkpoint(tmp_path / "w.pt", root, format="torch", step=3)
+    assert not (root / "step-000000000003").exists() and not list(root.glob("*00003*"))
+    r = CliRunner().invoke(
+        cli, ["import", str(tmp_path / "w.pt"), str(root), "--format", "torch", "--step", "3"]
+    )
+    assert r.exit_code == 2 and "new run root" in r.output
+    import_checkpoint(tmp_path / "w.pt", root, format="torch", step=7)
+    run7 = read_manifest(root, 7).run
+    assert run7.owns(first, 5)  # continues the run of step 5
+    same(restored_model(root, 7), sd)
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest({"model": net()}) == 7
+    import_checkpoint(tmp_path / "w.pt", root, format="torch", step=7, overwrite=True)
+    run7b = read_manifest(root, 7).run
+    assert run7b.run_id != run7.run_id and not run7b.owns(first, 5)  # a run of its own at step 7
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest({"model": net()}) == 7
+
+
 def test_cli_import_json(tmp_path):
     sd = net().state_dict()
     torch.save(sd, tmp_path / "w.pt")

@@ -15,6 +15,7 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     MissingDependencyError,
+    RunConflictError,
     TrainguardError,
 )
 from .main import main
@@ -44,7 +45,9 @@ def _progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
 def _fail(e: BaseException, as_json: bool) -> None:
     """Exit 2 for a usage problem (bad option, missing input, output exists, missing package), 1 for a check
     that failed (no valid or a corrupt checkpoint, an unsafe source refused)."""
-    usage = isinstance(e, (ConfigError, CheckpointNotFoundError, MissingDependencyError, FileExistsError))
+    usage = isinstance(
+        e, (ConfigError, CheckpointNotFoundError, MissingDependencyError, FileExistsError, RunConflictError)
+    )
     code = 2 if usage and not isinstance(e, CorruptCheckpointError) else 1
     if as_json:
         click.echo(json.dumps({"ok": False, "error": str(e), "error_type": type(e).__name__}))

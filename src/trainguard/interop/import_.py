@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._optional import require
-from ..errors import ConfigError, UnsafeCheckpointError, plain_text
+from ..errors import CheckpointExistsError, ConfigError, RunConflictError, UnsafeCheckpointError, plain_text
 from ..format import validate_relpath
 
 FORMATS = ("dcp", "torch", "safetensors")
@@ -93,6 +93,9 @@ def import_checkpoint(
         UnsafeCheckpointError: ``src`` would need code execution to load (a pickle ``weights_only`` refuses,
             DCP metadata naming other classes, a path leaving the directory); nothing is imported.
         CheckpointExistsError: ``step`` is committed under ``root`` and ``overwrite`` is False.
+        RunConflictError: ``root`` holds a checkpoint after ``step`` (an import continues the root's history:
+            after its newest checkpoint it continues that run; with ``overwrite`` it replaces ``step`` as a run of
+            its own, the older checkpoints kept apart).
         RootLockedError: a running job holds ``root``.
         MissingDependencyError: safetensors input without the ``safetensors`` package.
     """
@@ -109,6 +112,7 @@ def import_checkpoint(
     src = Path(src)
     if not src.exists():
         raise ConfigError(f"{src} does not exist")
+    replaces = _check_root(root, step, overwrite)
     if format == "torch":
         obj = read_torch(src)
     elif format == "dcp":
@@ -118,7 +122,11 @@ def import_checkpoint(
     state = _as_state(obj, src, format, entry=entry, key=key, all_state=all_state)
     tensors = [t for t in _leaves(state) if isinstance(t, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    with CheckpointManager(root, async_save=False, keep=None) as mgr:
+    # An import is a save that did not restore. After every existing checkpoint it continues the root's newest
+    # run (the lineage records it as the parent); replacing a checkpoint (overwrite) starts a run of its own at
+    # that step, the older checkpoints kept apart. The manager's own run check still guards against a job that
+    # saved meanwhile.
+    with CheckpointManager(root, async_save=False, keep=None, new_run=replaces) as mgr:
         mgr.save(
             step,
             state,
@@ -127,6 +135,36 @@ def import_checkpoint(
         )
     n_values = sum(1 for v in _leaves(state) if not isinstance(v, torch.Tensor))
     return ImportResult(step, str(root), format, list(state), len(tensors), n_values, nbytes)
+
+
+def _check_root(root: str | os.PathLike[str], step: int, overwrite: bool) -> bool:
+    """Refuse an import that would collide with the root's checkpoints, before reading the source; returns
+    whether the import replaces the committed checkpoint of ``step`` (``overwrite``).
+
+    Raises:
+        CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
+        RunConflictError: the root holds a checkpoint after ``step``: the import would interleave with that run
+            (a later resume or retention would mix the two).
+    """
+    from ..catalog import step_dirs
+    from ..format import MANIFEST_NAME
+
+    dirs, _ = step_dirs(root)
+    committed = sorted(s for s, d in dirs.items() if (d / MANIFEST_NAME).exists())
+    exists = step in committed
+    if exists and not overwrite:
+        raise CheckpointExistsError(
+            f"step {step} already has a committed checkpoint under {root}; pass overwrite=True (--overwrite) to "
+            "replace it, or import at another step"
+        )
+    later = [s for s in committed if s > step]
+    if later:
+        raise RunConflictError(
+            f"{root} holds checkpoints after step {step} (steps {later[0]}..{later[-1]}); an import at step {step} "
+            "would interleave with that run (a restart or retention would mix the two). Import at a step after "
+            f"{later[-1]} to continue that run, or import into a new run root."
+        )
+    return exists
 
 
 def _leaves(x: Any) -> list[Any]:
