@@ -69,6 +69,31 @@ from .lifetime import (
 )
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
+ATTEMPT_ID_ENV = "TRAINGUARD_ATTEMPT_ID"
+# Jobs started by every Supervisor of this process and not yet reaped by their own waiter thread: another
+# supervisor in the same process (threads, an embedding program) never reaps or stops them as its leftovers.
+_LIVE_JOBS: dict[int, Job] = {}
+_LIVE_JOBS_LOCK = threading.Lock()
+
+
+def _other_live_jobs(own: int) -> set[int]:
+    with _LIVE_JOBS_LOCK:
+        for pid in [p for p, j in _LIVE_JOBS.items() if j.done.is_set()]:
+            del _LIVE_JOBS[pid]
+        return set(_LIVE_JOBS) - {own}
+
+
+def _carries(pid: int, token: str) -> bool:
+    """Whether process ``pid`` has ``TRAINGUARD_ATTEMPT_ID=token`` in its environment (inherited from the
+    attempt that started it); False when that cannot be read (a zombie, another user's process)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read(1 << 20)
+    except OSError:
+        return False
+    return f"{ATTEMPT_ID_ENV}={token}".encode() in env.split(b"\0")
+
+
 EARLY_DEATH_S = 60.0  # an attempt that dies this soon without a heartbeat counts against --no-progress-limit
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -248,6 +273,7 @@ class Supervisor:
         self._recoveries: list[RecoveryTiming] = []
         self._attempts: list[Attempt] = []
         self._children_before: set[int] = set()
+        self._attempt_token = ""
         self._spawn_error: str | None = None
         self._metrics: Any = None
         self.metrics_url: str | None = None
@@ -461,6 +487,8 @@ class Supervisor:
         )
         if is_elastic_torchrun(self.command) and SHARE_STORE_ENV not in env:
             env[SHARE_STORE_ENV] = "1"  # else a node joining a running torchrun job deadlocks (see .job)
+        self._attempt_token = f"{self.run_id}-{attempt}-{secrets.token_hex(6)}"
+        env[ATTEMPT_ID_ENV] = self._attempt_token  # marks the attempt's descendants (see _stop_leftovers)
         if self.config.preempt_signals:
             env[PREEMPT_SIGNALS_ENV] = ",".join(signal.Signals(s).name for s in self.config.preempt_signals)
         t_spawn = time.time()
@@ -477,6 +505,8 @@ class Supervisor:
             self._echo(f"[trainguard] cannot start the job: {self._spawn_error}")
             return None
         job = Job(proc, attempt, hb_file, t_spawn)
+        with _LIVE_JOBS_LOCK:
+            _LIVE_JOBS[proc.pid] = job
         self._job = job
         if self._stop_signal is not None and not job.forwarded:
             job.forwarded = signal_group(job.pgid, self._stop_signal)  # a stop raced the spawn
@@ -582,13 +612,23 @@ class Supervisor:
     def _group_alive(self, job: Job) -> bool:
         """Whether the job's process group still has members, once the members re-parented to the
         supervisor (a subreaper) that have exited are reaped: a zombie would count as alive."""
-        reap_adopted(self._children_before | {job.proc.pid})
+        reap_adopted(self._children_before | {job.proc.pid} | _other_live_jobs(job.proc.pid))
         return group_alive(job.pgid)
 
     def _stop_leftovers(self, job: Job) -> None:
         """Stop what the attempt left outside its process group: descendants in other sessions, still below
         the job or re-parented to the supervisor since the spawn."""
-        adopted = children(os.getpid()) - self._children_before - {job.proc.pid}
+        others = _other_live_jobs(job.proc.pid)
+        adopted = children(os.getpid()) - self._children_before - {job.proc.pid} - others
+        # Only processes that inherited this attempt's id: children that another supervisor or the embedding
+        # program started meanwhile are not this job's leftovers (exited ones are reaped, never signalled).
+        reap_adopted(
+            self._children_before
+            | {job.proc.pid}
+            | others
+            | {p for p in adopted if _carries(p, self._attempt_token)}
+        )
+        adopted = {p for p in adopted if _carries(p, self._attempt_token)}
         left = (descendants([job.proc.pid, *adopted]) | adopted) - {job.proc.pid}
         if left:
             killed = stop_processes(left, self.config.grace_period_s, reap=adopted)
