@@ -564,6 +564,7 @@ def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) ->
     mgr.close()
     if rank == 0:
         res["entries"] = {fqn: e.rank for fqn, e in read_manifest(base / "a", 1).entries.items()}
+    dist.barrier()  # ranks arrive together: a 3.5 s group must not time out on one rank's slow start
     mgr = tg.CheckpointManager(base / "b", async_save=False, dist_timeout_s=3.5)
     res["override"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
     mgr.close()
