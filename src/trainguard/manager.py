@@ -691,17 +691,30 @@ class CheckpointManager:
 
 
 def _root_problem(root: Path) -> str | None:
-    """Why ``root`` cannot be a run root (it exists but is not a directory), or None."""
-    if root.is_dir():
+    """Why ``root`` cannot be a run root (it exists but is not a directory), or None.
+
+    One ``stat`` decides, so a root another rank creates meanwhile is never taken for a file."""
+    import stat as _stat
+
+    try:
+        st = os.stat(root)  # follows a symlink to its target
+    except FileNotFoundError:
+        if os.path.islink(root):
+            return (
+                f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist: fix the link "
+                "or choose another root"
+            )
         return None
-    if root.is_symlink():
+    except OSError:
+        return None  # the mkdir or the event log that follows reports it
+    if _stat.S_ISDIR(st.st_mode):
+        return None
+    if os.path.islink(root):
         return (
-            f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist or is not a "
-            "directory: fix the link or choose another root"
+            f"run root {root} is a symlink to {os.readlink(root)!r}, which is not a directory: fix the link or "
+            "choose another root"
         )
-    if root.exists():
-        return f"run root {root} is a file, not a directory: choose another root"
-    return None
+    return f"run root {root} is a file, not a directory: choose another root"
 
 
 def _open_root(root: Path) -> EventLog:
