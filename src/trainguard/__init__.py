@@ -25,6 +25,7 @@ from .errors import (
     SaveError,
     StateMismatchError,
     StorageFullError,
+    TierUploadError,
     TrainguardError,
 )
 
@@ -46,6 +47,7 @@ _LAZY = {
     "ResumableLoader": ".state.data",
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
+    "Tier": ".tiers.config",
     "ModelOptimizerState": ".distributed.state",
     "dcp_reader": ".interop.dcp_reader",  # dcp_reader(root, step): a StorageReader for plain dcp.load
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
@@ -98,6 +100,8 @@ __all__ = [
     "SaveResult",
     "StateMismatchError",
     "StorageFullError",
+    "Tier",
+    "TierUploadError",
     "TrainguardError",
     "dcp_reader",
     "heartbeat",

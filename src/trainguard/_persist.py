@@ -129,7 +129,10 @@ def persist(
         staging_bytes=mgr.staging_bytes,
         async_save=not blocking,
     )
+    tier_error = mgr._tiers.after_commit(step) if mgr._tiers is not None else None  # dual write, queue uploads
     mgr._apply_retention()
+    if tier_error is not None:
+        raise tier_error
     return result
 
 

@@ -55,6 +55,8 @@ class CheckpointInfo:
         problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
+        tiers: with tiers configured, tier URL -> ``"valid"``, ``"uploading"``, ``"missing"`` or ``"corrupt"``
+            (None without tiers).
     """
 
     step: int
@@ -65,6 +67,7 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+    tiers: dict[str, str] | None = None
 
     @property
     def usable(self) -> bool:
@@ -72,13 +75,16 @@ class CheckpointInfo:
         return self.status in USABLE
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "step": self.step,
             "status": self.status,
             "bytes": self.bytes,
             "time": self.time,
             "problem": self.problem,
         }
+        if self.tiers is not None:
+            out["tiers"] = dict(self.tiers)
+        return out
 
 
 def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, list[Path]]]:

@@ -154,3 +154,16 @@ class RunConflictError(TrainguardError):
     """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
     two runs' checkpoints (and let retention delete one run's for the other's). Resume it
     (``restore_latest``), use a new run root, or pass ``new_run=True``."""
+
+
+class TierUploadError(TrainguardError):
+    """Checkpoints were not uploaded to a tier within ``upload_timeout_s`` (or every retry failed). The hot
+    checkpoints are intact; a new manager with the same tiers uploads what is missing.
+
+    Attributes:
+        missing: tier URL -> the steps not uploaded there.
+    """
+
+    def __init__(self, message: str, *, missing: dict[str, list[int]] | None = None):
+        super().__init__(message)
+        self.missing = dict(missing or {})
