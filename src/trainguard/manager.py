@@ -354,8 +354,11 @@ class CheckpointManager:
         if not writer:
             return
         if self.url is not None and self.dist.is_coordinator:
+            from .tiers.attach import prune_cache
+
             acquire_store_lock(links[0].store, self.url)
             self._store_lock = links[0].store
+            prune_cache(self.root, links[0])
         if self.dist.is_coordinator:
             self._tiers.record()
             self._tiers.resume(stable_committed_steps(self.root))
@@ -685,6 +688,18 @@ class CheckpointManager:
 
             return listing(self._tiers, lambda: scan(self.root, self.store), url=self.url)
         return scan(self.root, self.store)
+
+    def prefetch(self) -> int | None:
+        """Copy the newest checkpoint restorable from any tier to the hot root (chunks intact there are kept,
+        the others read from the first tier holding them with a matching CRC32C), ahead of a restart.
+
+        Returns:
+            The step now intact on the hot root, or None when no tier holds a restorable checkpoint (without
+            tiers: the newest usable step of the root).
+        """
+        if self._tiers is None:
+            return self.latest_step()
+        return self._tiers.materialize()
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one

@@ -320,8 +320,13 @@ class FsspecObjects:
         return int(info.get("size") or 0)
 
     def list(self, prefix: str = "") -> dict[str, int]:
+        head, _, tail = prefix.rpartition("/")
+        where = self._full(head) if head else self.root
+        kwargs: dict[str, Any] = {"detail": True}
+        if tail and self.scheme in ("s3", "s3a"):
+            kwargs["prefix"] = tail  # listed by the store, not filtered here
         try:
-            found = self._call(self.fs.find, self._full(prefix) if prefix else self.root, detail=True)
+            found = self._call(self.fs.find, where, **kwargs)
         except FileNotFoundError:
             return {}
         out: dict[str, int] = {}

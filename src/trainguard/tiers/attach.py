@@ -170,6 +170,26 @@ class TierSet:
             )
 
 
+def prune_cache(hot: Path, link: TierLink) -> list[int]:
+    """A URL root's local cache may hold steps the store no longer has (deleted there, or a cache left by an
+    earlier run): remove them, so that listing, lineage and restore follow the store. Returns the steps
+    removed (none when the store cannot be listed)."""
+    from ..catalog import step_dirs
+    from ..format import MANIFEST_NAME
+    from ..storage.local import remove_tree
+
+    try:
+        on_store = set(link.remote.committed_steps())
+    except (OSError, TrainguardError):
+        return []
+    steps, _ = step_dirs(hot)
+    gone = sorted(s for s in steps if s not in on_store)
+    for s in gone:
+        (steps[s] / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first
+        remove_tree(steps[s])
+    return gone
+
+
 def read_record(hot: Path) -> list[dict[str, Any]]:
     """The tiers recorded in ``<hot>/tiers.json`` (empty when none)."""
     try:

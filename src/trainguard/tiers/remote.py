@@ -142,24 +142,30 @@ class RemoteRoot:
             return None
         return data
 
-    def verify(self, step: int) -> str | None:
-        """Read every chunk of ``step`` and check length and CRC32C; the problem found, or None when intact.
-        A passing check is recorded on the store (``step-N/verified.json``)."""
+    def verify(self, step: int) -> tuple[str | None, str | None, int]:
+        """Read every chunk of ``step`` and check length and CRC32C.
+
+        Returns:
+            ``(problem, chunk, bytes_read)``: problem None when intact (then recorded on the store as
+            ``step-N/verified.json``), else what is wrong and the chunk's path (None for the manifest).
+        """
         try:
             m = self.manifest(step)
         except FileNotFoundError:
-            return "no manifest"
+            return "no manifest", None, 0
         except TrainguardError as e:
-            return str(e)
+            return str(e), None, 0
+        read = 0
         for rec in m.chunks.values():
             try:
                 data = self.store.get(rec.path)
             except FileNotFoundError:
-                return f"chunk {rec.path} missing"
+                return f"chunk {rec.path} missing", rec.path, read
+            read += len(data)
             if len(data) != rec.length:
-                return f"chunk {rec.path} has {len(data)} bytes, expected {rec.length}"
+                return f"chunk {rec.path} has {len(data)} bytes, expected {rec.length}", rec.path, read
             if crc32c.crc32c(data) != rec.crc32c:
-                return f"chunk {rec.path}: CRC32C mismatch"
+                return f"chunk {rec.path}: CRC32C mismatch", rec.path, read
         try:
             self.store.put(
                 f"{step_dir_name(step)}/{CHECK_NAME}",
@@ -167,4 +173,4 @@ class RemoteRoot:
             )
         except OSError:
             pass  # advisory (a read-only store)
-        return None
+        return None, None, read
