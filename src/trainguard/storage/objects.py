@@ -33,6 +33,8 @@ BACKEND_PACKAGES = {
     "abfs": ("adlfs", "adlfs"),
     "abfss": ("adlfs", "adlfs"),
 }
+PROBE_EXTRA_S = 5.0
+"""The construction check's deadline is ``stall_timeout_s`` plus this (it also creates the client session)."""
 MAX_OBJECT_BYTES = 8 << 30
 """Largest object read whole (a chunk is at most ``chunk_size_bytes``; a manifest at most 1 GiB)."""
 
@@ -227,7 +229,7 @@ class FsspecObjects:
                 self.fs.ls,
                 bucket if self.scheme in ("s3", "s3a", "gs", "gcs") else self.root,
                 detail=False,
-                nbytes=0,
+                extra_s=PROBE_EXTRA_S,
             )
         except FileNotFoundError:
             if self.scheme in ("s3", "s3a", "gs", "gcs"):
@@ -259,9 +261,9 @@ class FsspecObjects:
             ) from None
 
     # -- calls ------------------------------------------------------------------------------------------
-    def _call(self, fn: Any, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
+    def _call(self, fn: Any, *args: Any, nbytes: int = 0, extra_s: float = 0.0, **kwargs: Any) -> Any:
         """Run one request with a deadline; connection problems become TransientStorageError."""
-        deadline = self.stall_timeout_s + nbytes / float(1 << 20)
+        deadline = self.stall_timeout_s + nbytes / float(1 << 20) + extra_s
         try:
             if self.async_:
                 return fn(*args, timeout=deadline, **kwargs)

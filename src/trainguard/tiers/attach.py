@@ -71,6 +71,7 @@ class TierSet:
         self.event = event
         self.fsync = fsync
         self.uploader = Uploader(hot, links, event)
+        self._resume: threading.Thread | None = None
 
     # -- writer hooks ------------------------------------------------------------------------------------
     def record(self) -> None:
@@ -100,7 +101,8 @@ class TierSet:
                     link.failed.update({s: "missing at start" for s in missing})
             self.uploader.submit(None)
 
-        threading.Thread(target=run, name="trainguard-tier-resume", daemon=True).start()
+        self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)
+        self._resume.start()
 
     def after_commit(self, step: int) -> SaveError | None:
         return self.uploader.after_commit(step)
@@ -158,7 +160,10 @@ class TierSet:
             TierUploadError: naming the steps and tiers not uploaded (the hot checkpoints are intact).
         """
         timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
-        missing = self.uploader.wait(timeout)
+        t0 = time.monotonic()
+        if self._resume is not None:
+            self._resume.join(timeout)  # the steps a tier missed at start are queued by now
+        missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
         self.uploader.close()
         if missing:
             detail = "; ".join(f"{url}: steps {steps}" for url, steps in missing.items())
