@@ -58,7 +58,7 @@ def test_save_with_an_s3_tier_then_delete_the_hot_root_and_restore_in_a_new_proc
     shutil.rmtree(hot)
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(REPO / 'tests')!r})
+sys.path.insert(0, {str(REPO / "tests")!r})
 import trainguard as tg
 from tiers.helpers import make_state, weights, same, CHUNK
 st = make_state(seed=99)
@@ -67,7 +67,9 @@ step = mgr.restore_latest(st)
 mgr.close()
 print(step, same(weights(st), torch.load({str(torch_path)!r})))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=os.environ)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=os.environ
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "True"]
     assert sorted(e["step"] for e in read_events(hot, event="tier_repair")) == [2] * len(
@@ -99,7 +101,9 @@ def test_a_chunk_corrupted_on_the_hot_root_is_read_from_the_tier_and_verify_pass
     assert repairs[0]["from"] == _s3(bucket)
     out = subprocess.run(
         [str(Path(sys.executable).parent / "trainguard"), "verify", str(hot), "--all", "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["ok"] is True
@@ -171,8 +175,12 @@ def test_an_unreachable_store_at_construction_is_a_warning_and_an_event_not_an_e
     bucket: str, tmp_path: Path, proxy, fast_retries: None
 ) -> None:
     proxy.set_mode("drop")
-    tier = tg.Tier(_s3(bucket), storage_options={"client_kwargs": {"endpoint_url": proxy.url}},
-                   stall_timeout_s=1, upload_timeout_s=1)
+    tier = tg.Tier(
+        _s3(bucket),
+        storage_options={"client_kwargs": {"endpoint_url": proxy.url}},
+        stall_timeout_s=1,
+        upload_timeout_s=1,
+    )
     with pytest.warns(RuntimeWarning, match="cannot be reached"):
         mgr = tg.CheckpointManager(tmp_path / "hot", tiers=[tier], chunk_size_bytes=CHUNK)
     state = make_state()
@@ -186,8 +194,13 @@ def test_dual_write_returns_after_both_copies_and_a_replica_failure_fails_the_sa
     bucket: str, tmp_path: Path, proxy, fast_retries: None
 ) -> None:
     url = _s3(bucket)
-    tier = tg.Tier(url, sync=True, storage_options={"client_kwargs": {"endpoint_url": proxy.url}},
-                   stall_timeout_s=1, upload_timeout_s=2)
+    tier = tg.Tier(
+        url,
+        sync=True,
+        storage_options={"client_kwargs": {"endpoint_url": proxy.url}},
+        stall_timeout_s=1,
+        upload_timeout_s=2,
+    )
     state = make_state()
     mgr = tg.CheckpointManager(tmp_path / "hot", tiers=[tier], chunk_size_bytes=CHUNK)
     mgr.save(1, state).wait()
@@ -209,7 +222,7 @@ def test_sigkill_during_an_upload_never_leaves_a_partial_checkpoint_valid_and_th
     url = _s3(bucket)
     code = f"""
 import sys, time
-sys.path.insert(0, {str(REPO / 'tests')!r})
+sys.path.insert(0, {str(REPO / "tests")!r})
 import trainguard as tg
 from tiers.helpers import make_state, CHUNK
 tier = tg.Tier({url!r}, storage_options={{"client_kwargs": {{"endpoint_url": {proxy.url!r}}}}}, stall_timeout_s=30)
@@ -236,7 +249,7 @@ time.sleep(120)
     from trainguard.tiers.remote import RemoteRoot
 
     assert RemoteRoot(open_objects(url)).committed_steps() == []
-    with tg.CheckpointManager(hot, tiers=[tg.Tier(url)], chunk_size_bytes=CHUNK) as mgr:
+    with tg.CheckpointManager(hot, tiers=[tg.Tier(url)], chunk_size_bytes=CHUNK):
         pass  # a new manager with the same tiers sends what they miss; close waits for it
     assert [(r.step, r.status) for r in RemoteRoot(open_objects(url)).scan()] == [(1, "valid")]
 
