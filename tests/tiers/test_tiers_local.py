@@ -53,7 +53,7 @@ def test_tier_arguments_are_checked_and_secrets_are_never_recorded(tmp_path: Pat
     assert t.record()["storage_options"] == {"client_kwargs": {"x": 1}}
     with pytest.raises(tg.ConfigError, match="unknown storage scheme"):
         tg.CheckpointManager(tmp_path / "hot", tiers=[tg.Tier("nosuch://b/r")])
-    with pytest.raises(tg.ConfigError, match="pip install"):
+    with pytest.raises(tg.MissingDependencyError, match="pip install"):
         tg.CheckpointManager(tmp_path / "hot2", tiers=[tg.Tier("gs://bucket/run")])  # gcsfs not installed
     with pytest.raises(tg.ConfigError, match="given twice"):
         tg.CheckpointManager(

@@ -19,7 +19,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ConfigError, TransientStorageError
+from ..errors import ConfigError, MissingDependencyError, TransientStorageError
 from .local import atomic_write, fsync_dir
 from .safeio import ensure_dir, lstat_regular, read_bounded
 
@@ -178,14 +178,18 @@ class FsspecObjects:
             and every request also has a deadline of ``stall_timeout_s`` plus 1 s per MiB it sends.
 
     Raises:
-        ConfigError: an unknown scheme, a missing backend package (names the extra to install), missing
-            credentials, a bucket the store says does not exist, access denied.
+        ConfigError: an unknown scheme, missing credentials, a bucket the store says does not exist, access
+            denied.
+        MissingDependencyError: fsspec or the scheme's backend package (s3fs, gcsfs, adlfs) is not installed;
+            the message names what to install (``pip install 'trainguard[s3]'``).
     """
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, *, stall_timeout_s: float = 60.0
     ) -> None:
-        import fsspec
+        from .._optional import require
+
+        fsspec = require("fsspec", feature=f"the run root or tier {url!r}")
         from fsspec.registry import known_implementations
 
         self.url = url.rstrip("/")
@@ -201,10 +205,11 @@ class FsspecObjects:
             cls = fsspec.get_filesystem_class(self.scheme)
         except ImportError as e:
             pkg, extra = BACKEND_PACKAGES.get(self.scheme, (None, None))
-            what = f"`pip install {extra}`" if extra else "the fsspec backend package named below"
-            raise ConfigError(
-                f"{url!r}: the {self.scheme}:// backend is not installed ({pkg or 'unknown package'}): "
-                f"install it with {what} ({e})"
+            what = f"`pip install '{extra}'`" if extra else "the fsspec backend package named here"
+            raise MissingDependencyError(
+                f"{url!r}: the {self.scheme}:// backend package {pkg or ''} is not installed: install it with "
+                f"{what} ({e})",
+                name=pkg,
             ) from None
         opts = dict(storage_options or {})
         opts.setdefault("skip_instance_cache", True)
