@@ -238,7 +238,7 @@ class CheckpointManager:
         self._manifest_metrics: dict[int, dict[str, Any]] = {}
         self._metrics: Any = None
         if read_only:
-            if self.url is not None:
+            if self.url is not None or tiers:  # the hot root a restore from the tiers copies into
                 self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
                 raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
