@@ -38,9 +38,13 @@ def test_the_contracts_hold_on_the_package(tmp_path: Path) -> None:
 
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    shutil.copytree(REPO / "src" / "trainguard", src / "trainguard", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "src" / "trainguard", src / "trainguard", ignore=shutil.ignore_patterns("__pycache__")
+    )
     bad = src / "trainguard" / "storage" / "base.py"
-    bad.write_text(bad.read_text() + "\nfrom ..catalog import scan  # noqa: E402 - the deliberate bad import\n")
+    bad.write_text(
+        bad.read_text() + "\nfrom ..catalog import scan  # noqa: E402 - the deliberate bad import\n"
+    )
     result = lint(src, tmp_path)
     assert result.returncode != 0
     assert "storage only moves bytes" in result.stdout and "BROKEN" in result.stdout

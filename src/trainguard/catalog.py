@@ -116,7 +116,9 @@ def listing(root: str | os.PathLike[str] | Storage) -> frozenset[tuple[int, bool
     return frozenset((s, storage.exists(f"{k}/{MANIFEST_NAME}")) for s, k in steps.items())
 
 
-def stable_committed_steps(root: str | os.PathLike[str] | Storage, *, stable_s: float = STABLE_SCAN_S) -> list[int]:
+def stable_committed_steps(
+    root: str | os.PathLike[str] | Storage, *, stable_s: float = STABLE_SCAN_S
+) -> list[int]:
     """Steps with a manifest, ascending, from a stable listing: two listings in a row agree (a single one can
     miss every checkpoint while a writer commits one and deletes the previous one)."""
     deadline = time.monotonic() + stable_s

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard")
 
 
-def run_of(root: str | os.PathLike[str] | Storage, step: int, cache: dict[int, str] | None = None) -> str | None:
+def run_of(
+    root: str | os.PathLike[str] | Storage, step: int, cache: dict[int, str] | None = None
+) -> str | None:
     """Id of the run that wrote the checkpoint of ``step`` (``""`` for one written before run ids), or None
     when its manifest cannot be read (deleted, corrupt)."""
     if cache is not None and step in cache:

@@ -171,7 +171,9 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
 
 def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved, monkeypatch):
     # the first read fails with EIO; the storage has recovered when the reader retries after its backoff
-    disk = FaultyStorage(LocalStorage(saved), Fault("read", match=frozen_chunk(saved)["path"], errno=errno.EIO))
+    disk = FaultyStorage(
+        LocalStorage(saved), Fault("read", match=frozen_chunk(saved)["path"], errno=errno.EIO)
+    )
     state = blank_state()
     with tg.CheckpointManager(disk) as mgr:
         assert mgr.restore_latest(state) == 3
