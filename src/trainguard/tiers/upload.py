@@ -233,7 +233,7 @@ class Uploader:
         todo = [rec for rec in m.chunks.values() if have.get(rec.path) != rec.length]
 
         def put(rec: ChunkRecord) -> int:
-            data = (self.hot / rec.path).read_bytes()
+            data = read_bounded(self.hot / rec.path, rec.length, what="chunk")  # no symlink followed
             if len(data) != rec.length or crc32c.crc32c(data) != rec.crc32c:
                 raise CorruptCheckpointError(
                     f"chunk {rec.path} of step {step} on the hot root does not match its CRC32C; not uploaded",
