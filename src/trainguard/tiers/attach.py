@@ -90,7 +90,8 @@ class TierSet:
                     log.warning(
                         "cannot list tier %s: %s; its missing steps are sent after the next save", link.key, e
                     )
-                    link.failed.update({s: "tier unreachable at start" for s in hot_steps})
+                    with self.uploader.cond:
+                        link.failed.update({s: "tier unreachable at start" for s in hot_steps})
                     continue
                 policy = link.tier.retention
                 wanted = set(hot_steps)
@@ -98,7 +99,8 @@ class TierSet:
                     wanted = select(policy, sorted(have | wanted), {}) & wanted
                 missing = sorted(wanted - have)
                 if missing:
-                    link.failed.update({s: "missing at start" for s in missing})
+                    with self.uploader.cond:
+                        link.failed.update({s: "missing at start" for s in missing})
             self.uploader.submit(None)
 
         self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)

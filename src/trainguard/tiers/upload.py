@@ -121,7 +121,8 @@ class Uploader:
                 try:
                     self.upload(link, step)
                 except (OSError, TrainguardError) as e:
-                    link.failed[step] = f"{type(e).__name__}: {e}"
+                    with self.cond:
+                        link.failed[step] = f"{type(e).__name__}: {e}"
                     err = err or SaveError(
                         f"step {step} committed on the hot root but its replica on {link.key} failed: "
                         f"{type(e).__name__}: {e}; the hot checkpoint is intact and is sent again in the "
@@ -197,7 +198,8 @@ class Uploader:
                 if self._committed(step):
                     self.upload(link, step)
             except BaseException as e:  # noqa: BLE001 - one failed upload must not kill the tier's thread
-                link.failed[step] = f"{type(e).__name__}: {e}"
+                with self.cond:
+                    link.failed[step] = f"{type(e).__name__}: {e}"
                 log.warning("upload of step %d to %s failed: %s", step, link.key, e)
             finally:
                 with self.cond:
