@@ -312,3 +312,29 @@ def test_configuration_errors_fail_at_construction_with_the_fix(bucket: str, tmp
     with pytest.raises(tg.ConfigError, match="unknown storage scheme 'nosuch'"):
         tg.CheckpointManager(tmp_path / "b", tiers=[tg.Tier("nosuch://x/run")])
     assert not (tmp_path / "a" / ".lock").exists() or True
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["boto3", "s3fs"])
+def test_both_s3_paths_satisfy_the_object_store_protocol_on_a_real_s3_api(
+    bucket: str, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainguard.storage import objects
+    from trainguard.storage.s3 import S3Objects
+
+    monkeypatch.setattr(objects, "FAST_S3", fast)
+    store = objects.open_objects(_s3(bucket, "proto"))
+    assert isinstance(store, objects.ObjectStore)
+    assert isinstance(store, S3Objects) is fast
+    store.put("chunks/ab/x", b"hello")
+    store.put("step-000000001/manifest.json", b"{}")
+    assert store.get("chunks/ab/x") == b"hello" and store.size("chunks/ab/x") == 5
+    assert store.size("chunks/ab/nope") is None
+    assert store.list("chunks/") == {"chunks/ab/x": 5}
+    assert set(store.list("step-")) == {"step-000000001/manifest.json"}
+    assert store.create(".lock", b"1") is True and store.create(".lock", b"2") is False  # If-None-Match
+    assert store.get(".lock") == b"1"
+    store.delete("chunks/ab/x")
+    with pytest.raises(FileNotFoundError):
+        store.get("chunks/ab/x")
+    with pytest.raises(tg.ConfigError, match="does not exist"):
+        objects.open_objects(f"s3://{bucket}-missing/run")

@@ -165,6 +165,27 @@ def _classify(e: BaseException) -> str:
     return "other"
 
 
+def configuration_error(url: str, bucket: str, kind: str, e: BaseException) -> None:
+    """Raise the ConfigError for a construction check that failed with ``kind`` (see :func:`_classify`);
+    return for kinds that are not configuration errors (an unreachable store)."""
+    if kind == "denied":
+        raise ConfigError(
+            f"{url!r}: access denied ({e}): check the credentials (AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY or storage_options) and the bucket's policy"
+        ) from None
+    if kind == "credentials":
+        raise ConfigError(
+            f"{url!r}: no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or pass "
+            "storage_options={'key': ..., 'secret': ...}); for a public bucket pass "
+            "storage_options={'anon': True}"
+        ) from None
+    if kind == "missing":
+        raise ConfigError(
+            f"{url!r}: the bucket {bucket!r} does not exist on this store: create it (e.g. "
+            f"`aws s3 mb s3://{bucket}`) or fix the URL"
+        ) from None
+
+
 class FsspecObjects:
     """Any fsspec URL as an object store.
 
@@ -248,22 +269,7 @@ class FsspecObjects:
             self.unreachable = str(e)
 
     def _configuration_error(self, kind: str, e: BaseException) -> None:
-        if kind == "denied":
-            raise ConfigError(
-                f"{self.url!r}: access denied ({e}): check the credentials (AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY or storage_options) and the bucket's policy"
-            ) from None
-        if kind == "credentials":
-            raise ConfigError(
-                f"{self.url!r}: no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or pass "
-                "storage_options={'key': ..., 'secret': ...}); for a public bucket pass "
-                "storage_options={'anon': True}"
-            ) from None
-        if kind == "missing":
-            bucket = self.root.split("/", 1)[0]
-            raise ConfigError(
-                f"{self.url!r}: the bucket {bucket!r} does not exist on this store: create it or fix the URL"
-            ) from None
+        configuration_error(self.url, self.root.split("/", 1)[0], kind, e)
 
     # -- calls ------------------------------------------------------------------------------------------
     def _call(self, fn: Any, *args: Any, nbytes: int = 0, extra_s: float = 0.0, **kwargs: Any) -> Any:
@@ -353,6 +359,11 @@ class FsspecObjects:
             pass
 
 
+FAST_S3 = True
+"""``s3://`` through boto3 (threads, 2x s3fs's throughput on loopback, see benchmarks/RESULTS.md) when boto3 is
+installed; False: through s3fs like every other fsspec URL."""
+
+
 def open_objects(
     url: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
@@ -361,12 +372,22 @@ def open_objects(
     fsync: bool = True,
 ) -> LocalObjects | FsspecObjects:
     """The object store for a tier or URL root: a local path or ``file://`` URL gives :class:`LocalObjects`,
-    any other URL :class:`FsspecObjects` (see there for the errors raised)."""
+    ``s3://`` gives :class:`~trainguard.storage.s3.S3Objects` where boto3 is installed (:data:`FAST_S3`), any
+    other URL :class:`FsspecObjects` (see there for the errors raised)."""
     s = os.fspath(url)
     if not is_url(s):
         return LocalObjects(s, fsync=fsync)
     if s.startswith("file://"):
         return LocalObjects(s[len("file://") :], fsync=fsync)
+    if s.split("://", 1)[0].lower() in ("s3", "s3a") and FAST_S3:
+        try:
+            import boto3  # noqa: F401 - the fast path needs it
+        except ImportError:
+            pass
+        else:
+            from .s3 import S3Objects
+
+            return S3Objects(s, storage_options, stall_timeout_s=stall_timeout_s)
     return FsspecObjects(s, storage_options, stall_timeout_s=stall_timeout_s)
 
 
