@@ -18,6 +18,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     MissingDependencyError,
     NoValidCheckpointError,
     RootLockedError,
@@ -26,6 +27,8 @@ from .errors import (
     StateMismatchError,
     StorageFullError,
     TrainguardError,
+    UnsafeCheckpointError,
+    UnsafeFileError,
 )
 
 __version__ = "0.1.0"
@@ -81,6 +84,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EveryNSteps",
     "EveryTSeconds",
+    "InsufficientMemoryError",
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
@@ -99,6 +103,8 @@ __all__ = [
     "StateMismatchError",
     "StorageFullError",
     "TrainguardError",
+    "UnsafeCheckpointError",
+    "UnsafeFileError",
     "dcp_reader",
     "heartbeat",
 ]

@@ -64,10 +64,13 @@ def build_manifest(
     (:mod:`trainguard.state.per_rank`)."""
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
+    split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
+            if "split" in sd:
+                split_sizes.add(sd["split"])
             for h, info in sd.get("chunks", {}).items():
                 chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
     entries: dict[str, TensorEntry | ValueEntry] = {}
@@ -101,6 +104,7 @@ def build_manifest(
         metadata=dict(metadata or {}),
         top_level=top,
         run=run,
+        chunk_sizes=tuple(sorted(split_sizes)),
     )
 
 

@@ -231,7 +231,11 @@ class TrainguardWriter(StorageWriter):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=n,
-                        storage_data={"segments": segs, "chunks": dict(parts)},
+                        storage_data={
+                            "segments": segs,
+                            "chunks": dict(parts),
+                            "split": opts.chunk_size_bytes,
+                        },
                     )
                 )
         return results
