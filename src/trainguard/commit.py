@@ -23,10 +23,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import WriteResult
+from typing import TYPE_CHECKING, Any
 
 from ._time import iso
 from .catalog import CHECK_RECORD, CORRUPT_MARKER, record_check
@@ -48,6 +45,10 @@ from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
 from .storage.local import atomic_write, fsync_dir
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
 
 def build_manifest(
     step: int,
@@ -62,6 +63,8 @@ def build_manifest(
     """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
     (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
     (:mod:`trainguard.state.per_rank`)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
     split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
