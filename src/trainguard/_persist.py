@@ -18,7 +18,6 @@ from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
-from .storage.local import remove_tree
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -47,8 +46,8 @@ def persist(
     Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
-    partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
-    partial.mkdir()
+    partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
+    mgr.storage.make_dir(partial)
     mgr.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
@@ -65,8 +64,8 @@ def persist(
 
     from .distributed import TrainguardSavePlanner, TrainguardWriter
 
-    chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
-    writer = TrainguardWriter(mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths))
+    staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
+    writer = TrainguardWriter(mgr.store, staging, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -100,9 +99,9 @@ def persist(
         ) from err
     finally:
         mgr.store.unpin(writer.hashes)
-        remove_tree(partial)
-        if chunk_tmp != partial:
-            remove_tree(chunk_tmp)
+        mgr.storage.delete_prefix(partial)
+        if staging != partial:
+            mgr.storage.delete_prefix(staging)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
