@@ -195,7 +195,11 @@ class TrainguardMixin:
         from .errors import StateMismatchError
 
         mgr = self.trainguard_manager
-        state: dict[str, Any] = {"trainer": {}, "rng": {}}  # no templates: the saved structure comes back
+        state: dict[str, Any] = {
+            "model": {},
+            "trainer": {},
+            "rng": {},
+        }  # no templates: the saved structure comes back
         try:
             if step is None:
                 step = mgr.restore_latest(state)
@@ -220,7 +224,7 @@ class TrainguardMixin:
         if self._tg_resume is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         target = model if model is not None else self.model  # type: ignore[attr-defined]
-        target.load_state_dict(self._tg_resume["trainer"]["model"])
+        target.load_state_dict(self._tg_resume["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._tg_resume is None:
@@ -265,7 +269,6 @@ class TrainguardMixin:
         from .state.rng import RNGState
 
         trainer: dict[str, Any] = {
-            "model": self.model.state_dict(),  # type: ignore[attr-defined]
             "optimizer": self.optimizer.state_dict(),  # type: ignore[attr-defined]
             "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),  # type: ignore[attr-defined]
             "trainer_state": json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n",
@@ -279,7 +282,10 @@ class TrainguardMixin:
         committed = os.path.exists(os.path.join(self.trainguard_root, step_dir_name(step), MANIFEST_NAME))
         if committed:
             mgr.wait()
-        mgr.save(step, {"trainer": trainer, "rng": RNGState()}, metrics=_metrics(state), overwrite=committed)
+        model_sd = self.model.state_dict()  # type: ignore[attr-defined]
+        # the weights as the entry ``model``: `trainguard export ROOT --format safetensors OUT` takes them as they are
+        state_ = {"model": model_sd, "trainer": trainer, "rng": RNGState()}
+        mgr.save(step, state_, metrics=_metrics(state), overwrite=committed)
 
 
 def _metrics(state: Any) -> dict[str, float]:

@@ -96,7 +96,7 @@ def test_each_attempt_resumed_from_the_newest_valid_checkpoint(runs: dict[str, A
     assert "skipping checkpoint of step 12" in runs["log"]
     chunk = runs["corrupted"]
     assert len(list(chunk.parent.glob(chunk.name + ".corrupt-*"))) == 1  # moved aside, never loaded
-    state: dict[str, Any] = {"trainer": {}, "rng": {}}
+    state: dict[str, Any] = {"model": {}, "trainer": {}, "rng": {}}
     tg.CheckpointManager(runs["faulted"] / "root", read_only=True).restore(12, state)  # redone: passes CRC32C
     assert json.loads(state["trainer"]["trainer_state"])["global_step"] == 12
 
@@ -106,15 +106,28 @@ def test_checkpoints_are_trainguard_ones_holding_the_whole_trainer_state(runs: d
     mgr = tg.CheckpointManager(root, read_only=True)
     steps = [i.step for i in mgr.checkpoints() if i.usable]
     assert steps == [*range(SAVE_EVERY, STEPS, SAVE_EVERY), STEPS]  # step 12 redone; the final save at 30
-    state: dict[str, Any] = {"trainer": {}, "rng": {}}
+    state: dict[str, Any] = {"model": {}, "trainer": {}, "rng": {}}
     assert mgr.restore_latest(state) == STEPS
     saved = state["trainer"]
-    assert set(saved) == {"model", "optimizer", "scheduler", "trainer_state"}
+    assert set(saved) == {"optimizer", "scheduler", "trainer_state"}
     assert json.loads(saved["trainer_state"])["global_step"] == STEPS
     assert saved["scheduler"]["last_epoch"] == STEPS
     final = torch.load(runs["faulted"] / "final.pt", weights_only=True)
-    assert all(torch.equal(saved["model"][k], final[k]) for k in final)
+    assert state["model"].keys() == final.keys()
+    assert all(torch.equal(state["model"][k], final[k]) for k in final)
     assert {"python", "numpy", "torch"} <= set(state["rng"])
+
+
+def test_the_weights_export_as_they_are(runs: dict[str, Any], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from trainguard.interop import export
+
+    export(runs["faulted"] / "root", tmp_path / "model.safetensors", format="safetensors")
+    got = load_file(tmp_path / "model.safetensors")
+    final = torch.load(runs["faulted"] / "final.pt", weights_only=True)
+    assert got.keys() == final.keys()  # the model's own state_dict keys (tied lm_head.weight included)
+    assert all(torch.equal(got[k], final[k]) for k in got)
 
 
 def _trainer(tmp_path: Path, **args: Any) -> Any:
