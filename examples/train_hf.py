@@ -7,8 +7,9 @@ matters) trained on random token sequences by ``tg.hf.TrainguardTrainer`` (AdamW
 shuffled dataset over several epochs). Every ``--save-every`` steps the Trainer saves through trainguard (async,
 CRC32C, atomic commit), and ``train(resume_from_checkpoint=True)`` resumes from the newest valid checkpoint
 with the optimizer, scheduler, RNG states and data position, so the losses continue bit for bit. Under the
-supervisor: ``trainguard run --root runs/hf -- python examples/train_hf.py --root runs/hf``. ``--kill-at N``
-SIGKILLs the process after step N once its pending saves committed (the tests use it).
+supervisor: ``trainguard run --root runs/hf -- python examples/train_hf.py --root runs/hf`` (every step beats
+its heartbeat; SIGTERM or a ``--preempt-signal`` saves the current step and exits 75). ``--kill-at N`` SIGKILLs
+the process after step N once its pending saves committed (the tests use it).
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def main() -> None:
         )  # fmt: skip
         callbacks: list[TrainerCallback] = [RecordLosses(a.losses)] + ([kill] if kill else [])
         trainer = tg.hf.TrainguardTrainer(
-            model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks, trainguard_root=a.root
+            model=model,
+            args=args,
+            train_dataset=TokenDataset(),
+            callbacks=callbacks,
+            trainguard_root=a.root,
+            trainguard_options={"save_on_preemption": True},  # SIGTERM: save this step, exit 75
         )
         if kill:
             kill.trainer = trainer

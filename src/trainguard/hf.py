@@ -37,6 +37,7 @@ require("transformers", feature="trainguard.hf")
 require("accelerate", feature="trainguard.hf (the Trainer needs accelerate)")
 
 from transformers import Trainer as _Trainer  # noqa: E402
+from transformers import TrainerCallback as _TrainerCallback  # noqa: E402
 
 from .errors import ConfigError  # noqa: E402
 from .format import MANIFEST_NAME, step_dir_name  # noqa: E402
@@ -88,8 +89,14 @@ class TrainguardMixin:
         self.trainguard_root = os.fspath(trainguard_root)
         self.trainguard_keep = trainguard_keep
         self.trainguard_options = dict(trainguard_options or {})
+        if "save_policy" in self.trainguard_options:
+            raise ConfigError(
+                "trainguard_options takes no save_policy: the Trainer's save_strategy/save_steps decide when to save"
+            )
+        self.add_callback(_StepHook(self))  # type: ignore[attr-defined]
         self._tg_manager: Any = None
         self._tg_resume: dict[str, Any] | None = None  # the restored checkpoint while train() resumes from it
+        self._tg_preempted = False  # a preemption notice stopped train() after saving
 
     # ---- the manager -------------------------------------------------------------------------------------
 
@@ -100,7 +107,9 @@ class TrainguardMixin:
             from .manager import CheckpointManager
 
             keep = self.trainguard_keep if self.trainguard_keep is not None else self.args.save_total_limit
-            self._tg_manager = CheckpointManager(self.trainguard_root, keep=keep, **self.trainguard_options)
+            self._tg_manager = CheckpointManager(
+                self.trainguard_root, keep=keep, save_policy=_TrainerDecides(), **self.trainguard_options
+            )
         return self._tg_manager
 
     def _tg_check_supported(self, trial: Any) -> None:
@@ -158,6 +167,7 @@ class TrainguardMixin:
             resume = None
         ok = False
         try:
+            self.trainguard_manager  # noqa: B018  (the root's lock, and the preemption handler from the start)
             if resume is True or (isinstance(resume, int) and not isinstance(resume, bool)):
                 step = self._tg_restore(None if resume is True else int(resume))
                 if step is None:
@@ -177,7 +187,6 @@ class TrainguardMixin:
                     f"Trainer checkpoint directory (str) or None, got {resume!r}"
                 )
             ok = True
-            return out
         finally:
             self._tg_resume = None
             mgr, self._tg_manager = self._tg_manager, None
@@ -189,6 +198,12 @@ class TrainguardMixin:
                         mgr.close()
                     except Exception as e:  # the training error is the one to see
                         log.error("closing the checkpoint manager after a failed train(): %s", e)
+        if self._tg_preempted:  # the Trainer saved this step and stopped; the save has committed (close)
+            from .recovery.heartbeat import exit_after_preemption_save
+
+            self._tg_preempted = False
+            exit_after_preemption_save()  # SystemExit(75): `trainguard run` reads "preempted, requeue"
+        return out
 
     def _tg_restore(self, step: int | None) -> int | None:
         """Read checkpoint ``step`` (None: the newest valid one) into ``self._tg_resume``; return its step."""
@@ -254,6 +269,16 @@ class TrainguardMixin:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Save the Trainer's whole state as trainguard step ``global_step`` (replaces ``checkpoint-N``)."""
+        step = int(self.state.global_step)  # type: ignore[attr-defined]
+        mgr = self.trainguard_manager
+        # a step committed by an attempt that died after it (and was resumed from an older checkpoint) is redone
+        committed = os.path.exists(os.path.join(self.trainguard_root, step_dir_name(step), MANIFEST_NAME))
+        if committed:
+            mgr.wait()
+        mgr.save(step, self._tg_state(), metrics=_metrics(self.state), overwrite=committed)  # type: ignore[attr-defined]
+
+    def _tg_state(self) -> dict[str, Any]:
+        """The trainguard state of a checkpoint: entries ``model``, ``trainer`` and ``rng``."""
         self.store_flos()  # type: ignore[attr-defined]
         state = self.state  # type: ignore[attr-defined]
         # the stateful callbacks' state goes into TrainerState, as the Trainer's own save does
@@ -276,16 +301,68 @@ class TrainguardMixin:
         scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
         if scaler is not None:
             trainer["scaler"] = scaler.state_dict()
-        step = int(state.global_step)
-        mgr = self.trainguard_manager
-        # a step committed by an attempt that died after it (and was resumed from an older checkpoint) is redone
-        committed = os.path.exists(os.path.join(self.trainguard_root, step_dir_name(step), MANIFEST_NAME))
-        if committed:
-            mgr.wait()
-        model_sd = self.model.state_dict()  # type: ignore[attr-defined]
         # the weights as the entry ``model``: `trainguard export ROOT --format safetensors OUT` takes them as they are
-        state_ = {"model": model_sd, "trainer": trainer, "rng": RNGState()}
-        mgr.save(step, state_, metrics=_metrics(state), overwrite=committed)
+        return {"model": self.model.state_dict(), "trainer": trainer, "rng": RNGState()}  # type: ignore[attr-defined]
+
+
+class _TrainerDecides:
+    """The manager's save policy under the Trainer: never due (the Trainer's ``save_strategy`` decides)."""
+
+    step_based = True
+
+    def should_save(self, step: int, *, now_s: float) -> bool:
+        return False
+
+    def record_save(self, step: int, *, now_s: float, block_s: float, persist_s: float | None) -> None:
+        pass
+
+
+class _StepHook(_TrainerCallback):  # type: ignore[misc]
+    """After every optimizer step: ``maybe_save`` with a policy that is never due, so the step beats the
+    heartbeat of ``trainguard run`` (hang detection, progress, TTR's first step). With
+    ``trainguard_options={"save_on_preemption": True}`` a preemption notice (SIGTERM, ``--preempt-signal``)
+    makes the Trainer save this step (after logging it) and stop, and ``train()`` exits 75 once the save has
+    committed."""
+
+    def __init__(self, trainer: TrainguardMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from .recovery.heartbeat import heartbeat, preemption_requested
+
+        t = self.trainer
+        if t._tg_manager is None:
+            return
+        if t.trainguard_options.get("save_on_preemption") and preemption_requested():
+            # through the Trainer's own save (after it logs this step), then stop; train() exits 75
+            heartbeat(int(state.global_step))
+            control.should_save = True
+            control.should_training_stop = True
+            t._tg_preempted = True
+            return
+        t._tg_manager.maybe_save(int(state.global_step), _Lazy(t._tg_state))
+
+
+class _Lazy(Mapping[str, Any]):
+    """The checkpoint state, built only when ``maybe_save`` reads it (a preemption save), not at every step."""
+
+    def __init__(self, build: Any) -> None:
+        self._build = build
+        self._state: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self._build()
+        return self._state
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def _metrics(state: Any) -> dict[str, float]:

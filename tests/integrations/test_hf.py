@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ pytest.importorskip("accelerate")
 import trainguard as tg  # noqa: E402
 from trainguard.catalog import read_manifest  # noqa: E402
 from trainguard.format import chunk_relpath  # noqa: E402
+from trainguard.recovery.events import read_events  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -130,7 +132,37 @@ def test_the_weights_export_as_they_are(runs: dict[str, Any], tmp_path: Path) ->
     assert all(torch.equal(got[k], final[k]) for k in got)
 
 
-def _trainer(tmp_path: Path, **args: Any) -> Any:
+def test_sigterm_saves_the_current_step_exits_75_and_the_run_resumes_bit_exactly(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--root", str(tmp_path / "root"), "--steps", str(STEPS), "--save-every",
+           "100", "--losses", str(tmp_path / "losses.jsonl"), "--final", str(tmp_path / "final.pt")]  # fmt: skip
+    env = run_env() | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = tmp_path / "losses.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 9):
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)  # what `trainguard run` sends on a preemption notice
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75, err[-3000:]  # EX_TEMPFAIL: saved, requeue me
+    mgr = tg.CheckpointManager(tmp_path / "root", read_only=True)
+    [saved] = [i.step for i in mgr.checkpoints() if i.usable]  # the only save: no save_steps was due
+    assert 9 <= saved < STEPS
+    assert [e["step"] for e in read_events(tmp_path / "root", event="first_step")] == [1]  # TTR's first step
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(tmp_path) == losses(runs["ref"])
+    a = torch.load(runs["ref"] / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _trainer(tmp_path: Path, trainguard_options: dict[str, Any] | None = None, **args: Any) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=1))
@@ -138,10 +170,18 @@ def _trainer(tmp_path: Path, **args: Any) -> Any:
         output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=1, **args
     )
     ds = [{"input_ids": torch.zeros(4, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long)}] * 2
-    return tg.hf.TrainguardTrainer(model=model, args=ta, train_dataset=ds, trainguard_root=tmp_path / "root")
+    return tg.hf.TrainguardTrainer(
+        model=model,
+        args=ta,
+        train_dataset=ds,
+        trainguard_root=tmp_path / "root",
+        trainguard_options=trainguard_options,
+    )
 
 
 def test_unsupported_settings_are_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(tg.ConfigError, match="save_policy"):
+        _trainer(tmp_path, trainguard_options={"save_policy": tg.EveryNSteps(5)})
     trainer = _trainer(tmp_path, save_only_model=True)
     with pytest.raises(tg.ConfigError, match="save_only_model"):
         trainer.train()
