@@ -56,7 +56,9 @@ class TrainguardMixin:
             RetentionPolicy); default: ``args.save_total_limit`` (None: keep all). The newest valid checkpoint
             is never deleted.
         trainguard_options: more :class:`~trainguard.CheckpointManager` options (``async_save``,
-            ``durability``, ``chunk_size_bytes``, ...) as a dict.
+            ``durability``, ``chunk_size_bytes``, ``save_on_preemption``, ...) as a dict; not ``save_policy``
+            (the Trainer's ``save_strategy`` decides when to save). With ``save_on_preemption=True`` a
+            preemption notice makes the Trainer save the step it is at and stop, and ``train()`` exits 75.
 
     ``train(resume_from_checkpoint=...)``:
         ``True``: the newest VALID checkpoint of the root (a save killed before its commit, or a checkpoint that
@@ -68,7 +70,7 @@ class TrainguardMixin:
     Raises:
         ConfigError: (at ``train()``) a setup the hook does not support yet: more than one process (DDP,
             FSDP, DeepSpeed), ``load_best_model_at_end``, ``save_only_model``, ``push_to_hub``, a hyperparameter
-            search trial; or a run root that is a URL.
+            search trial; (at construction) a run root that is a URL, or a ``save_policy`` option.
     """
 
     args: Any  # the Trainer's TrainingArguments
