@@ -207,7 +207,9 @@ def test_a_killed_ddp_run_resumes_bit_exactly_on_every_rank(ddp_runs: dict[str, 
     got, order = ddp_losses(ddp_runs["faulted"])
     assert sorted(ref) == [(s, r) for s in range(1, DDP_STEPS + 1) for r in (0, 1)]
     assert got == ref  # both ranks: their own data shard and dropout RNG continue bit for bit
-    assert any(ref[(s, 0)] != ref[(s, 1)] for s in range(1, DDP_STEPS + 1))  # the ranks train on other samples
+    assert any(
+        ref[(s, 0)] != ref[(s, 1)] for s in range(1, DDP_STEPS + 1)
+    )  # the ranks train on other samples
     rank0 = [s for s, r in order if r == 0]
     assert rank0 == [*range(1, 8), *range(5, DDP_STEPS + 1)]  # killed after 7, resumed from the save of 4
     a = torch.load(ddp_runs["ref"] / "final.pt", weights_only=True)
