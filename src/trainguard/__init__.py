@@ -18,6 +18,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     MissingDependencyError,
     NoValidCheckpointError,
     RootLockedError,
@@ -27,6 +28,8 @@ from .errors import (
     StorageFullError,
     TierUploadError,
     TrainguardError,
+    UnsafeCheckpointError,
+    UnsafeFileError,
 )
 
 __version__ = "0.1.0"
@@ -54,7 +57,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+_SUBMODULES = ("lightning", "hf")  # integrations; each needs its extra (trainguard[lightning], [hf])
 
 
 def __getattr__(name: str) -> Any:
@@ -83,6 +86,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EveryNSteps",
     "EveryTSeconds",
+    "InsufficientMemoryError",
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
@@ -103,6 +107,8 @@ __all__ = [
     "Tier",
     "TierUploadError",
     "TrainguardError",
+    "UnsafeCheckpointError",
+    "UnsafeFileError",
     "dcp_reader",
     "heartbeat",
 ]

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import WriteResult
-
 from .commit import build_manifest
-from .distributed import TrainguardSavePlanner, TrainguardWriter
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
@@ -25,6 +20,10 @@ from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from .distributed import TrainguardWriter
     from .manager import CheckpointManager
 
 
@@ -44,6 +43,8 @@ def persist(
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
+    Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
+
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
     partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     mgr.storage.make_dir(partial)
@@ -59,6 +60,10 @@ def persist(
         mgr._publish(m)
         manifest_box.append(m)
 
+    import torch.distributed.checkpoint as dcp
+
+    from .distributed import TrainguardSavePlanner, TrainguardWriter
+
     staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
     writer = TrainguardWriter(mgr.store, staging, commit, mgr.options, step, paths=dict(paths))
     try:
@@ -66,7 +71,7 @@ def persist(
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
+        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [mgr.dist.rank]
         mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(mgr, writer)
         if isinstance(err, StorageFullError):
@@ -168,6 +173,12 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
+def is_checkpoint_exception(e: BaseException) -> bool:
+    """Whether ``e`` is DCP's CheckpointException (never imports DCP: none is raised before it is imported)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(e, api.CheckpointException)
+
+
 def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
     """The original exception(s) inside DCP's CheckpointException.
 
@@ -175,8 +186,9 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
     ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
     every rank then raises so that all fall back together).
     """
-    if not isinstance(e, CheckpointException):
+    if not is_checkpoint_exception(e):
         return e
+    assert hasattr(e, "failures")
     errors: dict[int, BaseException] = {}
     for rank, failure in e.failures.items():
         inner = failure[0] if isinstance(failure, tuple) else failure

@@ -18,8 +18,6 @@ import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
@@ -32,7 +30,7 @@ from .catalog import (
     record_corrupt,
     step_dirs,
 )
-from .distributed import TrainguardLoadPlanner, TrainguardReader
+from .distributed.chunkread import ShardReader, load_local, local_loadable
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -250,12 +248,21 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         )
     if memory_error is not None:
         raise memory_error
-    reader = TrainguardReader(mgr.store, m)
+    reader: ShardReader
     try:
-        with quiet_dcp():
-            dcp.load(
-                template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
-            )
+        if not mgr.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
+            reader = ShardReader(mgr.store, m)
+            load_local(template, reader)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            from .distributed import TrainguardLoadPlanner, TrainguardReader
+
+            reader = TrainguardReader(mgr.store, m)
+            with quiet_dcp():
+                dcp.load(
+                    template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
+                )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if (

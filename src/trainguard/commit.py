@@ -22,10 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import WriteResult
+from typing import TYPE_CHECKING, Any
 
 from ._time import iso
 from .catalog import CHECK_RECORD, CORRUPT_MARKER, record_check
@@ -47,6 +44,10 @@ from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
 from .storage.base import Storage, as_storage
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
 
 def build_manifest(
     step: int,
@@ -61,12 +62,17 @@ def build_manifest(
     """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
     (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
     (:mod:`trainguard.state.per_rank`)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
+    split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
+            if "split" in sd:
+                split_sizes.add(sd["split"])
             for h, info in sd.get("chunks", {}).items():
                 chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
     entries: dict[str, TensorEntry | ValueEntry] = {}
@@ -100,6 +106,7 @@ def build_manifest(
         metadata=dict(metadata or {}),
         top_level=top,
         run=run,
+        chunk_sizes=tuple(sorted(split_sizes)),
     )
 
 

@@ -209,7 +209,8 @@ def compare_final(faulted: Path, reference: Path) -> tuple[bool, int, list[str]]
 
 def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str, Any]:
     """Run the demo and return its summary (see ``trainguard demo --json``)."""
-    from .recovery.supervisor import Backoff, Supervisor, SupervisorConfig
+    from .recovery.config import Backoff, SupervisorConfig
+    from .recovery.supervisor import Supervisor
 
     script = find_script(cfg.script)
     out = cfg.out.absolute()

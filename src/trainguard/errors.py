@@ -69,7 +69,8 @@ class CorruptCheckpointError(TrainguardError):
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
-    """A manifest points outside the run root or carries content that would execute code on load."""
+    """A manifest points outside the run root, or carries content that would execute code on load or expand
+    beyond its declared size (a pickle payload, a compressed value)."""
 
 
 class CheckpointExistsError(TrainguardError, FileExistsError):

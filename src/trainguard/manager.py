@@ -28,7 +28,7 @@ from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, scan
 from .commit import publish
 from .distributed.context import DistContext
-from .distributed.writer import WriterOptions
+from .distributed.options import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
