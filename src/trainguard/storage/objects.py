@@ -45,6 +45,7 @@ class ObjectStore(Protocol):
 
     url: str
     supports_conditional_create: bool
+    unreachable: str | None  # why the store could not be reached when opened (None: it answered)
 
     def put(self, name: str, data: bytes | memoryview) -> None:
         """Publish ``data`` under ``name`` atomically (replacing an existing object)."""
@@ -65,7 +66,7 @@ class ObjectStore(Protocol):
         """Remove an object; missing is fine."""
 
 
-def is_url(root: str | os.PathLike[str]) -> bool:
+def is_url(root: object) -> bool:
     """True for ``scheme://...`` strings (``file://`` included), False for plain paths."""
     return isinstance(root, str) and "://" in root
 
@@ -370,7 +371,7 @@ def open_objects(
     *,
     stall_timeout_s: float = 60.0,
     fsync: bool = True,
-) -> LocalObjects | FsspecObjects:
+) -> ObjectStore:
     """The object store for a tier or URL root: a local path or ``file://`` URL gives :class:`LocalObjects`,
     ``s3://`` gives :class:`~trainguard.storage.s3.S3Objects` where boto3 is installed (:data:`FAST_S3`), any
     other URL :class:`FsspecObjects` (see there for the errors raised)."""
