@@ -227,19 +227,28 @@ import trainguard as tg
 from tiers.helpers import make_state, CHUNK
 tier = tg.Tier({url!r}, storage_options={{"client_kwargs": {{"endpoint_url": {proxy.url!r}}}}}, stall_timeout_s=30)
 mgr = tg.CheckpointManager({str(hot)!r}, tiers=[tier], chunk_size_bytes=CHUNK)
+print("ready", flush=True)
+sys.stdin.readline()
 mgr.save(1, make_state()).wait()
 print("committed", flush=True)
 time.sleep(120)
 """
-    proxy.set_mode("stall")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ
+    )
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "committed"
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"  # the store answered the construction check
+        proxy.set_mode("stall")
+        before = proxy.connections
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "committed"  # the hot commit does not wait for the tier
         for _ in range(300):  # the upload has begun: requests are open on the stalled proxy
-            if proxy.connections:
+            if proxy.connections > before:
                 break
             time.sleep(0.1)
-        assert proxy.connections > 0
+        assert proxy.connections > before
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
