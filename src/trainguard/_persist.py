@@ -24,6 +24,8 @@ from .format.layout import partial_dir_name
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
 from .storage.local import remove_tree
+from .validation.hooks import check_before_persist
+from .validation.probe import PROBE_FILE
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -45,7 +47,12 @@ def persist(
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
-    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
+
+    Raises:
+        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
+    probe = mgr._probes.pop(step, None)
+    check_before_persist(mgr, step, flat)
     partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     partial.mkdir()
     mgr.store.last_progress = time.monotonic()
@@ -57,7 +64,7 @@ def persist(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m)
+        mgr._publish(m, {PROBE_FILE: probe[0]} if probe is not None else None)
         manifest_box.append(m)
 
     chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
@@ -128,6 +135,7 @@ def persist(
         chunks=len(m.chunks),
         staging_bytes=mgr.staging_bytes,
         async_save=not blocking,
+        **({"probe_s": probe[1]} if probe is not None else {}),
     )
     mgr._apply_retention()
     return result

@@ -47,6 +47,8 @@ from .format.run import RunInfo
 from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
 from .storage.local import atomic_write, fsync_dir
+from .validation.probe import PROBE_FILE
+from .validation.suspect import SUSPECT_MARKER
 
 
 def build_manifest(
@@ -104,19 +106,24 @@ def build_manifest(
     )
 
 
-def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
-    """Step 3 of the protocol: create the step directory and publish the manifest last, atomically."""
+def publish(root: Path, m: Manifest, *, fsync: bool = True, extra: dict[str, bytes] | None = None) -> None:
+    """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
+
+    ``extra``: per-step side files (name -> bytes, e.g. ``probe.json``) written atomically before the manifest,
+    so a committed checkpoint always has them."""
     d = root / step_dir_name(m.step)
     created = not d.exists()
     d.mkdir(exist_ok=True)
     if created and fsync:
         fsync_dir(root)
-    for stale in (CORRUPT_MARKER, CHECK_RECORD):  # records of a checkpoint this one replaces
+    for stale in (CORRUPT_MARKER, CHECK_RECORD, SUSPECT_MARKER, PROBE_FILE):  # of a checkpoint this replaces
         try:
             (d / stale).unlink()
         except FileNotFoundError:
             pass
     try:
+        for name, data in (extra or {}).items():
+            atomic_write(d / name, data, fsync=fsync)
         record_check(root, m.step, by="save")
         atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
     except BaseException as e:

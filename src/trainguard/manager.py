@@ -100,6 +100,21 @@ class CheckpointManager:
             (``trainguard_save_block_seconds``, ``trainguard_save_persist_seconds``,
             ``trainguard_checkpoint_bytes``, ``trainguard_save_failures_total``); None: a private one, see
             :attr:`metrics_registry`. Pass ``prometheus_client.REGISTRY`` to export through the default one.
+        check_finite: ``"error"`` (default): a save whose floating tensors hold NaN/Inf is rejected in the persist
+            path (NonFiniteStateError, nothing committed, retention not run) and a restored checkpoint holding
+            NaN/Inf is suspect (``restore_latest`` falls back); ``"warn"``: log and go on; ``"off"``.
+        probe: ``fn() -> tensor | dict[str, tensor]`` computed from the live training objects on a fixed probe
+            batch (model in eval mode, under no_grad; it must not change any state). Run in the caller at each
+            save and stored with the checkpoint; after a restore it runs again and must match, else the
+            checkpoint is suspect and ``restore_latest`` falls back to an older one.
+        probe_rtol: relative tolerance of the probe comparison (0 with ``probe_atol`` 0: bitwise, the
+            default; set both for another device, dtype or world size).
+        probe_atol: absolute tolerance of the probe comparison.
+        trajectory_steps: after a restore, the losses given to ``maybe_save(metrics={"loss": ...})`` for this
+            many steps are compared with those logged before the failure; a divergence raises
+            ResumeDivergedError and marks the checkpoints suspect (0: off).
+        scrub_interval_s: re-verify the committed checkpoints in a background thread every this many seconds
+            (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -133,6 +148,12 @@ class CheckpointManager:
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
         metrics_registry: Any = None,
+        check_finite: str = "error",
+        probe: Any = None,
+        probe_rtol: float = 0.0,
+        probe_atol: float = 0.0,
+        trajectory_steps: int = 50,
+        scrub_interval_s: float | None = None,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -147,6 +168,15 @@ class CheckpointManager:
                 f"{type(save_policy).__name__}"
             )
         self.retention = as_retention(keep)
+        validation_options(
+            self,
+            check_finite=check_finite,
+            probe=probe,
+            probe_rtol=probe_rtol,
+            probe_atol=probe_atol,
+            trajectory_steps=trajectory_steps,
+            scrub_interval_s=scrub_interval_s,
+        )
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
@@ -263,6 +293,11 @@ class CheckpointManager:
         self._events.set_context(checkpoint_run_id=self.run.run_id)
         self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
+        if self.scrub_interval_s is not None and self.dist.is_coordinator:
+            from .validation.scrub import Scrubber
+
+            self._scrubber = Scrubber(self, self.scrub_interval_s)
+            self._scrubber.start()
 
     # -- context manager ----------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -291,6 +326,10 @@ class CheckpointManager:
                 abandoned,
             )
         self._closed = True
+        if self._scrubber is not None:
+            self._scrubber.stop()
+        if self._trajectory_log is not None:
+            self._trajectory_log.close()
         if self._exit_flush is not None:
             import atexit
 
@@ -376,6 +415,7 @@ class CheckpointManager:
         from .recovery.heartbeat import heartbeat, preemption_requested
 
         heartbeat(step)
+        self._record_loss(step, metrics)
         if not self._first_step_logged:
             self._first_step_logged = True
             self._event("first_step", step=step)
@@ -404,6 +444,38 @@ class CheckpointManager:
                 step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
             )
         return None
+
+    def _record_loss(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Append the step's loss to the run's trajectory log; after a restore, check it (ResumeDivergedError)."""
+        from .validation.trajectory import TrajectoryLog, loss_value
+
+        loss = loss_value(metrics)
+        if loss is None or self.read_only:
+            return
+        if self.dist.is_coordinator:
+            if self._trajectory_log is None:
+                self._trajectory_log = TrajectoryLog(self.root, self.run.run_id)
+            self._trajectory_log.append(step, loss)
+        chk = self._trajectory_check
+        if chk is None:
+            return
+        bad = chk.check(step, loss) is not None
+        if self.dist.enabled:
+            bad = self.dist.any(bad)
+        if bad:
+            from .validation.hooks import diverged
+
+            raise diverged(self, step)
+        if chk.done(step + 1):
+            self._trajectory_check = None
+
+    def _arm_trajectory(self, step: int) -> None:
+        if self.read_only or self.trajectory_steps <= 0:
+            return
+        from .validation.trajectory import TrajectoryCheck
+
+        own = self._trajectory_log.path if self._trajectory_log is not None else None
+        self._trajectory_check = TrajectoryCheck.arm(self.root, step, self.trajectory_steps, exclude=own)
 
     def _should_save(self, step: int) -> bool:
         decision = self.save_policy.should_save(step, now_s=time.monotonic())
@@ -490,6 +562,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         now0 = time.monotonic()
         if not self.async_save:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
@@ -521,6 +594,7 @@ class CheckpointManager:
             log.warning("skipping the save of step %d: earlier saves are still persisting", step)
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             staged = bufset.stage(flat)
@@ -545,6 +619,16 @@ class CheckpointManager:
         self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
         return handle
 
+    def _run_probe(self, step: int) -> None:
+        """Compute the probe in the caller's thread; its record goes with this step's save."""
+        if self.probe is None:
+            return
+        from .validation.probe import compute, encode
+
+        t = time.perf_counter()
+        data = encode(compute(self.probe))
+        self._probes[step] = (data, time.perf_counter() - t)
+
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(
@@ -561,8 +645,8 @@ class CheckpointManager:
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
 
-    def _publish(self, m: Manifest) -> None:
-        publish(self.root, m, fsync=self.fsync)
+    def _publish(self, m: Manifest, extra: dict[str, bytes] | None = None) -> None:
+        publish(self.root, m, fsync=self.fsync, extra=extra)
 
     def _raise_background_error(self) -> None:
         """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
@@ -661,7 +745,12 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         self._load(step, state, strict=strict)
-        self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
+        load_s = time.perf_counter() - t0
+        from .validation.hooks import check_probe
+
+        validate_s = self._validate_s + check_probe(self, step)
+        self.last_restore = RestoreTimings(load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes)
+        self._arm_trajectory(step)
         return step
 
     def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
@@ -687,7 +776,49 @@ class CheckpointManager:
         step = _restore.restore_latest(self, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
+            self._arm_trajectory(step)
         return step
+
+
+def validation_options(
+    mgr: CheckpointManager,
+    *,
+    check_finite: str,
+    probe: Any,
+    probe_rtol: float,
+    probe_atol: float,
+    trajectory_steps: int,
+    scrub_interval_s: float | None,
+) -> None:
+    """Check and set the validation options (issue 11) and the state they need."""
+    from .validation import CHECK_FINITE_MODES
+
+    if check_finite not in CHECK_FINITE_MODES:
+        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
+    if probe is not None and not callable(probe):
+        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
+    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
+        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
+    if scrub_interval_s is not None and (
+        isinstance(scrub_interval_s, bool)
+        or not isinstance(scrub_interval_s, (int, float))
+        or not 0 < scrub_interval_s < float("inf")
+    ):
+        raise ConfigError(f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}")
+    mgr.check_finite = check_finite
+    mgr.probe = probe
+    mgr.probe_rtol = float(probe_rtol)
+    mgr.probe_atol = float(probe_atol)
+    mgr.trajectory_steps = trajectory_steps
+    mgr.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
+    mgr._probes = {}  # step -> (probe.json bytes, seconds the probe took), until its save commits or fails
+    mgr._validate_s = 0.0  # the non-finite scan of the last load
+    mgr._trajectory_log = None
+    mgr._trajectory_check = None
+    mgr._scrubber = None
 
 
 def _root_problem(root: Path) -> str | None:
