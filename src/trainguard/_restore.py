@@ -119,6 +119,8 @@ def restore_latest(
                             )
                         foreign[step] = rid
                 problem, chunk = info.problem or info.status, info.chunk
+                if info.status == "suspect":
+                    problem = f"suspect: {problem}"
             verdict = mgr.dist.broadcast_ints([verdict])[0]
             if verdict == GONE:
                 raced = True
