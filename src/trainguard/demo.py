@@ -3,7 +3,9 @@
 1. Trains ``examples/train_gpt.py`` (a byte-level GPT on the Python standard library's source) under the
    supervisor, injecting failures of mixed kinds at seeded random steps: SIGKILL during a training step,
    SIGKILL in the middle of a checkpoint save, a hang (caught by the heartbeat timeout), and a corrupted
-   newest checkpoint (a flipped bit in a chunk) that the next restore must detect and skip.
+   newest checkpoint (a flipped bit in a chunk) that the next restore must detect and skip, and silent
+   corruption (a weight's bytes and their recorded CRC32C both rewritten, as memory corrupted before
+   checksumming would produce) that only the probe fingerprint catches at resume.
 2. Trains the same job uninterrupted as a reference (concurrently, one CPU thread each).
 3. Compares the final model and optimizer tensors bitwise and reports checkpoints, failures with their
    time-to-resume phases, and goodput, and writes the HTML report of the faulted run (``trainguard
@@ -27,12 +29,13 @@ from typing import Any
 from .errors import ConfigError
 from .recovery.events import read_events
 
-FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest")
+FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption")
 KIND_LABELS = {
     "kill_step": "SIGKILL in a step",
     "kill_during_save": "SIGKILL mid-save",
     "hang": "hang",
     "corrupt_newest": "corrupt newest ckpt",
+    "silent_corruption": "silent corruption (valid CRC)",
 }
 
 
@@ -41,7 +44,7 @@ class DemoConfig:
     """Settings of ``trainguard demo``. Steps in training steps, times in seconds."""
 
     steps: int = 200
-    failures: int = 4
+    failures: int = 5
     out: Path = Path("trainguard-demo")
     seed: int = 0
     save_every: int = 20
