@@ -98,13 +98,14 @@ def check_probe(mgr: CheckpointManager, step: int) -> float:
 
     t0 = time.perf_counter()
     problem = None
+    now = compute(fn)  # on every rank, stored record or not: the probe's forward may be collective (FSDP)
     try:
         stored = read_probe(mgr.root, step)
     except ProbeRecordError as e:
         log.warning("step %d: %s; the probe cannot vouch for this checkpoint", step, e)
         stored = None
     if stored is not None:
-        problem = compare(stored, compute(fn), rtol=mgr.probe_rtol, atol=mgr.probe_atol)
+        problem = compare(stored, now, rtol=mgr.probe_rtol, atol=mgr.probe_atol)
     bad = mgr.dist.any(problem is not None) if mgr.dist.enabled else problem is not None
     took = time.perf_counter() - t0
     if bad:
