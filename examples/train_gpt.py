@@ -300,7 +300,10 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
             pending.wait()
         newest = mgr.latest_step()
         fqn, chunk_path = corrupt_silently(args.root, newest)
-        print(f"[fault] silently corrupted {fqn} in {chunk_path} of step {newest} (CRC32C rewritten)", flush=True)
+        print(
+            f"[fault] silently corrupted {fqn} in {chunk_path} of step {newest} (CRC32C rewritten)",
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -19,9 +19,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _persist, _restore, _statefn, _worker, lineage
 from ._lock import RootLock
@@ -49,6 +49,10 @@ from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
 from .state import per_rank
+
+if TYPE_CHECKING:
+    from .validation.scrub import Scrubber
+    from .validation.trajectory import TrajectoryCheck, TrajectoryLog
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -169,7 +173,6 @@ class CheckpointManager:
             )
         self.retention = as_retention(keep)
         validation_options(
-            self,
             check_finite=check_finite,
             probe=probe,
             probe_rtol=probe_rtol,
@@ -177,6 +180,19 @@ class CheckpointManager:
             trajectory_steps=trajectory_steps,
             scrub_interval_s=scrub_interval_s,
         )
+        self.check_finite: str = check_finite
+        self.probe: Callable[[], Any] | None = probe
+        self.probe_rtol = float(probe_rtol)
+        self.probe_atol = float(probe_atol)
+        self.trajectory_steps: int = trajectory_steps
+        self.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
+        self._probes: dict[
+            int, tuple[bytes, float]
+        ] = {}  # step -> (probe.json, probe seconds) until persisted
+        self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
+        self._trajectory_log: TrajectoryLog | None = None
+        self._trajectory_check: TrajectoryCheck | None = None
+        self._scrubber: Scrubber | None = None
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
@@ -749,7 +765,9 @@ class CheckpointManager:
         from .validation.hooks import check_probe
 
         validate_s = self._validate_s + check_probe(self, step)
-        self.last_restore = RestoreTimings(load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes)
+        self.last_restore = RestoreTimings(
+            load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes
+        )
         self._arm_trajectory(step)
         return step
 
@@ -781,7 +799,6 @@ class CheckpointManager:
 
 
 def validation_options(
-    mgr: CheckpointManager,
     *,
     check_finite: str,
     probe: Any,
@@ -790,7 +807,11 @@ def validation_options(
     trajectory_steps: int,
     scrub_interval_s: float | None,
 ) -> None:
-    """Check and set the validation options (issue 11) and the state they need."""
+    """Check the validation options (issue 11).
+
+    Raises:
+        ConfigError: naming the option and what it accepts.
+    """
     from .validation import CHECK_FINITE_MODES
 
     if check_finite not in CHECK_FINITE_MODES:
@@ -807,18 +828,9 @@ def validation_options(
         or not isinstance(scrub_interval_s, (int, float))
         or not 0 < scrub_interval_s < float("inf")
     ):
-        raise ConfigError(f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}")
-    mgr.check_finite = check_finite
-    mgr.probe = probe
-    mgr.probe_rtol = float(probe_rtol)
-    mgr.probe_atol = float(probe_atol)
-    mgr.trajectory_steps = trajectory_steps
-    mgr.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
-    mgr._probes = {}  # step -> (probe.json bytes, seconds the probe took), until its save commits or fails
-    mgr._validate_s = 0.0  # the non-finite scan of the last load
-    mgr._trajectory_log = None
-    mgr._trajectory_check = None
-    mgr._scrubber = None
+        raise ConfigError(
+            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
+        )
 
 
 def _root_problem(root: Path) -> str | None:

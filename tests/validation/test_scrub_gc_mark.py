@@ -86,7 +86,7 @@ def test_gc_never_removes_a_referenced_chunk(tmp_path):
     report = gc(tmp_path)
     assert report.orphans == [f"chunks/ab/{orphan_old.name}"]
     assert report.quarantined == [f"chunks/ab/{quarantined_old.name}"]
-    assert report.bytes_freed == 200 and report.referenced == len({p.rsplit('/', 1)[1] for p in referenced})
+    assert report.bytes_freed == 200 and report.referenced == len({p.rsplit("/", 1)[1] for p in referenced})
     assert orphan_new.exists() and quarantined_new.exists()
     assert all((tmp_path / p).exists() for p in referenced)
     # everything unreferenced and old enough goes, referenced chunks still stay

@@ -63,7 +63,10 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 @main.command("ls")
 @click.argument("root")
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, time, problem, reason}."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON array of {step, status, bytes, time, problem, reason}.",
 )
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size
@@ -369,7 +372,9 @@ def _print_info(summary: dict[str, Any]) -> None:
     metavar="RATE",
     help="Cap the re-read rate, e.g. 200MB/s (a scrub of a live job's storage); default: as fast as it reads.",
 )
-def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool, max_bandwidth: str | None) -> None:
+def verify_cmd(
+    root: str, step: int | None, all_steps: bool, as_json: bool, max_bandwidth: str | None
+) -> None:
     """Re-read every chunk of the checkpoints under ROOT and check CRC32C.
 
     Default: the newest committed checkpoint. Exit 1 if anything is corrupt, naming the chunk and the

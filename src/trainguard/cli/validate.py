@@ -17,7 +17,9 @@ from .main import main
 @click.argument("root")
 @click.argument("step", type=click.IntRange(min=0))
 @click.option("--suspect", "reason", default=None, metavar="REASON", help="Mark STEP suspect, with why.")
-@click.option("--clear", is_flag=True, help="Clear the suspect mark of STEP (it is a restore candidate again).")
+@click.option(
+    "--clear", is_flag=True, help="Clear the suspect mark of STEP (it is a restore candidate again)."
+)
 def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
     """Mark the checkpoint of STEP under ROOT suspect (restore skips it) or clear its mark.
 
@@ -32,7 +34,9 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
         raise click.UsageError(f"no committed checkpoint of step {step} under {p} (`trainguard ls {root}`)")
     if clear:
         removed = clear_suspect(p, step)
-        click.echo(f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect")
+        click.echo(
+            f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect"
+        )
         return
     if not reason or not reason.strip():
         raise click.UsageError("--suspect needs a non-empty REASON")
@@ -59,8 +63,12 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
     help="Remove chunks no manifest references, last written longer ago than this.",
 )
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
-@click.option("--json", "as_json", is_flag=True, help="Print {quarantined, orphans, bytes_freed, referenced}.")
-def gc_cmd(root: str, quarantine_older_than: str, orphans_older_than: str, dry_run: bool, as_json: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print {quarantined, orphans, bytes_freed, referenced}."
+)
+def gc_cmd(
+    root: str, quarantine_older_than: str, orphans_older_than: str, dry_run: bool, as_json: bool
+) -> None:
     """Remove quarantined chunks and orphans from ROOT's chunk store (never a chunk a manifest references).
 
     Takes the root lock: run it while no job writes to ROOT.

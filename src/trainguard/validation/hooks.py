@@ -134,7 +134,9 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
             mark_suspect(
                 mgr.root,
                 s,
-                reason if s == chk.restored_step else f"saved by a launch whose loss diverged after resume: {reason}",
+                reason
+                if s == chk.restored_step
+                else f"saved by a launch whose loss diverged after resume: {reason}",
                 by="trajectory",
                 fsync=mgr.fsync,
             )

@@ -63,7 +63,9 @@ def compute(fn: Callable[[], Any]) -> dict[str, torch.Tensor]:
     out = fn()
     if isinstance(out, torch.Tensor):
         items = {"output": out}
-    elif isinstance(out, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()):
+    elif isinstance(out, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()
+    ):
         items = dict(out)
     else:
         raise ConfigError(
@@ -163,7 +165,9 @@ def compare(
             return f"probe output {name!r} has shape {list(b.shape)}, stored {list(a.shape)}"
         if rtol == 0.0 and atol == 0.0:
             if a.dtype != b.dtype:
-                return f"probe output {name!r} has dtype {b.dtype}, stored {a.dtype} (set probe_rtol/probe_atol)"
+                return (
+                    f"probe output {name!r} has dtype {b.dtype}, stored {a.dtype} (set probe_rtol/probe_atol)"
+                )
             if not torch.equal(_raw_view(a), _raw_view(b)):
                 diff = _max_diff(a, b)
                 return f"probe output {name!r} differs bitwise from the one stored at save (max |diff| {diff:.3g})"

@@ -95,7 +95,9 @@ class Scrubber:
         self.passes += 1
         bad = sorted({c["step"] for c in report.corrupt})
         if bad:
-            log.error("background scrub found damaged checkpoints %s under %s: %s", bad, self.root, report.corrupt)
+            log.error(
+                "background scrub found damaged checkpoints %s under %s: %s", bad, self.root, report.corrupt
+            )
         self._event(
             "scrub",
             checked=report.checked,

@@ -174,13 +174,18 @@ class TrajectoryCheck:
         elif ref is not None:
             tol = max(spread, REL_TOL * abs(ref))
             if abs(loss - ref) > tol:
-                v = Violation(step, loss, ref, f"the loss recorded for step {step} before the failure was {ref:.6g}")
+                v = Violation(
+                    step, loss, ref, f"the loss recorded for step {step} before the failure was {ref:.6g}"
+                )
         elif self.median is not None:
             upper = self.median + spread + REL_TOL * abs(self.median)
             if loss > upper:
                 v = Violation(
-                    step, loss, upper, f"above the band of the losses before step {self.restored_step} "
-                    f"(median {self.median:.6g} + {K:g} MAD = {upper:.6g})"
+                    step,
+                    loss,
+                    upper,
+                    f"above the band of the losses before step {self.restored_step} "
+                    f"(median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
                 )
         if v is not None:
             self.violations.append(v)
