@@ -109,19 +109,30 @@ def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
     while len(kinds) < cfg.failures:
         kinds.append(rng.choice(FAULT_KINDS))
     kinds = kinds[: cfg.failures]
+    se = cfg.save_every
+
+    def room(k: str) -> int:  # steps a fault needs after the previous one (a killed save: the next save step)
+        return 2 * se + 1 if k == "kill_during_save" else se + 2
+
     plan = []
     prev = 0
-    span = cfg.steps - cfg.save_every - prev
+    span = cfg.steps - se - prev
     for i, kind in enumerate(kinds):
         remaining = len(kinds) - i
-        lo = prev + cfg.save_every + 2
-        hi = max(lo, prev + span // max(1, remaining) + cfg.save_every)
-        hi = min(hi, cfg.steps - (remaining - 1) * (cfg.save_every + 2) - 1)
+        last = cfg.steps - sum(room(k) for k in kinds[i + 1 :]) - 1  # room for the faults after this one
+        lo = prev + se + 2
+        hi = max(lo, prev + span // max(1, remaining) + se)
+        hi = min(hi, last)
         step = rng.randint(lo, max(lo, hi))
-        if kind == "kill_during_save":
-            step = max(cfg.save_every, (step // cfg.save_every) * cfg.save_every)
-            if step <= prev + 1:
-                step += cfg.save_every
+        if kind == "kill_during_save":  # at a save step: the multiple of save_every nearest, keeping the spacing
+            first = (prev + se) // se * se + se
+            saves = range(first, last + 1, se)
+            if saves:
+                step = min(saves, key=lambda s: (abs(s - step), s))
+            else:
+                step = max(se, (step // se) * se)
+                if step <= prev + 1:
+                    step += se
         plan.append({"attempt": i, "step": step, "kind": kind})
         prev = step
         span = cfg.steps - prev
