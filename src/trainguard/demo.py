@@ -124,7 +124,9 @@ def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
         hi = max(lo, prev + span // max(1, remaining) + se)
         hi = min(hi, last)
         step = rng.randint(lo, max(lo, hi))
-        if kind == "kill_during_save":  # at a save step: the multiple of save_every nearest, keeping the spacing
+        if (
+            kind == "kill_during_save"
+        ):  # at a save step: the multiple of save_every nearest, keeping the spacing
             first = (prev + se) // se * se + se
             saves = range(first, last + 1, se)
             if saves:

@@ -52,7 +52,7 @@ from .state import per_rank
 
 if TYPE_CHECKING:
     from .validation.scrub import Scrubber
-    from .validation.trajectory import TrajectoryCheck, TrajectoryLog
+    from .validation.trajectory import Recorder
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -190,8 +190,7 @@ class CheckpointManager:
             int, tuple[bytes, float]
         ] = {}  # step -> (probe.json, probe seconds) until persisted
         self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
-        self._trajectory_log: TrajectoryLog | None = None
-        self._trajectory_check: TrajectoryCheck | None = None
+        self._trajectory: Recorder | None = None  # set for a writer (below)
         self._scrubber: Scrubber | None = None
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
@@ -309,6 +308,11 @@ class CheckpointManager:
         self._events.set_context(checkpoint_run_id=self.run.run_id)
         self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
+        from .validation.trajectory import Recorder
+
+        self._trajectory = Recorder(
+            self.root, self.run.run_id, self.trajectory_steps, coordinator=self.dist.is_coordinator
+        )
         if self.scrub_interval_s is not None and self.dist.is_coordinator:
             from .validation.scrub import Scrubber
 
@@ -344,8 +348,8 @@ class CheckpointManager:
         self._closed = True
         if self._scrubber is not None:
             self._scrubber.stop()
-        if self._trajectory_log is not None:
-            self._trajectory_log.close()
+        if self._trajectory is not None:
+            self._trajectory.close()
         if self._exit_flush is not None:
             import atexit
 
@@ -462,36 +466,26 @@ class CheckpointManager:
         return None
 
     def _record_loss(self, step: int, metrics: Mapping[str, Any] | None) -> None:
-        """Append the step's loss to the run's trajectory log; after a restore, check it (ResumeDivergedError)."""
-        from .validation.trajectory import TrajectoryLog, loss_value
-
-        loss = loss_value(metrics)
-        if loss is None or self.read_only:
+        """Append the step's loss to the run's trajectory log; after a restore, check it (collective while the
+        check is armed: every rank calls ``maybe_save`` each step, with or without a loss)."""
+        tr = self._trajectory
+        if tr is None:
             return
-        if self.dist.is_coordinator:
-            if self._trajectory_log is None:
-                self._trajectory_log = TrajectoryLog(self.root, self.run.run_id)
-            self._trajectory_log.append(step, loss)
-        chk = self._trajectory_check
-        if chk is None:
+        armed = tr.check is not None
+        bad = tr.record(step, metrics)
+        if not armed:
             return
-        bad = chk.check(step, loss) is not None
         if self.dist.enabled:
             bad = self.dist.any(bad)
         if bad:
             from .validation.hooks import diverged
 
             raise diverged(self, step)
-        if chk.done(step + 1):
-            self._trajectory_check = None
+        tr.passed(step)
 
     def _arm_trajectory(self, step: int) -> None:
-        if self.read_only or self.trajectory_steps <= 0:
-            return
-        from .validation.trajectory import TrajectoryCheck
-
-        own = self._trajectory_log.path if self._trajectory_log is not None else None
-        self._trajectory_check = TrajectoryCheck.arm(self.root, step, self.trajectory_steps, exclude=own)
+        if self._trajectory is not None:
+            self._trajectory.arm(step)
 
     def _should_save(self, step: int) -> bool:
         decision = self.save_policy.should_save(step, now_s=time.monotonic())

@@ -114,3 +114,35 @@ def test_check_window_and_band():
     assert chk.done(16) and not chk.done(15)
     with pytest.raises(tg.ConfigError, match="trajectory_steps"):
         tg.CheckpointManager("/tmp/unused-tg-root", trajectory_steps=-1)
+
+
+class _DeviceLoss:
+    """Stands in for a loss tensor on an accelerator: reading it is what a GPU sync would be."""
+
+    class device:  # noqa: N801 - mirrors torch.Tensor.device
+        type = "cuda"
+
+    def __init__(self, x: float) -> None:
+        self.x = x
+        self.reads = 0
+
+    def detach(self):
+        return self
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.x
+
+
+def test_a_loss_on_an_accelerator_is_read_one_step_later(tmp_path):
+    from trainguard.validation.trajectory import Recorder
+
+    rec = Recorder(tmp_path, "run", 50, coordinator=True)
+    a, b = _DeviceLoss(1.0), _DeviceLoss(2.0)
+    rec.record(1, {"loss": a})
+    assert a.reads == 0  # not waited for in the step that queued it
+    rec.record(2, {"loss": b})
+    assert a.reads == 1 and b.reads == 0
+    rec.record(3, {"loss": torch.tensor(0.5)})  # a CPU tensor is read at once
+    rec.close()  # the last deferred loss is logged at close
+    assert history(tmp_path) == {1: 1.0, 2: 2.0, 3: 0.5}

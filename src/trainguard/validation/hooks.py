@@ -115,8 +115,9 @@ def check_probe(mgr: CheckpointManager, step: int) -> float:
 
 def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
     """After a trajectory violation: mark the restored checkpoint and this launch's checkpoints suspect."""
-    chk = mgr._trajectory_check
-    assert chk is not None
+    tr = mgr._trajectory
+    assert tr is not None and tr.check is not None
+    chk = tr.check
     try:  # saves still persisting commit first, so they are marked too
         mgr.wait()
     except Exception:  # noqa: BLE001 - their failure is not this error; it was logged by the worker
@@ -140,8 +141,8 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
                 by="trajectory",
                 fsync=mgr.fsync,
             )
-        if mgr._trajectory_log is not None:
-            mgr._trajectory_log.mark_diverged(step)
+        if tr.log is not None:
+            tr.log.mark_diverged(step)
     mgr._event(
         "resume_diverged",
         step=step,
@@ -151,7 +152,7 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
         expected=[x.expected for x in v],
         suspect=marked,
     )
-    mgr._trajectory_check = None
+    tr.check = None
     return ResumeDivergedError(
         f"{reason}. Checkpoints {marked} are marked suspect; the next launch resumes from an older checkpoint "
         f"(`trainguard mark {mgr.root} STEP --clear` if the change was intended)",

@@ -40,13 +40,18 @@ MIN_BAND = 5
 """Fewer losses than this before the restored step: no band check past the failure point."""
 
 
-def loss_value(metrics: Any) -> float | None:
-    """The ``loss`` of a metrics mapping as a float (a 0-d tensor is read with ``float()``), or None."""
+def loss_value(metrics: Any) -> Any:
+    """The ``loss`` of a metrics mapping: a float, a tensor on an accelerator (read one step later, so that
+    reading it does not wait for the step just queued), or None (absent or not a number)."""
     if not metrics or "loss" not in metrics:
         return None
+    x = metrics["loss"]
+    device = getattr(getattr(x, "device", None), "type", "cpu")
+    if device != "cpu" and hasattr(x, "detach"):
+        return x.detach()
     try:
-        return float(metrics["loss"])
-    except (TypeError, ValueError):
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
         return None
 
 
@@ -124,6 +129,64 @@ def history(root: str | os.PathLike[str], *, exclude: Path | None = None) -> dic
         if not diverged:
             merged.update(steps)
     return merged
+
+
+class Recorder:
+    """A writer's trajectory state: its log (rank 0), the check armed after a restore, and a loss held on an
+    accelerator until the next step."""
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str, window: int, *, coordinator: bool) -> None:
+        self.root = root
+        self.run_id = run_id
+        self.window = window
+        self.coordinator = coordinator
+        self.log: TrajectoryLog | None = None
+        self.check: TrajectoryCheck | None = None
+        self._pending: tuple[int, Any] | None = None
+
+    def arm(self, restored_step: int) -> None:
+        """Start checking the next ``window`` steps against the losses logged before (no-op when 0)."""
+        if self.window <= 0:
+            return
+        own = self.log.path if self.log is not None else None
+        self.check = TrajectoryCheck.arm(self.root, restored_step, self.window, exclude=own)
+
+    def record(self, step: int, metrics: Any) -> bool:
+        """Log the loss of ``step`` (and of a deferred earlier step); True when the armed check found a violation."""
+        items: list[tuple[int, Any]] = []
+        if self._pending is not None:
+            items.append(self._pending)
+            self._pending = None
+        x = loss_value(metrics)
+        if x is not None and not isinstance(x, float):
+            self._pending = (step, x)
+        elif x is not None:
+            items.append((step, x))
+        bad = False
+        for s, v in items:
+            v = float(v)
+            if self.coordinator:
+                if self.log is None:
+                    self.log = TrajectoryLog(self.root, self.run_id)
+                self.log.append(s, v)
+            if self.check is not None and self.check.check(s, v) is not None:
+                bad = True
+        return bad
+
+    def passed(self, step: int) -> None:
+        """After the check of ``step`` passed on every rank: disarm once past the window."""
+        if self.check is not None and self.check.done(step):
+            self.check = None
+
+    def close(self) -> None:
+        if self._pending is not None and self.coordinator:
+            step, x = self._pending
+            self._pending = None
+            if self.log is None:
+                self.log = TrajectoryLog(self.root, self.run_id)
+            self.log.append(step, float(x))
+        if self.log is not None:
+            self.log.close()
 
 
 @dataclass
