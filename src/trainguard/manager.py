@@ -567,7 +567,7 @@ class CheckpointManager:
                 )
             # A corrupt checkpoint of this step (typically the one restore_latest just skipped) holds nothing
             # usable: replace it rather than stop the training loop.
-            log.warning("replacing the corrupt checkpoint of step %d (%s)", step, info.problem)
+            log.warning("replacing the %s checkpoint of step %d (%s)", info.status, step, info.problem)
             self._event("replace_corrupt", step=step, problem=info.problem)
         t0 = time.perf_counter()
         now0 = time.monotonic()
