@@ -332,7 +332,9 @@ def summarize(
     for _i, f in enumerate(plan):
         rec = next((r for r in recoveries if r.restart_count == f["attempt"] + 1), None)
         fev = next((e for e in failures_ev if e.get("restart_count") == f["attempt"]), None)
-        t_death = fev.get("t_death") if fev else None
+        # every save committed before the supervisor recorded the failure (the job was dead by then; a hung job
+        # commits its saves in flight after its last heartbeat, t_death, until it is killed)
+        t_death = fev.get("t", fev.get("t_death")) if fev else None
         committed_before = sorted(e["step"] for e in saves if t_death is not None and e["t"] <= t_death)
         corrupt = {s.get("step") for s in skipped if s.get("restart_count") == f["attempt"] + 1}
         newest_valid = max((s for s in committed_before if s not in corrupt), default=None)
