@@ -25,7 +25,7 @@ from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
 from .storage.local import remove_tree
 from .validation.hooks import check_before_persist
-from .validation.probe import PROBE_FILE
+from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -64,7 +64,7 @@ def persist(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m, {PROBE_FILE: probe[0]} if probe is not None else None)
+        mgr._publish(m, (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None)
         manifest_box.append(m)
 
     chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem

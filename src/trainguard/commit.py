@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,26 +106,36 @@ def build_manifest(
     )
 
 
-def publish(root: Path, m: Manifest, *, fsync: bool = True, extra: dict[str, bytes] | None = None) -> None:
+def publish(
+    root: Path,
+    m: Manifest,
+    *,
+    fsync: bool = True,
+    extra: Callable[[bytes], dict[str, bytes]] | None = None,
+) -> None:
     """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
 
-    ``extra``: per-step side files (name -> bytes, e.g. ``probe.json``) written atomically before the manifest,
-    so a committed checkpoint always has them."""
+    ``extra(manifest bytes)``: per-step side files (name -> bytes, e.g. ``probe.json``, which records the
+    CRC32C of the manifest it belongs to) written atomically before the manifest, so a committed checkpoint
+    always has them. A ``suspect.json`` of the checkpoint this one replaces is removed after the manifest
+    (a crash in between leaves a marker bound to the old manifest's CRC32C: ignored)."""
     d = root / step_dir_name(m.step)
     created = not d.exists()
     d.mkdir(exist_ok=True)
     if created and fsync:
         fsync_dir(root)
-    for stale in (CORRUPT_MARKER, CHECK_RECORD, SUSPECT_MARKER, PROBE_FILE):  # of a checkpoint this replaces
+    for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
         try:
             (d / stale).unlink()
         except FileNotFoundError:
             pass
     try:
-        for name, data in (extra or {}).items():
-            atomic_write(d / name, data, fsync=fsync)
+        data = manifest_to_json(m)
+        for name, side in (extra(data) if extra is not None else {}).items():
+            atomic_write(d / name, side, fsync=fsync)
         record_check(root, m.step, by="save")
-        atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
+        atomic_write(d / MANIFEST_NAME, data, fsync=fsync)
+        (d / SUSPECT_MARKER).unlink(missing_ok=True)
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
             shutil.rmtree(d, ignore_errors=True)

@@ -186,9 +186,8 @@ class CheckpointManager:
         self.probe_atol = float(probe_atol)
         self.trajectory_steps: int = trajectory_steps
         self.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
-        self._probes: dict[
-            int, tuple[bytes, float]
-        ] = {}  # step -> (probe.json, probe seconds) until persisted
+        # step -> (probe outputs, seconds the probe took), until the save of that step commits or fails
+        self._probes: dict[int, tuple[dict[str, Any], float]] = {}
         self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
         self._trajectory: Recorder | None = None  # set for a writer (below)
         self._scrubber: Scrubber | None = None
@@ -633,11 +632,11 @@ class CheckpointManager:
         """Compute the probe in the caller's thread; its record goes with this step's save."""
         if self.probe is None:
             return
-        from .validation.probe import compute, encode
+        from .validation.probe import compute
 
         t = time.perf_counter()
-        data = encode(compute(self.probe))
-        self._probes[step] = (data, time.perf_counter() - t)
+        outputs = compute(self.probe)
+        self._probes[step] = (outputs, time.perf_counter() - t)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -655,7 +654,7 @@ class CheckpointManager:
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
 
-    def _publish(self, m: Manifest, extra: dict[str, bytes] | None = None) -> None:
+    def _publish(self, m: Manifest, extra: Callable[[bytes], dict[str, bytes]] | None = None) -> None:
         publish(self.root, m, fsync=self.fsync, extra=extra)
 
     def _raise_background_error(self) -> None:

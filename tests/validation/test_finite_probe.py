@@ -173,3 +173,33 @@ def test_checkpoint_list_when_every_candidate_is_suspect(tmp_path):
     assert mark_suspect(tmp_path, 1, "operator says so") and mark_suspect(tmp_path, 2, "and this one")
     with pytest.raises(tg.NoValidCheckpointError, match="--clear"):
         tg.CheckpointManager(tmp_path, read_only=True).restore_latest({"model": _model()})
+
+
+def test_markers_and_probe_records_are_bound_to_their_manifest(tmp_path):
+    """A save replacing a suspect step and killed between its side files and the manifest (or after the manifest
+    before removing the old marker) never pairs one checkpoint's records with another's manifest."""
+    model = _model()
+    probe = _probe_of(model)
+    state = {"model": model}
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), probe=probe) as mgr:
+        _train_steps(model, mgr, (1, 2), state)
+    from trainguard.validation.suspect import mark_suspect
+
+    d = tmp_path / "step-000000002"
+    assert mark_suspect(tmp_path, 2, "bad content")
+    old_marker, old_probe = (d / "suspect.json").read_bytes(), (d / "probe.json").read_bytes()
+    with tg.CheckpointManager(tmp_path, probe=probe) as mgr:
+        assert mgr.restore_latest(state) == 1  # resumes the run; 2 is suspect
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        mgr.save(2, state, overwrite=True).wait()  # replaces the suspect checkpoint of step 2
+    assert not (d / "suspect.json").exists()
+    (d / "suspect.json").write_bytes(old_marker)  # as if killed right after the manifest was replaced
+    assert {i.step: i.status for i in tg.CheckpointManager(tmp_path, read_only=True).checkpoints()}[
+        2
+    ] == "valid"
+    (d / "probe.json").write_bytes(old_probe)  # the old checkpoint's probe next to the new manifest
+    target = _model(3)
+    mgr = tg.CheckpointManager(tmp_path, probe=_probe_of(target))
+    assert mgr.restore_latest({"model": target}) == 2  # the stale record neither vouches nor condemns
+    mgr.close()

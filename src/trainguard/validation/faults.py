@@ -10,6 +10,7 @@ chunk is left in place (no longer referenced by this checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ..format.layout import MANIFEST_NAME, chunk_relpath
 from ..format.manifest import DTYPE_ITEMSIZE, manifest_to_json
 from ..incremental.chunkstore import content_hash
 from ..storage.local import atomic_write, write_file
+from .probe import PROBE_FILE
 
 FLOATS = ("float64", "float32", "float16", "bfloat16")
 
@@ -84,7 +86,13 @@ def corrupt_silently(root: str | os.PathLike[str], step: int, *, fqn: str | None
         (new_hash if h == old.hash else h): (new if h == old.hash else c) for h, c in m.chunks.items()
     }
     m.entries = {k: _moved(e, old.hash, new_hash) for k, e in m.entries.items()}
-    atomic_write(root / step_dir_name(step) / MANIFEST_NAME, manifest_to_json(m))
+    mbytes = manifest_to_json(m)
+    atomic_write(root / step_dir_name(step) / MANIFEST_NAME, mbytes)
+    probe = root / step_dir_name(step) / PROBE_FILE
+    if probe.is_file():  # the save would have bound its probe record to this manifest
+        doc = json.loads(probe.read_bytes())
+        doc["manifest_crc32c"] = crc32c.crc32c(mbytes)
+        atomic_write(probe, json.dumps(doc).encode())
     return ent.fqn, new.path
 
 

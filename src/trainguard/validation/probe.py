@@ -92,8 +92,9 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def encode(outputs: dict[str, torch.Tensor]) -> bytes:
-    """The ``probe.json`` bytes for ``outputs`` (from :func:`compute`)."""
+def encode(outputs: dict[str, torch.Tensor], *, manifest: bytes | None = None) -> bytes:
+    """The ``probe.json`` bytes for ``outputs`` (from :func:`compute`), bound to the manifest whose bytes are
+    ``manifest`` (its CRC32C is recorded)."""
     tensors = {
         name: {
             "dtype": str(t.dtype).removeprefix("torch."),
@@ -103,17 +104,24 @@ def encode(outputs: dict[str, torch.Tensor]) -> bytes:
         for name, t in sorted(outputs.items())
     }
     body = json.dumps(tensors, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"format": 1, "crc32c": crc32c.crc32c(body.encode()), "tensors": tensors}).encode()
+    doc: dict[str, Any] = {"format": 1, "crc32c": crc32c.crc32c(body.encode()), "tensors": tensors}
+    if manifest is not None:
+        doc["manifest_crc32c"] = crc32c.crc32c(manifest)
+    return json.dumps(doc).encode()
 
 
-def decode(data: bytes) -> dict[str, torch.Tensor]:
-    """Parse ``probe.json`` bytes.
+def decode(data: bytes, *, manifest_crc: int | None = None) -> dict[str, torch.Tensor]:
+    """Parse ``probe.json`` bytes (``manifest_crc``: the CRC32C of the manifest file it must belong to).
 
     Raises:
-        ProbeRecordError: malformed, unknown dtype, sizes that do not match, or a CRC32C mismatch.
+        ProbeRecordError: malformed, unknown dtype, sizes that do not match, a CRC32C mismatch, or a record of
+            another manifest (a save that replaced this step was killed before its manifest).
     """
     try:
         doc = json.loads(data)
+        bound = doc.get("manifest_crc32c")
+        if manifest_crc is not None and bound is not None and bound != manifest_crc:
+            raise ProbeRecordError("probe record belongs to another manifest of this step")
         tensors = doc["tensors"]
         body = json.dumps(tensors, sort_keys=True, separators=(",", ":"))
         if crc32c.crc32c(body.encode()) != doc["crc32c"]:
@@ -143,6 +151,8 @@ def read_probe(root: str | os.PathLike[str], step: int) -> dict[str, torch.Tenso
     Raises:
         ProbeRecordError: the record exists but is damaged or unsafe (a symlink, oversized, not parsing).
     """
+    from .suspect import manifest_crc
+
     p = Path(root) / step_dir_name(step) / PROBE_FILE
     try:
         data = read_bounded(p, 2 * MAX_PROBE_BYTES, what="probe record")
@@ -150,7 +160,7 @@ def read_probe(root: str | os.PathLike[str], step: int) -> dict[str, torch.Tenso
         return None
     except OSError as e:
         raise ProbeRecordError(f"probe record of step {step} cannot be read: {e}") from None
-    return decode(data)
+    return decode(data, manifest_crc=manifest_crc(root, step))
 
 
 def compare(

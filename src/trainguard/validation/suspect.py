@@ -16,8 +16,9 @@ from pathlib import Path
 from .._time import iso
 from ..errors import UnsafeFileError
 from ..format import step_dir_name
+from ..format.layout import MANIFEST_NAME
 from ..storage.local import atomic_write
-from ..storage.safeio import MAX_MARKER_BYTES, read_bounded
+from ..storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
 
 SUSPECT_MARKER = "suspect.json"
 
@@ -43,11 +44,29 @@ def read_suspect(root: str | os.PathLike[str], step: int) -> dict[str, object] |
     return data
 
 
+def manifest_crc(root: str | os.PathLike[str], step: int) -> int | None:
+    """CRC32C of the bytes of ``step``'s manifest file (None when it cannot be read): what binds a marker or a
+    probe record to the checkpoint it was written for."""
+    import crc32c
+
+    p = Path(root) / step_dir_name(step) / MANIFEST_NAME
+    try:
+        return int(crc32c.crc32c(read_bounded(p, MAX_MANIFEST_BYTES, what="manifest")))
+    except OSError:
+        return None
+
+
 def suspect_reason(root: str | os.PathLike[str], step: int) -> str | None:
-    """Why ``step`` is suspect, or None when it is not."""
+    """Why ``step`` is suspect, or None when it is not. A marker bound to another manifest of the step (left
+    by a save that replaced it) is stale and ignored."""
     m = read_suspect(root, step)
     if m is None:
         return None
+    bound = m.get("manifest_crc32c")
+    if isinstance(bound, int) and not isinstance(bound, bool):
+        current = manifest_crc(root, step)
+        if current is not None and current != bound:
+            return None
     return str(m.get("reason") or "suspect")
 
 
@@ -59,7 +78,7 @@ def mark_suspect(
     p = marker_path(root, step)
     if not p.parent.is_dir():
         return False
-    body = {"reason": str(reason), "by": by, "time": iso()}
+    body = {"reason": str(reason), "by": by, "time": iso(), "manifest_crc32c": manifest_crc(root, step)}
     try:
         atomic_write(p, json.dumps(body).encode(), fsync=fsync)
     except OSError:
