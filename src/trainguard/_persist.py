@@ -23,7 +23,6 @@ from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
-from .storage.local import remove_tree
 from .validation.hooks import check_before_persist
 from .validation.probe import PROBE_FILE, encode
 
@@ -53,8 +52,8 @@ def persist(
         NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
     probe = mgr._probes.pop(step, None)
     check_before_persist(mgr, step, flat)
-    partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
-    partial.mkdir()
+    partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
+    mgr.storage.make_dir(partial)
     mgr.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
@@ -67,8 +66,8 @@ def persist(
         mgr._publish(m, (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None)
         manifest_box.append(m)
 
-    chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
-    writer = TrainguardWriter(mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths))
+    staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
+    writer = TrainguardWriter(mgr.store, staging, commit, mgr.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -102,9 +101,9 @@ def persist(
         ) from err
     finally:
         mgr.store.unpin(writer.hashes)
-        remove_tree(partial)
-        if chunk_tmp != partial:
-            remove_tree(chunk_tmp)
+        mgr.storage.delete_prefix(partial)
+        if staging != partial:
+            mgr.storage.delete_prefix(staging)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed

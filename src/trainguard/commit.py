@@ -19,10 +19,9 @@ touched).
 
 from __future__ import annotations
 
-import shutil
+import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -46,7 +45,7 @@ from .format import (
 from .format.run import RunInfo
 from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
-from .storage.local import atomic_write, fsync_dir
+from .storage.base import Storage, as_storage
 from .validation.probe import PROBE_FILE
 from .validation.suspect import SUSPECT_MARKER
 
@@ -107,7 +106,7 @@ def build_manifest(
 
 
 def publish(
-    root: Path,
+    root: str | os.PathLike[str] | Storage,
     m: Manifest,
     *,
     fsync: bool = True,
@@ -115,32 +114,38 @@ def publish(
 ) -> None:
     """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
 
-    ``extra(manifest bytes)``: per-step side files (name -> bytes, e.g. ``probe.json``, which records the
-    CRC32C of the manifest it belongs to) written atomically before the manifest, so a committed checkpoint
-    always has them. A ``suspect.json`` of the checkpoint this one replaces is removed after the manifest
-    (a crash in between leaves a marker bound to the old manifest's CRC32C: ignored)."""
-    d = root / step_dir_name(m.step)
-    created = not d.exists()
-    d.mkdir(exist_ok=True)
+    Args:
+        root: the run root (a directory or its :class:`~trainguard.storage.base.Storage`).
+        m: the manifest to commit.
+        fsync: make the step directory and the manifest durable.
+        extra: ``extra(manifest bytes)`` -> per-step side files (name -> bytes, e.g. ``probe.json``, which
+            records the CRC32C of the manifest it belongs to), published before the manifest so a committed
+            checkpoint always has them. A ``suspect.json`` of the checkpoint this one replaces is removed after
+            the manifest (a crash in between leaves a marker bound to the old manifest's CRC32C: ignored).
+
+    Raises:
+        StorageFullError: no space left for the manifest (nothing is committed; its ``step`` is set).
+        OSError: the manifest could not be written (nothing is committed).
+    """
+    storage = as_storage(root)
+    d = step_dir_name(m.step)
+    created = storage.make_dir(d)
     if created and fsync:
-        fsync_dir(root)
+        storage.barrier("")
     for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
-        try:
-            (d / stale).unlink()
-        except FileNotFoundError:
-            pass
+        storage.delete(f"{d}/{stale}")
     try:
         data = manifest_to_json(m)
         for name, side in (extra(data) if extra is not None else {}).items():
-            atomic_write(d / name, side, fsync=fsync)
-        record_check(root, m.step, by="save")
-        atomic_write(d / MANIFEST_NAME, data, fsync=fsync)
-        (d / SUSPECT_MARKER).unlink(missing_ok=True)
+            storage.publish(f"{d}/{name}", side, durable=fsync)
+        record_check(storage, m.step, by="save")
+        storage.publish(f"{d}/{MANIFEST_NAME}", data, durable=fsync)
+        storage.delete(f"{d}/{SUSPECT_MARKER}")
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
-            shutil.rmtree(d, ignore_errors=True)
+            storage.delete_prefix(d)
         else:  # the record must not vouch for the checkpoint this one failed to replace
-            (d / CHECK_RECORD).unlink(missing_ok=True)
+            storage.delete(f"{d}/{CHECK_RECORD}")
         if isinstance(e, SaveError) and e.step is None:
             e.step = m.step
         raise

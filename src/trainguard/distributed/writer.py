@@ -18,7 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,7 +68,7 @@ class TrainguardWriter(StorageWriter):
 
     Args:
         store: the run's chunk store.
-        tmp_dir: this save's partial directory (temporary chunk files).
+        staging: the staging prefix (a storage key) of this save's new chunks (``ChunkStore.staging_for``).
         commit: called by ``finish`` on the coordinator with DCP's metadata, every rank's results and every
             rank's entry paths.
         options: chunking options.
@@ -80,7 +79,7 @@ class TrainguardWriter(StorageWriter):
     def __init__(
         self,
         store: ChunkStore,
-        tmp_dir: Path,
+        staging: str,
         commit: CommitFn,
         options: WriterOptions,
         step: int,
@@ -88,7 +87,7 @@ class TrainguardWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.store = store
-        self.tmp_dir = tmp_dir
+        self.staging = staging
         self.commit = commit
         self.options = options
         self.step = step
@@ -132,7 +131,7 @@ class TrainguardWriter(StorageWriter):
             self.store.sync(step=self.step)  # durable and visible under chunks/ before the commit
             fut.set_result(results)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
-            self.store.drop_unpublished(self.tmp_dir)
+            self.store.drop_unpublished(self.staging)
             fut.set_exception(e)  # type: ignore[arg-type]
         return fut
 
@@ -141,7 +140,7 @@ class TrainguardWriter(StorageWriter):
 
     # -- writing ------------------------------------------------------------------------------------------
     def _put(self, view: memoryview) -> tuple[str, dict[str, Any]]:
-        rec, written = self.store.put(view, self.tmp_dir, step=self.step)
+        rec, written = self.store.put(view, self.staging, step=self.step)
         with self._lock:
             self.hashes.append(rec.hash)
             if written:

@@ -19,15 +19,17 @@ import base64
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import torch
 
 from ..errors import ConfigError
 from ..format import step_dir_name
-from ..storage.safeio import MIB, read_bounded
+from ..storage.safeio import MIB
+
+if TYPE_CHECKING:
+    from ..storage.base import Storage
 
 PROBE_FILE = "probe.json"
 MAX_PROBE_BYTES = 16 * MIB
@@ -145,17 +147,18 @@ def decode(data: bytes, *, manifest_crc: int | None = None) -> dict[str, torch.T
         raise ProbeRecordError(f"probe record does not parse ({type(e).__name__}: {e})") from None
 
 
-def read_probe(root: str | os.PathLike[str], step: int) -> dict[str, torch.Tensor] | None:
+def read_probe(root: str | os.PathLike[str] | Storage, step: int) -> dict[str, torch.Tensor] | None:
     """The stored probe outputs of ``step``; None when the checkpoint has none.
 
     Raises:
         ProbeRecordError: the record exists but is damaged or unsafe (a symlink, oversized, not parsing).
     """
+    from ..storage.base import as_storage
     from .suspect import manifest_crc
 
-    p = Path(root) / step_dir_name(step) / PROBE_FILE
+    key = f"{step_dir_name(step)}/{PROBE_FILE}"
     try:
-        data = read_bounded(p, 2 * MAX_PROBE_BYTES, what="probe record")
+        data = as_storage(root).read(key, limit_bytes=2 * MAX_PROBE_BYTES, what="probe record")
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
