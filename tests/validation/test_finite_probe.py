@@ -203,3 +203,16 @@ def test_markers_and_probe_records_are_bound_to_their_manifest(tmp_path):
     mgr = tg.CheckpointManager(tmp_path, probe=_probe_of(target))
     assert mgr.restore_latest({"model": target}) == 2  # the stale record neither vouches nor condemns
     mgr.close()
+
+
+def test_count_nonfinite_is_exact_across_blocks_and_dtypes():
+    from trainguard.validation.finite import BLOCK_ELEMS, count_nonfinite, scan
+
+    t = torch.zeros(BLOCK_ELEMS + 10)
+    t[5], t[BLOCK_ELEMS + 3], t[BLOCK_ELEMS + 4] = float("nan"), float("inf"), float("-inf")
+    assert count_nonfinite(t) == 3
+    big = torch.full((1000,), 6e4, dtype=torch.float16)  # its sum overflows: still no false positive
+    assert count_nonfinite(big) == 0
+    bf = torch.ones(10, dtype=torch.bfloat16)
+    bf[2] = float("nan")
+    assert scan({"a": bf, "b": torch.arange(5), "c": "text"}) == {"a": 1}
