@@ -55,7 +55,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+_SUBMODULES = ("lightning", "hf")  # integrations; each needs its extra (trainguard[lightning], [hf])
 
 
 def __getattr__(name: str) -> Any:
