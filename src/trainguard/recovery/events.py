@@ -60,6 +60,11 @@ OWN_EVENTS = frozenset(
         "give_up",
         "stop",
         "spawn_error",
+        "save_rejected",
+        "save_nonfinite",
+        "checkpoint_suspect",
+        "resume_diverged",
+        "scrub",
     }
 )
 """Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""
