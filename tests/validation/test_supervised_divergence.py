@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.recovery.config import Backoff
 from trainguard.recovery.events import read_events
-from trainguard.recovery.supervisor import Backoff, Supervisor, SupervisorConfig
+from trainguard.recovery.supervisor import Supervisor, SupervisorConfig
 
 SCRIPT = textwrap.dedent(
     """
