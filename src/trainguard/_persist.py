@@ -18,6 +18,8 @@ from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
+from .validation.hooks import check_before_persist
+from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -45,7 +47,12 @@ def persist(
 
     Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
 
-    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
+
+    Raises:
+        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
+    probe = mgr._probes.pop(step, None)
+    check_before_persist(mgr, step, flat)
     partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     mgr.storage.make_dir(partial)
     mgr.store.last_progress = time.monotonic()
@@ -57,7 +64,7 @@ def persist(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m)
+        mgr._publish(m, (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None)
         manifest_box.append(m)
 
     import torch.distributed.checkpoint as dcp
@@ -132,6 +139,7 @@ def persist(
         chunks=len(m.chunks),
         staging_bytes=mgr.staging_bytes,
         async_save=not blocking,
+        **({"probe_s": probe[1]} if probe is not None else {}),
     )
     tier_error = mgr._tiers.after_commit(step) if mgr._tiers is not None else None  # dual write, queue uploads
     mgr._apply_retention()

@@ -36,11 +36,14 @@ from .errors import (
     CorruptCheckpointError,
     InsufficientMemoryError,
     NoValidCheckpointError,
+    SuspectCheckpointError,
 )
 from .format import MANIFEST_NAME, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head
 from .state.dtypes import check_shard_bytes
+from .validation.hooks import check_probe, scan_loaded
+from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -114,6 +117,8 @@ def restore_latest(
                             )
                         foreign[step] = rid
                 problem, chunk = info.problem or info.status, info.chunk
+                if info.status == "suspect":
+                    problem = f"suspect: {problem}"
             verdict = mgr.dist.broadcast_ints([verdict])[0]
             if verdict == GONE:
                 raced = True
@@ -132,6 +137,11 @@ def restore_latest(
             t_chosen = time.perf_counter()
             try:
                 mgr._load(step, state, strict=strict)
+                probe_s = check_probe(mgr, step)
+            except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
+                skip(mgr, step, f"suspect: {e.reason}", None, timings, problems)
+                judged.add(step)
+                continue
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 if gone(mgr, step):
                     raced = True
@@ -149,8 +159,8 @@ def restore_latest(
                 continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
-            timings.load_s = t_loaded - t_chosen
-            timings.validate_s = 0.0
+            timings.validate_s = mgr._validate_s + probe_s
+            timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
             timings.bytes = mgr.last_restore.bytes
             mgr._event(
                 "restore",
@@ -193,10 +203,18 @@ def restore_latest(
         else ""
     )
     which = "of the newest run's lineage is" if foreign else "is"
+    suspect = [s for s in sorted(judged) if suspect_reason(mgr.root, s) is not None]
+    cleared = (
+        f"\nSuspect checkpoints {suspect} failed validation after load (probe, NaN/Inf, or the loss diverged after "
+        f"resuming); after checking one, `trainguard mark {mgr.root} STEP --clear` makes it a candidate again."
+        if suspect
+        else ""
+    )
     raise NoValidCheckpointError(
         f"{mgr.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
         + "\n  ".join(problems)
         + other
+        + cleared
         + f"\nRun `trainguard verify {mgr.root} --all` for details; restore a replica or start a new run root "
         "deliberately."
     )
@@ -272,6 +290,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         ):
             mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
+    mgr._validate_s = scan_loaded(mgr, step, template)  # before the state's objects take the tensors
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     mgr._restored(m)
     mgr.last_restore.bytes = reader.bytes_read

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._time import iso
@@ -43,6 +43,8 @@ from .format.run import RunInfo
 from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
 from .storage.base import Storage, as_storage
+from .validation.probe import PROBE_FILE
+from .validation.suspect import SUSPECT_MARKER
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -110,13 +112,23 @@ def build_manifest(
     )
 
 
-def publish(root: str | os.PathLike[str] | Storage, m: Manifest, *, fsync: bool = True) -> None:
+def publish(
+    root: str | os.PathLike[str] | Storage,
+    m: Manifest,
+    *,
+    fsync: bool = True,
+    extra: Callable[[bytes], dict[str, bytes]] | None = None,
+) -> None:
     """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
 
     Args:
         root: the run root (a directory or its :class:`~trainguard.storage.base.Storage`).
         m: the manifest to commit.
         fsync: make the step directory and the manifest durable.
+        extra: ``extra(manifest bytes)`` -> per-step side files (name -> bytes, e.g. ``probe.json``, which
+            records the CRC32C of the manifest it belongs to), published before the manifest so a committed
+            checkpoint always has them. A ``suspect.json`` of the checkpoint this one replaces is removed after
+            the manifest (a crash in between leaves a marker bound to the old manifest's CRC32C: ignored).
 
     Raises:
         StorageFullError: no space left for the manifest (nothing is committed; its ``step`` is set).
@@ -127,11 +139,15 @@ def publish(root: str | os.PathLike[str] | Storage, m: Manifest, *, fsync: bool 
     created = storage.make_dir(d)
     if created and fsync:
         storage.barrier("")
-    for stale in (CORRUPT_MARKER, CHECK_RECORD):  # records of a checkpoint this one replaces
+    for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
         storage.delete(f"{d}/{stale}")
     try:
+        data = manifest_to_json(m)
+        for name, side in (extra(data) if extra is not None else {}).items():
+            storage.publish(f"{d}/{name}", side, durable=fsync)
         record_check(storage, m.step, by="save")
-        storage.publish(f"{d}/{MANIFEST_NAME}", manifest_to_json(m), durable=fsync)
+        storage.publish(f"{d}/{MANIFEST_NAME}", data, durable=fsync)
+        storage.delete(f"{d}/{SUSPECT_MARKER}")
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
             storage.delete_prefix(d)
