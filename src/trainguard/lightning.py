@@ -26,7 +26,7 @@ import queue
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,12 @@ class TrainguardCheckpointIO(CheckpointIO):
         keep: trainguard retention (an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to
             keep all, the default); the newest valid checkpoint is never deleted.
         rng: save and restore the RNG states (Python, numpy, torch CPU and CUDA) with each checkpoint.
+        check_finite_entries: the entries of Lightning's checkpoint dict that the manager's ``check_finite``
+            scans for NaN/Inf (at save and after a restore): the training state, ``("state_dict",
+            "optimizer_states")`` by default. The other entries are bookkeeping where an infinity is legitimate
+            (``ModelCheckpoint``'s ``kth_value``/``best_model_score`` start at +-inf, ``ReduceLROnPlateau``'s
+            ``best`` too) and are not scanned. None: scan every entry. ``check_finite="off"`` (a manager
+            option) turns the check off.
         **manager_kwargs: more :class:`~trainguard.CheckpointManager` options (``async_save``, ``durability``,
             ``chunk_size_bytes``, ...).
 
@@ -144,6 +150,7 @@ class TrainguardCheckpointIO(CheckpointIO):
         *,
         keep: Any = None,
         rng: bool = True,
+        check_finite_entries: Sequence[str] | None = ("state_dict", "optimizer_states"),
         **manager_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -152,6 +159,12 @@ class TrainguardCheckpointIO(CheckpointIO):
         self.root = Path(root)
         self.keep = keep
         self.rng = bool(rng)
+        if isinstance(check_finite_entries, str):
+            raise ConfigError(
+                f"check_finite_entries takes a sequence of entry names, e.g. ('state_dict',), not the string "
+                f"{check_finite_entries!r}"
+            )
+        self.check_finite_entries = None if check_finite_entries is None else tuple(check_finite_entries)
         self.manager_kwargs = dict(manager_kwargs)
         self._mgr: Any = None
         self._saved: dict[int, tuple[str, Any]] = {}  # step -> (training position key, PendingSave)
@@ -176,7 +189,10 @@ class TrainguardCheckpointIO(CheckpointIO):
         if self._mgr is None:
             from .manager import CheckpointManager
 
-            self._mgr = CheckpointManager(self.root, keep=self.keep, **self.manager_kwargs)
+            mgr: Any = CheckpointManager(self.root, keep=self.keep, **self.manager_kwargs)
+            if self.check_finite_entries is not None:  # the training state only (see check_finite_entries)
+                mgr.check_finite_only = tuple(f"lightning.{e}" for e in self.check_finite_entries)
+            self._mgr = mgr
         return self._mgr
 
     def _state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,17 +50,21 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return bad
 
 
-def scan(flat: Mapping[str, Any]) -> dict[str, int]:
+def scan(flat: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, int]:
     """Every floating tensor of ``flat`` holding NaN or Inf, with its count of bad values.
 
     Args:
         flat: fully qualified name -> value (tensors, DTensors; other values are ignored).
+        only: scan only the names equal to or under one of these entries (``"lightning.state_dict"`` covers
+            ``"lightning.state_dict.layer.weight"``); None: every name. See :func:`in_scope`.
 
     Returns:
         name -> count of non-finite values, only for tensors with at least one (empty when all are finite).
     """
     out: dict[str, int] = {}
     for name, v in flat.items():
+        if not in_scope(name, only):
+            continue
         t = _local(v)
         if t is None:
             continue
@@ -68,6 +72,21 @@ def scan(flat: Mapping[str, Any]) -> dict[str, int]:
         if n:
             out[name] = n
     return out
+
+
+def in_scope(name: str, only: Sequence[str] | None) -> bool:
+    """Whether the flat name ``name`` is checked when the check is scoped to the entries ``only``.
+
+    Args:
+        name: a fully qualified name (``"lightning.state_dict.layer.weight"``).
+        only: entry names (dotted prefixes, ``"lightning.state_dict"``); None: everything is in scope.
+
+    Returns:
+        True for ``only=None`` or a name equal to an entry or under it (a prefix followed by ``"."``).
+    """
+    if only is None:
+        return True
+    return any(name == p or name.startswith(p + ".") for p in only)
 
 
 def describe(bad: Mapping[str, int]) -> str:

@@ -27,7 +27,7 @@ def check_before_persist(mgr: CheckpointManager, step: int, flat: Mapping[str, A
     if mode == "off":
         return
     t0 = time.perf_counter()
-    bad = finite.scan(flat)
+    bad = finite.scan(flat, getattr(mgr, "check_finite_only", None))
     scan_s = time.perf_counter() - t0
     any_bad = mgr.dist.any(bool(bad)) if mgr.dist.enabled else bool(bad)
     if not any_bad:
@@ -70,7 +70,7 @@ def scan_loaded(mgr: CheckpointManager, step: int, loaded: Mapping[str, Any]) ->
     if mode == "off":
         return 0.0
     t0 = time.perf_counter()
-    bad = finite.scan(loaded)
+    bad = finite.scan(loaded, getattr(mgr, "check_finite_only", None))
     any_bad = mgr.dist.any(bool(bad)) if mgr.dist.enabled else bool(bad)
     took = time.perf_counter() - t0
     if not any_bad:
