@@ -313,14 +313,39 @@ probe_x = torch.stack([_probe_windows[i][0] for i in range(2)])  # a fixed probe
 probe_y = torch.stack([_probe_windows[i][1] for i in range(2)])
 
 
-def probe() -> torch.Tensor:
-    """The model's loss on the fixed probe batch (eval mode, no grad: it changes no state)."""
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_fingerprint() -> torch.Tensor:
+    """One int64 per parameter: the sum of its elements' bit patterns (float32 bits read as int32).
+
+    Integer addition is exact and order-independent, so any changed element changes its parameter's entry, and
+    the value is bitwise the same after a bit-exact resume whatever the thread count; under FSDP each rank sums
+    its shard and the sums are all-reduced (a collective: every rank calls the probe). A loss alone can miss a
+    corrupted weight (a unit inactive on the probe inputs, a change lost in rounding).
+    """
+    sums = []
+    for p_ in model.parameters():
+        t = p_.detach()
+        if type(t).__name__ == "DTensor":
+            t = t.to_local()
+        t = t.contiguous().reshape(-1)
+        sums.append(t.view(_INT_OF_WIDTH[t.element_size()]).to(torch.int64).sum())
+    out = torch.stack(sums)
+    if distributed:
+        dist.all_reduce(out)
+    return out
+
+
+def probe() -> dict[str, torch.Tensor]:
+    """The probe fingerprint: the model's loss on the fixed probe batch and a fingerprint of every weight (eval
+    mode, no grad: it changes no state)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         out = model(probe_x, probe_y)
     model.train(was_training)
-    return out
+    return {"loss": out, "weights": weights_fingerprint()}
 
 
 mgr = tg.CheckpointManager(

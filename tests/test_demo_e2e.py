@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -77,6 +78,16 @@ def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used
     silent = next(f for f in s["failures"] if f["kind"] == "silent_corruption")
     suspect = [e for e in skipped if "suspect" in e["problem"] and "probe" in e["problem"]]
     assert suspect and silent["resumed_from"] < suspect[0]["step"]
+    # the step the fault damaged (named in the job's log) is the one flagged, and the resume came from before it
+    damaged = re.search(
+        r"\[fault\] silently corrupted (\S+) in \S+ of step (\d+)", (tmp_path / "faulted.log").read_text()
+    )
+    assert damaged, "the silent-corruption fault did not run"
+    step = int(damaged.group(2))
+    assert step in {e["step"] for e in suspect}, (
+        f"step {step} ({damaged.group(1)}) was restored without a flag"
+    )
+    assert silent["resumed_from"] < step and silent["recovered"], silent
     assert silent["phases"]["validation_s"] > 0
     assert 0 < s["goodput"] <= 1 and s["checkpoints"]["count"] >= 8
 

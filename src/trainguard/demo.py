@@ -341,6 +341,15 @@ def summarize(
         newest_valid = max((s for s in committed_before if s not in corrupt), default=None)
         restore = next((e for e in restores if e.get("restart_count") == f["attempt"] + 1), None)
         resumed = restore.get("step") if restore else None
+        recovered = bool(rec and rec.complete)
+        if f["kind"] == "silent_corruption":
+            # recovered means the damaged step was flagged (suspect) and skipped: a resume from it is a failure
+            flagged = [
+                s.get("step")
+                for s in skipped
+                if s.get("restart_count") == f["attempt"] + 1 and "suspect" in str(s.get("problem", ""))
+            ]
+            recovered = recovered and bool(flagged) and resumed is not None and resumed < min(flagged)
         failures.append(
             {
                 "kind": f["kind"],
@@ -359,7 +368,7 @@ def summarize(
                 "corrupt_chunk_reported": [
                     s.get("chunk") for s in skipped if s.get("restart_count") == f["attempt"] + 1
                 ],
-                "recovered": bool(rec and rec.complete),
+                "recovered": recovered,
             }
         )
     blocks = [e.get("block_s", 0.0) for e in saves]

@@ -142,21 +142,27 @@ def lightning_ckpt(step: int, w: torch.Tensor) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_the_default_finite_check_ignores_callback_bookkeeping_and_still_rejects_nan_weights(tmp_path: Path) -> None:
+def test_the_default_finite_check_ignores_callback_bookkeeping_and_still_rejects_nan_weights(
+    tmp_path: Path,
+) -> None:
     """The default path (check_finite="error", ModelCheckpoint without monitor) used to fail at the first save:
     kth_value is +inf. The check is scoped to state_dict/optimizer_states; a NaN weight is still rejected."""
     root = tmp_path / "root"
     io = TrainguardCheckpointIO(root, async_save=False)
     io.save_checkpoint(lightning_ckpt(1, torch.ones(4)), root / "lightning" / "last.ckpt")
     with pytest.raises(tg.NonFiniteStateError, match=r"lightning\.state_dict\.w") as e:
-        io.save_checkpoint(lightning_ckpt(2, torch.tensor([1.0, float("nan"), 1.0, 1.0])), tmp_path / "b.ckpt")
+        io.save_checkpoint(
+            lightning_ckpt(2, torch.tensor([1.0, float("nan"), 1.0, 1.0])), tmp_path / "b.ckpt"
+        )
     assert set(e.value.tensors) == {"lightning.state_dict.w", "lightning.optimizer_states.0.state.0.exp_avg"}
     io.teardown()
     # a restore scans the same entries: the +-inf bookkeeping does not make the checkpoint suspect
     loaded = TrainguardCheckpointIO(root).load_checkpoint(root / "lightning" / "last.ckpt")
     assert loaded["global_step"] == 1
     assert loaded["callbacks"][MODEL_CHECKPOINT_KEY]["kth_value"].item() == float("inf")
-    assert [(i.step, i.status) for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == [(1, "valid")]
+    assert [(i.step, i.status) for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == [
+        (1, "valid")
+    ]
 
 
 def test_check_finite_entries_none_scans_every_entry(tmp_path: Path) -> None:
