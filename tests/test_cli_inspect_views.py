@@ -124,10 +124,11 @@ def test_verify_on_an_empty_folder_fails_instead_of_passing(tmp_path):
 
 
 def test_ls_info_and_verify_on_a_parent_folder_name_the_runs_inside_it(tmp_path):
+    """A folder that is not a run root is an error for every command (exit 1), naming the runs inside it."""
     make_run(tmp_path / "runs" / "cnn", steps=(1,))
     make_run(tmp_path / "runs" / "sweep" / "lr-0.1", steps=(1,))
     parent = tmp_path / "runs"
-    for cmd, code in (("ls", 0), ("verify", 1), ("info", 1)):
+    for cmd, code in (("ls", 1), ("verify", 1), ("info", 1)):
         r = CliRunner().invoke(main, [cmd, str(parent)])
         assert r.exit_code == code, (cmd, r.output)
         assert str(parent / "cnn") in r.output and str(parent / "sweep" / "lr-0.1") in r.output, (

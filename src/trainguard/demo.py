@@ -366,7 +366,14 @@ def summarize(
                 and newest_valid is not None
                 and resumed >= newest_valid,
                 "corrupt_chunk_reported": [
-                    s.get("chunk") for s in skipped if s.get("restart_count") == f["attempt"] + 1
+                    s.get("chunk")
+                    for s in skipped
+                    if s.get("restart_count") == f["attempt"] + 1 and s.get("chunk")
+                ],
+                "suspect_skipped": [
+                    {"step": s.get("step"), "problem": s.get("problem")}
+                    for s in skipped
+                    if s.get("restart_count") == f["attempt"] + 1 and "suspect" in str(s.get("problem", ""))
                 ],
                 "recovered": recovered,
             }

@@ -139,6 +139,12 @@ def print_summary(s: dict) -> None:
             c.print(
                 f"corrupt chunk detected at resume and skipped: {', '.join(map(str, f['corrupt_chunk_reported']))}"
             )
+        for sk in f.get("suspect_skipped", []):
+            from rich.markup import escape
+
+            c.print(
+                f"suspect checkpoint detected at resume and skipped: step {sk['step']} ({escape(str(sk['problem']))})"
+            )
     c.print(
         f"goodput: {s['goodput'] * 100:.1f}% (useful training {s['useful_train_s']:.1f} s of {s['wall_s']:.1f} s "
         f"wall; the reference run took {s['reference_wall_s']:.1f} s)"

@@ -78,6 +78,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
     if is_url(root):
         return ls_url(root, as_json)
     p = _root(root)
+    require_run_root(p, "ls", as_json)
     infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
     tiers = tier_columns(p, [i.step for i in infos]) if as_json else None
@@ -151,6 +152,18 @@ def _runs_hint(p: Path, command: str) -> str:
     )
 
 
+def require_run_root(p: Path, command: str, as_json: bool) -> None:
+    """Refuse a folder that is not a run root, the same way for every command: with ``--json`` a JSON object
+    ``{"error": ...}`` on stdout, always a message on stderr, and exit 1. Nothing is created in ``p``."""
+    if is_run_root(p):
+        return
+    message = f"no checkpoints in {p}{_runs_hint(p, command)}"
+    if as_json:
+        click.echo(json.dumps({"error": message}))
+    click.echo(f"{command}: {message}", err=True)
+    sys.exit(1)
+
+
 def _fmt_s(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, (int, float)) else ""
 
@@ -170,14 +183,18 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     from ..incremental.chunkstore import ChunkStore
 
     p = url_cache(root, step) if is_url(root) else _root(root)
+    if not is_url(root):
+        require_run_root(p, "info", as_json)
     store = ChunkStore(p)
     latest = step is None
     for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
         if latest:
             valid = [i.step for i in scan(p, store) if i.usable]  # what restore_latest would try first
             if not valid:
-                hint = "" if step_dirs(p)[0] else _runs_hint(p, "info")
-                click.echo(f"no valid checkpoint in {p}{hint}", err=True)
+                message = f"no valid checkpoint in {p}"
+                if as_json:
+                    click.echo(json.dumps({"error": message}))
+                click.echo(message, err=True)
                 sys.exit(1)
             step = valid[-1]
         assert step is not None
@@ -200,10 +217,14 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         click.echo(f"{p}: the newest checkpoint kept being deleted while being read; try again", err=True)
         sys.exit(1)
     entries = _entries(store, m)
+    state, problem = status.status, status.problem
+    unreadable = [e for e in entries if "error" in e]
+    if unreadable and state != "corrupt":  # a value's chunk failed its CRC32C while info read it
+        state, problem = "corrupt", unreadable[0]["error"]
     summary = {
         "step": m.step,
-        "status": status.status,
-        "problem": status.problem,
+        "status": state,
+        "problem": problem,
         "time": m.time,
         "world_size": m.world_size,
         "format_version": m.format_version,
@@ -215,19 +236,21 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "run": _run_json(m),
         "entries": entries,
     }
-    bad = status.status in ("corrupt", "suspect", "incomplete")  # lacking only a full read is not a failure
+    bad = state in ("corrupt", "suspect", "incomplete")  # lacking only a full read is not a failure
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
         if bad:
-            click.echo(f"step {step} is {status.status}: {status.problem}", err=True)
+            click.echo(f"step {step} is {state}: {problem}", err=True)
         sys.exit(1 if bad else 0)
     _print_info(summary)
     if bad:
-        click.echo(
-            f"step {step} is {status.status}: {status.problem}; it will not be restored "
-            f"(`trainguard verify {root} --step {step}` re-reads every chunk)",
-            err=True,
-        )
+        if state == "suspect":  # its bytes are intact: re-reading them changes nothing
+            nxt = (
+                f"once you have checked it, `trainguard mark {root} {step} --clear` makes it restorable again"
+            )
+        else:
+            nxt = f"`trainguard verify {root} --step {step}` re-reads every chunk"
+        click.echo(f"step {step} is {state}: {problem}; it will not be restored ({nxt})", err=True)
         sys.exit(1)
 
 
@@ -389,7 +412,6 @@ def verify_cmd(
     Default: the newest committed checkpoint. Exit 1 if anything is corrupt, naming the chunk and the
     tensors it holds.
     """
-    from ..catalog import step_dirs
     from ..errors import ConfigError
     from ..integrity.verify import verify
     from ..planning.units import parse_bandwidth_bytes_per_s
@@ -406,6 +428,14 @@ def verify_cmd(
     if is_url(root):
         return verify_url(root, step, all_steps, as_json)
     p = _root(root)
+    if not is_run_root(p):
+        message = f"no checkpoints in {p}{_runs_hint(p, 'verify')}; nothing was verified"
+        if as_json:
+            click.echo(
+                json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message})
+            )
+        click.echo(f"FAILED: {message}", err=True)
+        sys.exit(1)
     dirs, partials = step_dirs(p)
     # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
     committed = stable_committed_steps(p)
@@ -449,12 +479,23 @@ def verify_cmd(
         except CheckpointNotFoundError as e:
             if step is not None or attempt == RACE_RETRIES - 1:
                 raise click.UsageError(str(e)) from None
+    from ..validation.suspect import suspect_reason
+
+    # CRC32C vouches for the bytes, not the content: a suspect step stays suspect (reported, not a failure)
+    suspect = {s: r for s in report.checked if (r := suspect_reason(p, s)) is not None}
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        doc = report.to_json()
+        doc["suspect"] = [{"step": s, "reason": r} for s, r in sorted(suspect.items())]
+        click.echo(json.dumps(doc, indent=1))
     else:
         for s in report.checked:
             bad = [c for c in report.corrupt if c["step"] == s]
-            if not bad:
+            if not bad and s in suspect:
+                click.echo(
+                    f"step {s}: ok (bytes intact) but SUSPECT: {suspect[s]}; it will not be restored until "
+                    f"`trainguard mark {root} {s} --clear` (once you have checked it)"
+                )
+            elif not bad:
                 click.echo(f"step {s}: ok")
             for c in bad:
                 click.echo(f"step {s}: CORRUPT {c['problem']}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .inspect import _root, console
+from .inspect import _root, console, require_run_root
 from .main import main
 
 
@@ -76,11 +76,13 @@ def status_cmd(root: str, watch: bool, interval: float, as_json: bool) -> None:
     """Show where the run under ROOT stands: the current step (heartbeat), the newest valid checkpoint and its
     age, saves in flight, restarts and failures so far.
 
-    Exit codes: 0 ok, 2 ROOT is missing or a bad option.
+    Exit codes: 0 ok, 1 ROOT is not a run root (with ``--json``: ``{"error": ...}`` on stdout), 2 ROOT is
+    missing or a bad option.
     """
     from ..observe.status import render_status, run_status
 
     p = _root(root)
+    require_run_root(p, "status", as_json)
     if not interval > 0:
         raise click.UsageError(f"--interval must be > 0 seconds, got {interval}")
     if as_json:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import click
 
-from ..catalog import is_committed
-from ..errors import ConfigError, RootLockedError
-from .inspect import _root, human_bytes
+from ..catalog import is_committed, read_manifest
+from ..errors import ConfigError, CorruptCheckpointError, RootLockedError
+from .inspect import _root, human_bytes, require_run_root
 from .main import main
 
 
@@ -40,6 +42,15 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
         return
     if not reason or not reason.strip():
         raise click.UsageError("--suspect needs a non-empty REASON")
+    try:
+        read_manifest(p, step)
+    except CorruptCheckpointError as e:  # never restored anyway: a suspect mark would change nothing
+        click.echo(
+            f"step {step} is corrupt, not marked: {e}. A corrupt checkpoint is never restored, so a suspect mark "
+            f"would change nothing (`trainguard ls {root}` shows it)",
+            err=True,
+        )
+        sys.exit(1)
     if not mark_suspect(p, step, reason, by="operator"):
         click.echo(f"step {step}: could not write the marker under {p} (read-only?)", err=True)
         sys.exit(1)
@@ -77,6 +88,7 @@ def gc_cmd(
     from ..validation.scrub import gc
 
     p = _root(root)
+    require_run_root(p, "gc", as_json)  # before the lock: taking it would create ROOT/.lock
     try:
         q = parse_duration_s(quarantine_older_than, what="--quarantine-older-than")
         o = parse_duration_s(orphans_older_than, what="--orphans-older-than")
@@ -84,8 +96,16 @@ def gc_cmd(
         raise click.UsageError(str(e)) from None
     try:
         report = gc(p, quarantine_older_than_s=q, orphans_older_than_s=o, dry_run=dry_run)
-    except RootLockedError as e:
+    except ConfigError as e:  # not a run root: refused like verify/info, nothing created
         click.echo(f"gc: {e}", err=True)
+        sys.exit(1)
+    except RootLockedError:
+        click.echo(
+            f"gc: run root {p} is locked by a job writing to it{_holder(p)}. gc removes chunks a running job may still write or read, so it needs the root to "
+            "itself: stop the job, or wait until it ends, then run gc again (while a job runs, its own "
+            "retention removes the chunks its checkpoints no longer reference)",
+            err=True,
+        )
         sys.exit(1)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
@@ -99,3 +119,27 @@ def gc_cmd(
         f"{verb} {len(report.quarantined)} quarantined and {len(report.orphans)} orphan chunk(s), "
         f"{human_bytes(report.bytes_freed)}; {report.referenced} referenced chunk(s) kept"
     )
+    if report.unreadable_manifests:
+        steps = ", ".join(map(str, report.unreadable_manifests))
+        click.echo(
+            f"the manifest of step(s) {steps} cannot be read, so the chunks it references are unknown: no "
+            "orphan was removed (`trainguard ls` shows why; remove or repair that step and run gc again)"
+        )
+
+
+def _holder(root: Path) -> str:
+    """`` (pid N on HOST)`` from the root's lock file, or "" when it cannot be read."""
+    from ..errors import UnsafeFileError
+    from ..storage.safeio import open_regular
+
+    try:  # a regular file only: never through a symlink, never blocking on a named pipe
+        fd = open_regular(root / ".lock", os.O_RDONLY, what="lock file")
+    except (OSError, UnsafeFileError):
+        return ""
+    try:
+        text = os.read(fd, 200).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    return f" ({text})" if text else ""

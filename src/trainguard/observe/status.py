@@ -17,6 +17,7 @@ from ..catalog import scan, step_dirs
 from ..recovery.events import read_events
 from ..recovery.heartbeat import MAX_SLOTS, RECORD_SIZE_BYTES, Heartbeat, read_heartbeats
 
+STATUSES = ("valid", "unverified", "suspect", "corrupt", "incomplete")  # the catalog's statuses, ls's order
 _STEP_EVENTS = ("first_step", "progress", "save")
 
 
@@ -57,15 +58,18 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         if stepped:
             step, step_t, source = stepped[-1]["step"], float(stepped[-1]["t"]), "events"
     infos = scan(root) if Path(root).is_dir() else []
-    counts: dict[str, int] = {}
-    for i in infos:
-        counts[i.status] = counts.get(i.status, 0) + 1
+    counts: dict[str, int] = {}  # in the catalog's order of statuses, as `trainguard ls` labels them
+    for status_name in STATUSES:
+        n = sum(1 for i in infos if i.status == status_name)
+        if n:
+            counts[status_name] = n
     valid = [i for i in infos if i.usable]  # what restore_latest would use
     newest_valid = None
     if valid:
         v = valid[-1]
         newest_valid = {
             "step": v.step,
+            "status": v.status,  # "valid" or "unverified" (restorable: restore checks every byte it reads)
             "bytes": v.bytes,
             "time": v.time,
             "age_s": None if v.t is None else max(0.0, now - v.t),
@@ -141,8 +145,13 @@ def render_status(s: dict[str, Any]) -> Any:
     step = "-" if s["step"] is None else f"{s['step']} ({s['step_source']}, {_age(s['step_age_s'])})"
     t.add_row("current step", step)
     nv = s["newest_valid"]
-    t.add_row("newest valid checkpoint", "none" if nv is None else f"step {nv['step']}, {_age(nv['age_s'])}")
-    counts = ", ".join(f"{n} {k}" for k, n in sorted(s["checkpoints"].items())) or "none"
+    if nv is None:
+        newest = "none"
+    else:  # the status as `trainguard ls` shows it: an unverified checkpoint is restorable, not "valid"
+        shown = "" if nv.get("status", "valid") == "valid" else f" ({nv['status']})"
+        newest = f"step {nv['step']}{shown}, {_age(nv['age_s'])}"
+    t.add_row("newest restorable checkpoint", newest)
+    counts = ", ".join(f"{n} {k}" for k, n in s["checkpoints"].items()) or "none"
     t.add_row("checkpoints", counts)
     t.add_row("saves in flight", ", ".join(map(str, s["saves_in_flight"])) or "none")
     t.add_row("restarts so far", str(s["restarts"]))

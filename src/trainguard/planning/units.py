@@ -117,7 +117,7 @@ def parse_duration_s(text: str | float, *, what: str = "duration", allow_zero: b
         s = s[1:].lstrip()
     if _NUM_RE.fullmatch(s) is not None and float(s.replace("_", "")) != 0:
         raise ConfigError(
-            f"{what} {text!r} has no unit; durations need one: {s}h, {s}min or {s}s (e.g. {example})"
+            f"{what} {text!r} has no unit; durations need one: {s}d, {s}h, {s}min or {s}s (e.g. {example})"
         )
     parts = list(_DURATION_PART_RE.finditer(s))
     if (
@@ -267,6 +267,7 @@ def parse_bandwidth_bytes_per_s(text: str | float, *, what: str = "bandwidth") -
         value = float(text)
     else:
         value, rest = _split_number(text, what, example)
+        _check_sign(value, str(text), what, example, allow_zero=False)  # before any unit hint built on it
         m = re.match(r"^(?P<size>[A-Za-z]*)\s*(?P<per>/\s*s(?:ec)?|ps)?$", rest)
         if m is None:
             raise ConfigError(

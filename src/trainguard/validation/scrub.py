@@ -115,13 +115,16 @@ class GcReport:
         quarantined: relative paths of quarantined chunks removed.
         orphans: relative paths of unreferenced chunks removed.
         bytes_freed: bytes of both.
-        referenced: how many chunks the committed manifests reference (never touched).
+        referenced: how many chunks the readable committed manifests reference (never touched).
+        unreadable_manifests: steps whose manifest could not be read: their chunks are unknown, so no orphan
+            is removed while there is one.
     """
 
     quarantined: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     referenced: int = 0
+    unreadable_manifests: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -129,6 +132,7 @@ class GcReport:
             "orphans": self.orphans,
             "bytes_freed": self.bytes_freed,
             "referenced": self.referenced,
+            "unreadable_manifests": self.unreadable_manifests,
         }
 
 
@@ -158,34 +162,46 @@ def gc(
 
     Raises:
         RootLockedError: a writer holds the root (run gc when the job is stopped, or leave it to retention).
+        ConfigError: ``root`` is not a run root (no step directories, chunk store or event log); nothing is
+            created in it.
     """
     from .._lock import RootLock
-    from ..catalog import read_manifest, step_dirs
-    from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+    from ..catalog import is_run_root, read_manifest, step_dirs
+    from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
     from ..format import MANIFEST_NAME
 
     root = Path(root)
+    if not root.is_dir() or not is_run_root(root):  # before the lock: taking it would create root/.lock
+        raise ConfigError(
+            f"{root} is not a run root (it holds no step-N directories, chunks/ or events/); give the folder a "
+            "CheckpointManager writes to (`trainguard ls` lists the run roots inside a folder); nothing was changed"
+        )
     now = time.time() if now is None else now
     lock = RootLock(root)
     lock.acquire()
     try:
-        referenced: set[str] | None = set()
+        known: set[str] = set()
+        unreadable: list[int] = []
         steps, _ = step_dirs(root)
         for s, d in steps.items():
             try:
-                referenced |= set(read_manifest(root, s).chunks)  # type: ignore[operator]
+                known |= set(read_manifest(root, s).chunks)
             except CheckpointNotFoundError:
                 continue
             except CorruptCheckpointError:
                 if (d / MANIFEST_NAME).exists():
-                    referenced = None
-                    break
-        report = GcReport(referenced=len(referenced) if referenced is not None else 0)
+                    unreadable.append(s)
+        referenced = None if unreadable else known  # an unreadable manifest's chunks are unknown
+        report = GcReport(referenced=len(known), unreadable_manifests=sorted(unreadable))
         chunks = root / "chunks"
         if not chunks.is_dir():
             return report
         if referenced is None:
-            log.warning("gc: a manifest under %s cannot be read; no unreferenced chunk is removed", root)
+            log.warning(
+                "gc: the manifest of step(s) %s under %s cannot be read; no unreferenced chunk is removed",
+                ", ".join(map(str, unreadable)),
+                root,
+            )
         for sub in sorted(chunks.iterdir()):
             if not sub.is_dir() or sub.is_symlink() or len(sub.name) != 2:
                 continue
