@@ -216,3 +216,30 @@ def test_count_nonfinite_is_exact_across_blocks_and_dtypes():
     bf = torch.ones(10, dtype=torch.bfloat16)
     bf[2] = float("nan")
     assert scan({"a": bf, "b": torch.arange(5), "c": "text"}) == {"a": 1}
+
+
+def test_infinite_bookkeeping_values_are_not_tensors_and_pass_the_check(tmp_path):
+    """The HF Trainer's state (``TrainguardTrainer``): TrainerState is JSON text (``best_metric`` may be
+    +-inf) and a scheduler's ``best`` (ReduceLROnPlateau) a Python float; only floating *tensors* are scanned, so
+    neither rejects a save nor makes the checkpoint suspect. Only tensors are training state here."""
+    state = {
+        "model": {"w": torch.ones(2)},
+        "trainer": {
+            "scheduler": {"best": float("inf"), "mode": "min"},
+            "trainer_state": json.dumps({"best_metric": float("-inf")}),
+        },
+    }
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state)
+    out: dict = {"model": {}, "trainer": {}}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(out) == 1
+    assert out["trainer"]["scheduler"]["best"] == float("inf")
+
+
+def test_check_finite_only_scopes_the_scan_to_entries():
+    from trainguard.validation.finite import in_scope, scan
+
+    flat = {"lightning.state_dict.w": torch.ones(2), "lightning.callbacks.k": torch.tensor(float("inf"))}
+    assert scan(flat) == {"lightning.callbacks.k": 1}
+    assert scan(flat, ("lightning.state_dict",)) == {}
+    assert in_scope("a.b", ("a",)) and in_scope("a", ("a",)) and not in_scope("ab.c", ("a",))
