@@ -290,7 +290,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         ):
             mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
-    mgr._validate_s = scan_loaded(mgr, step, template)  # before the state's objects take the tensors
+    mgr._validate_s = scan_loaded(mgr, step, template, m.metadata)  # before the state's objects take them
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     mgr._restored(m)
     mgr.last_restore.bytes = reader.bytes_read

@@ -52,6 +52,7 @@ from .errors import CheckpointNotFoundError, ConfigError
 from .format import MANIFEST_NAME, step_dir_name
 from .state.data import ResumableLoader as _ResumableLoader
 from .storage.local import atomic_write
+from .validation.hooks import FINITE_SCOPE_KEY
 
 log = logging.getLogger("trainguard")
 
@@ -190,8 +191,11 @@ class TrainguardCheckpointIO(CheckpointIO):
             from .manager import CheckpointManager
 
             mgr: Any = CheckpointManager(self.root, keep=self.keep, **self.manager_kwargs)
-            if self.check_finite_entries is not None:  # the training state only (see check_finite_entries)
-                mgr.check_finite_only = tuple(f"lightning.{e}" for e in self.check_finite_entries)
+            mgr.check_finite_only = (  # the training state only (see check_finite_entries); None: everything
+                None
+                if self.check_finite_entries is None
+                else tuple(f"lightning.{e}" for e in self.check_finite_entries)
+            )
             self._mgr = mgr
         return self._mgr
 
@@ -238,12 +242,17 @@ class TrainguardCheckpointIO(CheckpointIO):
         previous = self._saved.get(step)
         if previous is None or previous[0] != key:
             state = self._state(_plain(checkpoint))
+            scope = mgr.check_finite_only
+            # recorded with the checkpoint: any reader's scan after load covers the same entries
+            meta = None if scope is None else {FINITE_SCOPE_KEY: list(scope)}
             if previous is None:
                 committed = (self.root / step_dir_name(step) / MANIFEST_NAME).exists()  # e.g. before a crash
-                handle = mgr.save(step, state, metrics=_metrics(checkpoint), overwrite=committed)
+                handle = mgr.save(
+                    step, state, metrics=_metrics(checkpoint), metadata=meta, overwrite=committed
+                )
             else:
                 mgr.wait()
-                handle = mgr.save(step, state, metrics=_metrics(checkpoint), overwrite=True)
+                handle = mgr.save(step, state, metrics=_metrics(checkpoint), metadata=meta, overwrite=True)
             self._saved[step] = (key, handle)
         else:
             handle = previous[1]

@@ -165,6 +165,23 @@ def test_the_default_finite_check_ignores_callback_bookkeeping_and_still_rejects
     ]
 
 
+def test_a_plain_manager_restoring_a_lightning_checkpoint_scans_what_the_save_scanned(tmp_path: Path) -> None:
+    """The scope is recorded in the manifest's metadata: a plain reader (``trainguard export``, a read-only
+    manager) does not mark the checkpoint suspect for the callbacks' +-inf."""
+    root = tmp_path / "root"
+    io = TrainguardCheckpointIO(root, async_save=False)
+    io.save_checkpoint(lightning_ckpt(1, torch.ones(4)), root / "lightning" / "last.ckpt")
+    io.teardown()
+    assert read_manifest(root, 1).metadata["trainguard.check_finite_only"] == [
+        "lightning.state_dict",
+        "lightning.optimizer_states",
+    ]
+    state: dict[str, Any] = {"lightning": {}, "rng": {}}
+    assert tg.CheckpointManager(root, read_only=True).restore_latest(state) == 1
+    assert state["lightning"]["callbacks"][MODEL_CHECKPOINT_KEY]["kth_value"].item() == float("inf")
+    assert [i.status for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == ["valid"]
+
+
 def test_check_finite_entries_none_scans_every_entry(tmp_path: Path) -> None:
     io = TrainguardCheckpointIO(tmp_path / "root", async_save=False, check_finite_entries=None)
     with pytest.raises(tg.NonFiniteStateError, match="kth_value"):

@@ -56,8 +56,27 @@ def _suspect(mgr: CheckpointManager, step: int, reason: str, by: str) -> Suspect
     return SuspectCheckpointError(f"checkpoint of step {step} is suspect: {reason}", step=step, reason=reason)
 
 
-def scan_loaded(mgr: CheckpointManager, step: int, loaded: Mapping[str, Any]) -> float:
-    """The non-finite scan of every restored floating tensor (before the state's objects take them).
+FINITE_SCOPE_KEY = "trainguard.check_finite_only"  # manifest metadata: the entries the save's scan covered
+
+
+def finite_scope(mgr: Any, metadata: Mapping[str, Any] | None = None) -> tuple[str, ...] | None:
+    """The entries ``check_finite`` covers: the manager's ``check_finite_only`` (set by an integration such as
+    ``tg.lightning``), else the scope recorded in the checkpoint's metadata by the save, so that any reader
+    (a plain ``CheckpointManager``, ``trainguard export``) scans what the writer scanned; None: everything."""
+    own = getattr(mgr, "check_finite_only", None)
+    if own is not None:
+        return tuple(own)
+    recorded = (metadata or {}).get(FINITE_SCOPE_KEY)
+    if isinstance(recorded, list) and all(isinstance(x, str) for x in recorded):
+        return tuple(recorded)
+    return None
+
+
+def scan_loaded(
+    mgr: CheckpointManager, step: int, loaded: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+) -> float:
+    """The non-finite scan of every restored floating tensor (before the state's objects take them), within
+    :func:`finite_scope` (``metadata``: the checkpoint's manifest metadata).
 
     Returns:
         The seconds it took.
@@ -70,7 +89,7 @@ def scan_loaded(mgr: CheckpointManager, step: int, loaded: Mapping[str, Any]) ->
     if mode == "off":
         return 0.0
     t0 = time.perf_counter()
-    bad = finite.scan(loaded, getattr(mgr, "check_finite_only", None))
+    bad = finite.scan(loaded, finite_scope(mgr, metadata))
     any_bad = mgr.dist.any(bool(bad)) if mgr.dist.enabled else bool(bad)
     took = time.perf_counter() - t0
     if not any_bad:
