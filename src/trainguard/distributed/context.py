@@ -117,12 +117,18 @@ class DistContext:
         dist.all_gather(out, buf, group=self.ctl_group)
         return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank."""
+    def any(self, flag: bool, *, io: bool = False) -> bool:
+        """True on every rank if ``flag`` is True on any rank.
+
+        Args:
+            flag: this rank's value.
+            io: decide on ``io_group`` (from the save/load path, the thread that runs DCP's collectives: the
+                background thread of an async save) instead of ``ctl_group`` (the training thread's).
+        """
         if not self.enabled:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.io_group if io else self.ctl_group)
         return bool(t.item())
 
     def barrier(self) -> None:

@@ -29,7 +29,9 @@ def check_before_persist(mgr: CheckpointManager, step: int, flat: Mapping[str, A
     t0 = time.perf_counter()
     bad = finite.scan(flat, getattr(mgr, "check_finite_only", None))
     scan_s = time.perf_counter() - t0
-    any_bad = mgr.dist.any(bool(bad)) if mgr.dist.enabled else bool(bad)
+    # on io_group: this runs in the persist path (an async save's background thread), where a collective on
+    # ctl_group would interleave with the training thread's (ranks pairing different collectives: a hang)
+    any_bad = mgr.dist.any(bool(bad), io=True) if mgr.dist.enabled else bool(bad)
     if not any_bad:
         return
     where = f" on rank {mgr.dist.rank}" if mgr.dist.enabled else ""
