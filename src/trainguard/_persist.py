@@ -4,6 +4,7 @@ phase; it runs in the caller's thread for synchronous saves and in the backgroun
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -11,6 +12,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
@@ -18,6 +20,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .commit import build_manifest
 from .distributed import TrainguardSavePlanner, TrainguardWriter
+from .distributed.writer import tensor_bytes
+from .incremental.auto import Decision, state_sample
+from .incremental.delta import SaveEncoder
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
@@ -27,6 +32,8 @@ from .storage.local import remove_tree
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
+
+log = logging.getLogger("trainguard")
 
 
 def persist(
@@ -61,7 +68,10 @@ def persist(
         manifest_box.append(m)
 
     chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
-    writer = TrainguardWriter(mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths))
+    decision, encoder = begin_encoding(mgr, flat)
+    writer = TrainguardWriter(
+        mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths), encoder=encoder
+    )
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
@@ -100,6 +110,7 @@ def persist(
             remove_tree(chunk_tmp)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
+    end_encoding(mgr, decision, encoder, writer)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
         result = SaveResult(
             step=step,
@@ -107,6 +118,8 @@ def persist(
             bytes_written=writer.bytes_written,
             block_s=block_s,
             persist_s=elapsed,
+            new_bytes=writer.bytes_written,
+            logical_bytes=logical_bytes(flat),
         )
         mgr.saves.append(result)
         return result
@@ -115,7 +128,13 @@ def persist(
     mgr._manifest_runs[step] = mgr.run.run_id
     mgr._manifest_metrics[step] = dict(m.metrics)
     result = SaveResult(
-        step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
+        step=step,
+        bytes=m.bytes,
+        bytes_written=writer.bytes_written,
+        block_s=block_s,
+        persist_s=elapsed,
+        new_bytes=m.new_bytes if m.new_bytes is not None else writer.bytes_written,
+        logical_bytes=m.logical_bytes,
     )
     mgr.saves.append(result)
     mgr._event(
@@ -123,6 +142,10 @@ def persist(
         step=step,
         bytes=result.bytes,
         bytes_written=result.bytes_written,
+        new_bytes=result.new_bytes,
+        logical_bytes=result.logical_bytes,
+        compression=decision.to_json()
+        | {"deltas": encoder.stats.deltas if encoder else 0, "reused": encoder.stats.reused if encoder else 0},
         block_s=result.block_s,
         persist_s=result.persist_s,
         chunks=len(m.chunks),
@@ -131,6 +154,49 @@ def persist(
     )
     mgr._apply_retention()
     return result
+
+
+def logical_bytes(flat: Mapping[str, Any]) -> int:
+    """In-memory bytes of the tensors of a flattened state."""
+    return sum(t.numel() * t.element_size() for t in flat.values() if isinstance(t, torch.Tensor))
+
+
+def begin_encoding(mgr: CheckpointManager, flat: Mapping[str, Any]) -> tuple[Decision, SaveEncoder | None]:
+    """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
+    memory of pieces needed)."""
+    tensors = [t for t in flat.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    chooser = mgr.compression
+    sample = None
+    if chooser.mode == "auto" and chooser.codec_Bps is None:
+        sample = state_sample(
+            [(tensor_bytes(t), t.element_size()) for t in tensors if t.numel() * t.element_size() >= 4096]
+        )
+    decision = chooser.decide(logical_bytes(flat), sample)
+    log.info(
+        "save compression: %s (%s)",
+        "on" if decision.compress else "off",
+        ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in decision.to_json().items()),
+    )
+    if chooser.mode == "off" and not mgr.incremental.delta:
+        return decision, None
+    return decision, mgr.incremental.begin(compress=decision.compress)
+
+
+def end_encoding(
+    mgr: CheckpointManager, decision: Decision, encoder: SaveEncoder | None, writer: TrainguardWriter
+) -> None:
+    """After a committed save: its pieces become the next save's delta bases; its measurements feed auto."""
+    if encoder is not None:
+        mgr.incremental.committed(encoder)
+    st = encoder.stats if encoder is not None else None
+    mgr.compression.observe(
+        compressed=decision.compress,
+        stored_written=writer.bytes_written,
+        raw_encoded=st.raw_bytes if st else 0,
+        stored_encoded=st.stored_bytes if st else 0,
+        encode_s=st.encode_s if st else 0.0,
+        write_s=writer.write_s,
+    )
 
 
 def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:

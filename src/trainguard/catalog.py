@@ -55,6 +55,10 @@ class CheckpointInfo:
         problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
+        new_bytes: stored bytes the save that wrote it added (fixed at save time; None for checkpoints of
+            older trainguard versions and for corrupt or incomplete ones).
+        logical_bytes: bytes of its tensors and stored values as in memory (None when its manifest is not
+            readable).
     """
 
     step: int
@@ -65,6 +69,8 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+    new_bytes: int | None = None
+    logical_bytes: int | None = None
 
     @property
     def usable(self) -> bool:
@@ -76,6 +82,8 @@ class CheckpointInfo:
             "step": self.step,
             "status": self.status,
             "bytes": self.bytes,
+            "new_bytes": self.new_bytes,
+            "logical_bytes": self.logical_bytes,
             "time": self.time,
             "problem": self.problem,
         }
@@ -292,7 +300,18 @@ def inspect_step(
             bad_chunk = chunk if isinstance(chunk, str) else None
         else:
             status, problem = _check_status(root, step)
-    return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
+    return CheckpointInfo(
+        step,
+        status,
+        m.bytes,
+        m.time or iso(m.t),
+        m.t,
+        problem,
+        str(path),
+        bad_chunk,
+        m.new_bytes,
+        m.logical_bytes,
+    ), m
 
 
 def _check_status(root: str | os.PathLike[str], step: int) -> tuple[str, str | None]:

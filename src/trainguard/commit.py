@@ -64,12 +64,25 @@ def build_manifest(
     (:mod:`trainguard.state.per_rank`)."""
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
+    new: set[str] = set()  # chunks this save wrote (not deduplicated): its new_bytes
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
             for h, info in sd.get("chunks", {}).items():
-                chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
+                chunks[h] = ChunkRecord(
+                    h,
+                    chunk_relpath(h),
+                    info["length"],
+                    info["crc32c"],
+                    info["codec"],
+                    info.get("size"),
+                    info.get("base"),
+                    info.get("delta"),
+                    info.get("word", 0),
+                )
+                if info.get("new"):
+                    new.add(h)
     entries: dict[str, TensorEntry | ValueEntry] = {}
     for fqn, smd in md.state_dict_metadata.items():
         path, rank = strip_rank(tuple(tuple(p) for p in paths[fqn]))
@@ -101,6 +114,7 @@ def build_manifest(
         metadata=dict(metadata or {}),
         top_level=top,
         run=run,
+        new_bytes=sum(chunks[h].length for h in new),
     )
 
 

@@ -41,7 +41,9 @@ from .errors import (
 from .format import Manifest, step_dir_name
 from .format.layout import MANIFEST_NAME
 from .format.run import RunInfo, new_run_id
+from .incremental.auto import CompressionChooser
 from .incremental.chunkstore import ChunkStore
+from .incremental.delta import IncrementalState
 from .policies import SavePolicy
 from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
@@ -100,6 +102,15 @@ class CheckpointManager:
             (``trainguard_save_block_seconds``, ``trainguard_save_persist_seconds``,
             ``trainguard_checkpoint_bytes``, ``trainguard_save_failures_total``); None: a private one, see
             :attr:`metrics_registry`. Pass ``prometheus_client.REGISTRY`` to export through the default one.
+        compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
+            the measured storage bandwidth, codec speed and ratio say it lowers the durable save time; the
+            decision and its inputs are logged and in each ``save`` event), ``"zstd"`` (always: space over
+            time) or ``"off"``.
+        delta: write each changed tensor piece as a delta (integer difference) against the same piece of the
+            previous save when that is smaller than compressing it alone; only in compressed saves. Holds one
+            host copy of the last saved tensors (default False).
+        max_chain: a save writes no new delta at least every ``max_chain`` saves, and no chunk's chain of
+            delta bases reaches ``max_chain`` links (default 10), bounding what a restore reads.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -133,6 +144,9 @@ class CheckpointManager:
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
         metrics_registry: Any = None,
+        compression: str = "auto",
+        delta: bool = False,
+        max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -150,6 +164,15 @@ class CheckpointManager:
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
+        try:
+            self.compression = CompressionChooser(compression, threads=self.options.threads)
+            if isinstance(max_chain, bool) or not isinstance(max_chain, int):
+                raise ValueError(f"max_chain must be an int >= 1, got {max_chain!r}")
+            self.incremental = IncrementalState(delta=bool(delta), max_chain=max_chain)
+        except ValueError as e:
+            raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
+        if delta and compression == "off":
+            raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
         try:
             self.store = ChunkStore(self.root, fsync=fsync, durability=durability)
         except ValueError as e:  # the store checks its own options

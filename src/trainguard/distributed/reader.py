@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.futures import Future
 from ..errors import CorruptCheckpointError
 from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
 from ..incremental.chunkstore import ChunkStore
+from ..incremental.delta import read_decoded
 from ..state.dtypes import dtype_from_name
 from ..state.values import TAG_JSON, TAG_TORCH
 
@@ -69,6 +71,7 @@ class TrainguardReader(StorageReader):
         self.owners = manifest.chunk_owners()
         self.bytes_read = 0
         self._chunk_cache: dict[str, bytearray] = {}
+        self._lock = threading.Lock()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -113,8 +116,12 @@ class TrainguardReader(StorageReader):
         buf = self._chunk_cache.get(h)
         if buf is None:
             rec = self.manifest.chunks[h]
-            buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
-            self.bytes_read += rec.length
+            if rec.encoded:
+                buf = bytearray(rec.decoded_size)
+                self._decode(rec, memoryview(buf))
+            else:
+                buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
+                self.bytes_read += rec.length
             self._chunk_cache[h] = buf
         return buf
 
@@ -129,6 +136,18 @@ class TrainguardReader(StorageReader):
                 self._chunk_cache.pop(s.chunk, None)  # a tensor's own chunk is not needed again
         return out
 
+    def _decode(self, rec: ChunkRecord, out: memoryview) -> None:
+        """Decode an encoded chunk (and its chain of delta bases, each CRC32C-checked) into ``out``."""
+        read_decoded(
+            self.store, self.manifest.chunks, rec, out, step=self.manifest.step, owners=self.owners.get(rec.hash)
+        )
+        base, n = rec, rec.length
+        while base.base is not None:
+            base = self.manifest.chunks[base.base]
+            n += base.length
+        with self._lock:
+            self.bytes_read += n
+
     def _read_chunks_into(self, jobs: list[tuple[ChunkRecord, memoryview]]) -> None:
         """Read whole chunks straight into destination memory, CRC32C-checked, from ``threads`` threads (largest
         first): one stream at a time leaves the disk idle between files."""
@@ -137,7 +156,10 @@ class TrainguardReader(StorageReader):
 
         def one(job: tuple[ChunkRecord, memoryview]) -> None:
             rec, view = job
-            self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
+            if rec.encoded:
+                self._decode(rec, view)
+            else:
+                self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
 
         if len(jobs) <= 1 or self.threads <= 1:
             for job in jobs:
@@ -146,7 +168,7 @@ class TrainguardReader(StorageReader):
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
                 for f in [pool.submit(one, j) for j in jobs]:
                     f.result()
-        self.bytes_read += sum(rec.length for rec, _ in jobs)
+        self.bytes_read += sum(rec.length for rec, _ in jobs if not rec.encoded)
 
     def _read_item(
         self,
@@ -195,7 +217,7 @@ class TrainguardReader(StorageReader):
             and dest.dtype == dtype
             and dest.is_contiguous()
             and all(
-                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size for s in shard.segments
             )
         ):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]

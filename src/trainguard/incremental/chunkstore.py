@@ -49,6 +49,7 @@ from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage import local as _local
 from ..storage.local import fsync_dir, raise_if_full
 from ..storage.safeio import lstat_regular, open_regular
+from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
 # An I/O error (EACCES, EIO, ...) is retried this many times in all, with this first backoff doubling each time;
@@ -57,9 +58,14 @@ READ_ATTEMPTS = 3
 READ_RETRY_BACKOFF_S = 0.05
 
 
-def content_hash(buf: memoryview | bytes) -> str:
-    """xxh3-128 hex digest (32 hex digits) of ``buf``."""
-    return xxhash.xxh3_128_hexdigest(buf)
+def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
+    """xxh3-128 hex digest (32 hex digits) of ``buf`` followed by ``recipe`` (an encoded chunk's decoding
+    recipe, so that one name always means one decoded content; empty for raw chunks)."""
+    if not recipe:
+        return xxhash.xxh3_128_hexdigest(buf)
+    x = xxhash.xxh3_128(buf)
+    x.update(recipe)
+    return x.hexdigest()
 
 
 DURABILITY_MODES = ("batched", "per_file")
@@ -250,18 +256,54 @@ class ChunkStore:
         tmp.mkdir(exist_ok=True)
         return tmp
 
+    def pin(self, hashes: Iterable[str]) -> None:
+        """Pin chunks a save references without writing them (e.g. delta bases); undo with :meth:`unpin`."""
+        with self._lock:
+            for h in hashes:
+                self._pins[h] += 1
+
+    def reuse(self, rec: ChunkRecord) -> bool:
+        """Pin ``rec`` and return True when its file holds exactly its bytes (verified as for deduplication),
+        else unpin it and return False (the caller writes the content anew)."""
+        self.pin([rec.hash])
+        try:
+            ok = self._reusable(rec, self.root / rec.path)
+        except BaseException:
+            self.unpin([rec.hash])
+            raise
+        if not ok:
+            self.unpin([rec.hash])
+        return ok
+
     def put(
-        self, buf: memoryview | bytes, tmp_dir: Path, *, step: int | None = None
+        self,
+        buf: memoryview | bytes,
+        tmp_dir: Path,
+        *,
+        step: int | None = None,
+        encoding: Encoding | None = None,
     ) -> tuple[ChunkRecord, bool]:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
+
+        Args:
+            buf: the stored bytes.
+            tmp_dir: this save's directory for temporary chunk files.
+            step: the step being saved (error messages).
+            encoding: how ``buf`` decodes (None: raw bytes).
 
         Raises:
             StorageFullError: ENOSPC while writing.
         """
         view = memoryview(buf).cast("B")
-        h = content_hash(view)
+        enc = encoding or Encoding(size=len(view))
+        h = content_hash(view, enc.recipe())
         rel = chunk_relpath(h)
-        rec = ChunkRecord(h, rel, len(view), crc32c.crc32c(view), "raw")
+        if enc.recipe():
+            rec = ChunkRecord(
+                h, rel, len(view), crc32c.crc32c(view), enc.codec, enc.size, enc.base, enc.delta, enc.word
+            )
+        else:
+            rec = ChunkRecord(h, rel, len(view), crc32c.crc32c(view), "raw")
         final = self.root / rel
         with self._lock:
             self._pins[h] += 1
