@@ -65,7 +65,12 @@ def manifest(root, step) -> dict:
 def test_every_checkpoint_of_a_ten_save_delta_chain_restores_bit_exact_in_every_dtype(tmp_path, async_save):
     root = tmp_path / "run"
     with tg.CheckpointManager(
-        root, async_save=async_save, compression="zstd", delta=True, max_chain=4, fsync=False,
+        root,
+        async_save=async_save,
+        compression="zstd",
+        delta=True,
+        max_chain=4,
+        fsync=False,
         chunk_size_bytes=1 << 20,
     ) as mgr:
         for step in range(1, 11):
@@ -114,7 +119,11 @@ def test_sizes_agree_across_save_result_checkpoints_events_and_ls_json(tmp_path)
     for r in results:
         i, row, ev = infos[r.step], rows[r.step], events[r.step]
         assert (r.logical_bytes, r.bytes, r.new_bytes) == (i.logical_bytes, i.bytes, i.new_bytes)
-        assert (row["logical_bytes"], row["bytes"], row["new_bytes"]) == (i.logical_bytes, i.bytes, i.new_bytes)
+        assert (row["logical_bytes"], row["bytes"], row["new_bytes"]) == (
+            i.logical_bytes,
+            i.bytes,
+            i.new_bytes,
+        )
         assert (ev["logical_bytes"], ev["bytes"], ev["new_bytes"]) == (i.logical_bytes, i.bytes, i.new_bytes)
     first, second = results
     assert first.new_bytes == first.bytes  # nothing to share with

@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .commit import build_manifest
 from .distributed import TrainguardSavePlanner, TrainguardWriter
 from .distributed.writer import tensor_bytes
-from .incremental.auto import Decision, state_sample
-from .incremental.delta import SaveEncoder
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
+from .incremental.auto import Decision, state_sample
+from .incremental.delta import SaveEncoder
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
 from .storage.local import remove_tree
@@ -145,7 +145,10 @@ def persist(
         new_bytes=result.new_bytes,
         logical_bytes=result.logical_bytes,
         compression=decision.to_json()
-        | {"deltas": encoder.stats.deltas if encoder else 0, "reused": encoder.stats.reused if encoder else 0},
+        | {
+            "deltas": encoder.stats.deltas if encoder else 0,
+            "reused": encoder.stats.reused if encoder else 0,
+        },
         block_s=result.block_s,
         persist_s=result.persist_s,
         chunks=len(m.chunks),
@@ -175,7 +178,9 @@ def begin_encoding(mgr: CheckpointManager, flat: Mapping[str, Any]) -> tuple[Dec
     log.info(
         "save compression: %s (%s)",
         "on" if decision.compress else "off",
-        ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in decision.to_json().items()),
+        ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in decision.to_json().items()
+        ),
     )
     if chooser.mode == "off" and not mgr.incremental.delta:
         return decision, None

@@ -62,7 +62,7 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 
 @main.command("ls")
 @click.argument("root")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, time}.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, new_bytes, logical_bytes, time}.")
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / unverified / corrupt / incomplete), size and time."""
     p = _root(root)

@@ -139,7 +139,12 @@ class TrainguardReader(StorageReader):
     def _decode(self, rec: ChunkRecord, out: memoryview) -> None:
         """Decode an encoded chunk (and its chain of delta bases, each CRC32C-checked) into ``out``."""
         read_decoded(
-            self.store, self.manifest.chunks, rec, out, step=self.manifest.step, owners=self.owners.get(rec.hash)
+            self.store,
+            self.manifest.chunks,
+            rec,
+            out,
+            step=self.manifest.step,
+            owners=self.owners.get(rec.hash),
         )
         base, n = rec, rec.length
         while base.base is not None:
@@ -217,7 +222,8 @@ class TrainguardReader(StorageReader):
             and dest.dtype == dtype
             and dest.is_contiguous()
             and all(
-                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size for s in shard.segments
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size
+                for s in shard.segments
             )
         ):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]

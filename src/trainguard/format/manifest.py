@@ -29,7 +29,9 @@ FORMAT_VERSION = 1
 PER_RANK_FORMAT_VERSION = (
     2  # written only by manifests holding per-rank entries (a v1 reader would misread them)
 )
-ENCODED_FORMAT_VERSION = 3  # written only by manifests holding compressed or delta chunks (and per-rank entries)
+ENCODED_FORMAT_VERSION = (
+    3  # written only by manifests holding compressed or delta chunks (and per-rank entries)
+)
 SUPPORTED_VERSIONS = (FORMAT_VERSION, PER_RANK_FORMAT_VERSION, ENCODED_FORMAT_VERSION)
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,40}")
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: anything larger in a manifest is corrupt or malicious

@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .codecs import compress
 
 MODES = ("auto", "zstd", "off")
@@ -79,7 +77,9 @@ class CompressionChooser:
             "logical_bytes": logical_bytes,
         }
         if self.bw_Bps is None or self.codec_Bps is None or self.ratio is None:
-            return Decision(False, "auto: storage bandwidth not measured yet (first save uncompressed)", inputs)
+            return Decision(
+                False, "auto: storage bandwidth not measured yet (first save uncompressed)", inputs
+            )
         t_off = logical_bytes / self.bw_Bps
         t_on = logical_bytes / (self.codec_Bps * self.threads) + self.ratio * logical_bytes / self.bw_Bps
         inputs.update(t_off_s=t_off, t_on_s=t_on)
@@ -102,7 +102,13 @@ class CompressionChooser:
             self.ratio = stored / raw
 
     def observe(
-        self, *, compressed: bool, stored_written: int, raw_encoded: int, stored_encoded: int, encode_s: float,
+        self,
+        *,
+        compressed: bool,
+        stored_written: int,
+        raw_encoded: int,
+        stored_encoded: int,
+        encode_s: float,
         write_s: float,
     ) -> None:
         """Record what a committed save measured: stored bytes written and the seconds of its write phase
@@ -116,12 +122,10 @@ class CompressionChooser:
             self.bw_Bps = self._ewma(self.bw_Bps, stored_written / io_s)
 
 
-def state_sample(views: list[tuple[memoryview, int]], limit: int = SAMPLE_BYTES) -> list[tuple[memoryview, int]]:
+def state_sample(
+    views: list[tuple[memoryview, int]], limit: int = SAMPLE_BYTES
+) -> list[tuple[memoryview, int]]:
     """Up to ``limit`` bytes spread over the largest tensors (the codec's speed and ratio on this state)."""
     big = sorted(views, key=lambda v: -len(v[0]))[:8]
     per = max(limit // max(len(big), 1), 4096)
     return [(v[:per], s) for v, s in big if len(v)]
-
-
-def as_bytes(a: np.ndarray) -> memoryview:
-    return memoryview(a).cast("B")

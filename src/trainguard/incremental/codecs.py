@@ -129,7 +129,9 @@ def delta_encode(cur: memoryview | bytes, base: memoryview | bytes, op: str, wor
     raise ValueError(f"unknown delta op {op!r}; expected one of {DELTA_OPS}")
 
 
-def delta_decode_inplace(delta_out: memoryview, base: memoryview | bytes | bytearray, op: str, word: int) -> None:
+def delta_decode_inplace(
+    delta_out: memoryview, base: memoryview | bytes | bytearray, op: str, word: int
+) -> None:
     """Turn ``delta_out`` (holding a decoded delta) into the chunk's bytes, in place: ``+ base`` or ``^ base``."""
     d = _words(np.frombuffer(delta_out.cast("B") if delta_out.format != "B" else delta_out, np.uint8), word)
     b = _words(base, word)

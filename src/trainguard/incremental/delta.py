@@ -158,13 +158,12 @@ class SaveEncoder:
             word = delta_word(itemsize)
             d = delta_encode(view, memoryview(prev.data), self.state.delta_op, word)
             dstored = compress(memoryview(d).cast("B"), word)
-            if len(dstored) < len(stored):
+            # the base chain must still be intact on storage (pinned from here on while it is used)
+            if len(dstored) < len(stored) and self._reuse(store, prev):
                 stored = dstored
                 enc = Encoding("blosc2", len(view), prev.chain[0].hash, self.state.delta_op, word)
                 chain_tail = prev.chain
         dt = time.perf_counter() - t0
-        if chain_tail:
-            store.pin(r.hash for r in chain_tail)
         try:
             rec, written = store.put(stored, tmp_dir, step=step, encoding=enc)
         except BaseException:
@@ -267,7 +266,11 @@ def _undecodable(
 ) -> CorruptCheckpointError:
     where = f" of step {step}" if step is not None else ""
     return CorruptCheckpointError(
-        f"chunk {rec.path}{where} does not decode ({e})", step=step, chunk=rec.path, tensors=owners, damaged=True
+        f"chunk {rec.path}{where} does not decode ({e})",
+        step=step,
+        chunk=rec.path,
+        tensors=owners,
+        damaged=True,
     )
 
 
