@@ -174,7 +174,10 @@ def begin_encoding(mgr: CheckpointManager, flat: Mapping[str, Any]) -> tuple[Dec
         sample = state_sample(
             [(tensor_bytes(t), t.element_size()) for t in tensors if t.numel() * t.element_size() >= 4096]
         )
-    decision = chooser.decide(logical_bytes(flat), sample)
+    piece = max((t.numel() * t.element_size() for t in tensors), default=0)
+    decision = chooser.decide(
+        logical_bytes(flat), sample, piece_bytes=min(piece, mgr.options.chunk_size_bytes)
+    )
     log.info(
         "save compression: %s (%s)",
         "on" if decision.compress else "off",

@@ -161,8 +161,11 @@ class CheckpointManager:
                 f"{type(save_policy).__name__}"
             )
         self.retention = as_retention(keep)
+        # with deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
+        # previous save; a shared pack of many small tensors changes whenever any of them does)
         self.options = WriterOptions(
-            chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
+            chunk_size_bytes=chunk_size_bytes,
+            pack_threshold_bytes=min((64 << 10) if delta else (1 << 20), chunk_size_bytes),
         )
         try:
             self.compression = CompressionChooser(compression, threads=self.options.threads)

@@ -4,8 +4,12 @@ Model (per save of ``L`` logical bytes, ``n`` encoding threads, storage bandwidt
 codec speed ``cs`` in raw bytes/s per thread, stored/raw ratio ``r``)::
 
     t_off = L / bw
-    t_on  = L / (cs * n) + r * L / bw        (no overlap of encoding and I/O assumed: conservative)
+    t_on  = max(L / (cs * n), r * L / bw) + P / cs
     compress  iff  t_on < MARGIN * t_off
+
+The writer's threads encode one piece while others write theirs (and the kernel writes back while encoding
+goes on), so encoding and I/O overlap; ``P / cs``, the encoding of the largest piece ``P`` (a tensor, at most
+``chunk_size_bytes``), is the pipeline's fill and drain.
 
 ``bw`` is measured on saves written uncompressed (stored bytes written / seconds from the first chunk to the
 durable sync), and on compressed saves net of the encoding time; ``cs`` and ``r`` come from the last compressed
@@ -62,9 +66,15 @@ class CompressionChooser:
     def _ewma(old: float | None, new: float) -> float:
         return new if old is None else ALPHA * new + (1 - ALPHA) * old
 
-    def decide(self, logical_bytes: int, sample: list[tuple[memoryview, int]] | None = None) -> Decision:
-        """Decide for a save of ``logical_bytes``; ``sample`` ((bytes, itemsize) pairs of the state) measures
-        the codec when it has not run yet."""
+    def decide(
+        self,
+        logical_bytes: int,
+        sample: list[tuple[memoryview, int]] | None = None,
+        *,
+        piece_bytes: int = 0,
+    ) -> Decision:
+        """Decide for a save of ``logical_bytes`` whose largest piece is ``piece_bytes``; ``sample`` ((bytes,
+        itemsize) pairs of the state) measures the codec when it has not run yet."""
         if self.mode != "auto":
             return Decision(self.mode == "zstd", f"compression={self.mode!r}")
         if self.codec_Bps is None and sample:
@@ -81,7 +91,9 @@ class CompressionChooser:
                 False, "auto: storage bandwidth not measured yet (first save uncompressed)", inputs
             )
         t_off = logical_bytes / self.bw_Bps
-        t_on = logical_bytes / (self.codec_Bps * self.threads) + self.ratio * logical_bytes / self.bw_Bps
+        t_on = max(
+            logical_bytes / (self.codec_Bps * self.threads), self.ratio * logical_bytes / self.bw_Bps
+        ) + min(piece_bytes, logical_bytes) / self.codec_Bps
         inputs.update(t_off_s=t_off, t_on_s=t_on)
         if t_on < MARGIN * t_off:
             return Decision(True, "auto: compressing lowers the estimated durable time", inputs)
