@@ -160,15 +160,11 @@ _GC_KILLER = textwrap.dedent(
     with tg.CheckpointManager(root, async_save=False, compression="zstd", delta=True, fsync=False) as mgr:
         for step in range(1, 8):
             mgr.save(step, evolve(step))
-    real_unlink = os.unlink
-    n = [0]
-    orig = ChunkStore.collect
 
     def dying_collect(self, candidates, referenced, **kw):
         # delete two unreferenced chunks, then SIGKILL in the middle of the collection
         for h in sorted(set(candidates) - referenced)[:2]:
-            p = self.root / "chunks" / h[:2] / h
-            p.unlink()
+            os.unlink(os.path.join(root, "chunks", h[:2], h))
         os.kill(os.getpid(), signal.SIGKILL)
 
     ChunkStore.collect = dying_collect

@@ -28,7 +28,6 @@ from .incremental.auto import Decision, state_sample
 from .incremental.delta import SaveEncoder
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
-from .storage.local import remove_tree
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -53,8 +52,8 @@ def persist(
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
-    partial = mgr.root / partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
-    partial.mkdir()
+    partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
+    mgr.storage.make_dir(partial)
     mgr.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
@@ -67,10 +66,10 @@ def persist(
         mgr._publish(m)
         manifest_box.append(m)
 
-    chunk_tmp = mgr.store.tmp_dir_for(partial)  # on the chunks' filesystem
+    staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
     decision, encoder = begin_encoding(mgr, flat)
     writer = TrainguardWriter(
-        mgr.store, chunk_tmp, commit, mgr.options, step, paths=dict(paths), encoder=encoder
+        mgr.store, staging, commit, mgr.options, step, paths=dict(paths), encoder=encoder
     )
     try:
         with quiet_dcp():
@@ -105,9 +104,9 @@ def persist(
         ) from err
     finally:
         mgr.store.unpin(writer.hashes)
-        remove_tree(partial)
-        if chunk_tmp != partial:
-            remove_tree(chunk_tmp)
+        mgr.storage.delete_prefix(partial)
+        if staging != partial:
+            mgr.storage.delete_prefix(staging)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     end_encoding(mgr, decision, encoder, writer)

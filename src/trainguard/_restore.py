@@ -55,7 +55,7 @@ def committed_steps(mgr: CheckpointManager) -> list[int]:
     """Steps with a manifest, newest first (rank 0's view, on every rank)."""
     steps: list[int] | None = None
     if mgr.dist.is_coordinator:
-        dirs, partials = step_dirs(mgr.root)
+        dirs, partials = step_dirs(mgr.storage)
         uncommitted = sorted(s for s, d in dirs.items() if not (d / MANIFEST_NAME).exists())
         if uncommitted:
             log.warning(
@@ -76,7 +76,7 @@ OK, BAD, GONE, FOREIGN = 1, 0, 2, 3  # rank 0's verdict on a candidate step, bro
 
 def gone(mgr: CheckpointManager, step: int) -> bool:
     """True on every rank when rank 0 finds the manifest of ``step`` deleted (retention raced this reader)."""
-    return bool(mgr.dist.broadcast_ints([int(not is_committed(mgr.root, step))])[0])
+    return bool(mgr.dist.broadcast_ints([int(not is_committed(mgr.storage, step))])[0])
 
 
 def restore_latest(
@@ -91,16 +91,16 @@ def restore_latest(
     steps = committed_steps(mgr)
     while True:
         raced = False
-        hd = head(mgr.root) if mgr.dist.is_coordinator else None
+        hd = head(mgr.storage) if mgr.dist.is_coordinator else None
         for step in steps:
             if step in judged:
                 continue
             verdict, problem, chunk, tensors = OK, "", None, None
             if mgr.dist.is_coordinator:
-                info, m = inspect_step(mgr.root, step, mgr.root / step_dir_name(step), mgr.store)
+                info, m = inspect_step(mgr.storage, step, mgr.root / step_dir_name(step), mgr.store)
                 if not info.usable:  # valid or unverified: restore reads and checks every byte it loads
-                    verdict = GONE if not is_committed(mgr.root, step) else BAD
-                    marker = corrupt_marker(mgr.root, step)
+                    verdict = GONE if not is_committed(mgr.storage, step) else BAD
+                    marker = corrupt_marker(mgr.storage, step)
                     listed = marker.get("tensors") if marker is not None else None
                     if isinstance(listed, list):
                         tensors = [str(x) for x in listed]
@@ -226,7 +226,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
     m = None
     err0: BaseException | None = None
     try:
-        m = read_manifest(mgr.root, step)
+        m = read_manifest(mgr.storage, step)
     except (CheckpointNotFoundError, CorruptCheckpointError) as read_err:
         err0 = read_err
     if mgr.dist.any(err0 is not None):  # every rank gives up together: none may wait in dcp.load alone
@@ -261,7 +261,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         if (
             isinstance(err, CorruptCheckpointError)
             and mgr.dist.is_coordinator
-            and is_committed(mgr.root, step)
+            and is_committed(mgr.storage, step)
         ):
             mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
@@ -279,7 +279,7 @@ def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError)
     are advisory files; nothing is written where the root is read-only) but never moves a chunk.
     """
     if err.unreadable:
-        record_check(mgr.root, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
+        record_check(mgr.storage, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
         return
     if err.chunk and not err.damaged:
         return
@@ -287,4 +287,4 @@ def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError)
         moved = mgr.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-    record_corrupt(mgr.root, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=mgr.fsync)
+    record_corrupt(mgr.storage, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=mgr.fsync)

@@ -33,7 +33,8 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileE
 from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
 from .format.manifest import DTYPE_ITEMSIZE
 from .incremental.chunkstore import ChunkStore
-from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, read_bounded
+from .storage.base import Storage, as_storage
+from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
 
 CORRUPT_MARKER = "corrupt.json"
 CHECK_RECORD = "verified.json"
@@ -89,32 +90,43 @@ class CheckpointInfo:
         }
 
 
-def step_dirs(root: str | os.PathLike[str]) -> tuple[dict[int, Path], dict[int, list[Path]]]:
-    """Committed-or-not step directories and partial directories, keyed by step (cheap: one listdir)."""
-    steps: dict[int, Path] = {}
-    partials: dict[int, list[Path]] = {}
-    r = Path(root)
-    if not r.is_dir():
-        return steps, partials
-    for entry in os.scandir(r):
+def step_keys(root: str | os.PathLike[str] | Storage) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """Step directories (committed or not) and partial directories, keyed by step, as storage keys (cheap: one
+    listing of the root)."""
+    steps: dict[int, str] = {}
+    partials: dict[int, list[str]] = {}
+    for entry in as_storage(root).list(""):
         parsed = parse_step_dir(entry.name)
-        if parsed is None or not entry.is_dir(follow_symlinks=False):
+        if parsed is None or not entry.is_dir:
             continue
         step, is_partial = parsed
         if is_partial:
-            partials.setdefault(step, []).append(Path(entry.path))
+            partials.setdefault(step, []).append(entry.name)
         else:
-            steps[step] = Path(entry.path)
+            steps[step] = entry.name
     return steps, partials
 
 
-def listing(root: str | os.PathLike[str]) -> frozenset[tuple[int, bool]]:
+def step_dirs(root: str | os.PathLike[str] | Storage) -> tuple[dict[int, Path], dict[int, list[Path]]]:
+    """:func:`step_keys` as local paths (cheap: one listdir); only for storage with a local directory."""
+    storage = as_storage(root)
+    base = storage.local_path
+    if base is None:
+        raise TypeError(f"{storage.url} is not a local directory: use step_keys()")
+    steps, partials = step_keys(storage)
+    return {s: base / k for s, k in steps.items()}, {s: [base / k for k in ks] for s, ks in partials.items()}
+
+
+def listing(root: str | os.PathLike[str] | Storage) -> frozenset[tuple[int, bool]]:
     """``(step, committed)`` for every step directory: what a stable scan compares (cheap: listdir + stats)."""
-    steps, _ = step_dirs(root)
-    return frozenset((s, (d / MANIFEST_NAME).exists()) for s, d in steps.items())
+    storage = as_storage(root)
+    steps, _ = step_keys(storage)
+    return frozenset((s, storage.exists(f"{k}/{MANIFEST_NAME}")) for s, k in steps.items())
 
 
-def stable_committed_steps(root: str | os.PathLike[str], *, stable_s: float = STABLE_SCAN_S) -> list[int]:
+def stable_committed_steps(
+    root: str | os.PathLike[str] | Storage, *, stable_s: float = STABLE_SCAN_S
+) -> list[int]:
     """Steps with a manifest, ascending, from a stable listing: two listings in a row agree (a single one can
     miss every checkpoint while a writer commits one and deletes the previous one)."""
     deadline = time.monotonic() + stable_s
@@ -126,12 +138,12 @@ def stable_committed_steps(root: str | os.PathLike[str], *, stable_s: float = ST
         before = after
 
 
-def is_committed(root: str | os.PathLike[str], step: int) -> bool:
+def is_committed(root: str | os.PathLike[str] | Storage, step: int) -> bool:
     """True while the manifest of ``step`` exists (False once retention or a crash cleanup removed it)."""
-    return (Path(root) / step_dir_name(step) / MANIFEST_NAME).exists()
+    return as_storage(root).exists(f"{step_dir_name(step)}/{MANIFEST_NAME}")
 
 
-def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
+def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest:
     """Parse and validate the manifest of ``step``.
 
     The file is opened without following a symlink and without blocking, and read only if it is a regular
@@ -142,17 +154,23 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
         CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged, unsafe, not a regular file
             (a symlink, a directory, a named pipe) or cannot be read (permissions, I/O error).
     """
-    d = Path(root) / step_dir_name(step)
-    p = d / MANIFEST_NAME
-    if p.is_symlink():
+    storage = as_storage(root)
+    key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    p = storage.location(key)
+    try:
+        info = storage.stat(key)
+    except OSError:
+        info = None
+    if info is not None and info.kind == "symlink":
         raise CorruptCheckpointError(
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
         )
     try:
-        data = read_bounded(p, MAX_MANIFEST_BYTES, what="manifest")
+        data = storage.read(key, limit_bytes=MAX_MANIFEST_BYTES, what="manifest")
     except (FileNotFoundError, NotADirectoryError):  # one open: a manifest deleted later still reads whole
         raise CheckpointNotFoundError(
-            f"no committed checkpoint of step {step} under {root} (run `trainguard ls {root}` to list them)"
+            f"no committed checkpoint of step {step} under {storage.url} (run `trainguard ls {storage.url}` to "
+            "list them)"
         ) from None
     except UnsafeFileError as e:
         raise CorruptCheckpointError(f"manifest of step {step} refused: {e}", step=step) from None
@@ -160,15 +178,16 @@ def read_manifest(root: str | os.PathLike[str], step: int) -> Manifest:
         raise CorruptCheckpointError(
             f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
         ) from None
-    return manifest_from_json(data, root=str(root), expect_step=step)
+    local = storage.local_path
+    return manifest_from_json(data, root=str(local) if local is not None else None, expect_step=step)
 
 
-def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+def corrupt_marker(root: str | os.PathLike[str] | Storage, step: int) -> dict[str, object] | None:
     """The ``corrupt.json`` marker of ``step`` (None when absent). A marker that is not a regular file, is
     larger than ``MAX_MARKER_BYTES`` or does not parse counts as a marker (the step is not valid)."""
-    p = Path(root) / step_dir_name(step) / CORRUPT_MARKER
+    key = f"{step_dir_name(step)}/{CORRUPT_MARKER}"
     try:
-        data = json.loads(read_bounded(p, MAX_MARKER_BYTES, what="corrupt marker"))
+        data = json.loads(as_storage(root).read(key, limit_bytes=MAX_MARKER_BYTES, what="corrupt marker"))
         return data if isinstance(data, dict) else {"problem": "corrupt"}
     except FileNotFoundError:
         return None
@@ -178,30 +197,33 @@ def corrupt_marker(root: str | os.PathLike[str], step: int) -> dict[str, object]
         return {"problem": "corrupt (unreadable marker)"}
 
 
-def check_record(root: str | os.PathLike[str], step: int) -> dict[str, object] | None:
+def check_record(root: str | os.PathLike[str] | Storage, step: int) -> dict[str, object] | None:
     """The last full check of ``step``'s bytes (``verified.json``), or None when none is recorded."""
-    p = Path(root) / step_dir_name(step) / CHECK_RECORD
+    key = f"{step_dir_name(step)}/{CHECK_RECORD}"
     try:  # a symlink, a named pipe or an oversized file is refused, never followed or read whole
-        data = json.loads(read_bounded(p, MAX_MARKER_BYTES, what="check record"))
+        data = json.loads(as_storage(root).read(key, limit_bytes=MAX_MARKER_BYTES, what="check record"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def _write_record(path: Path, body: dict[str, object], fsync: bool) -> bool:
-    from .storage.local import atomic_write
-
-    if not path.parent.is_dir():  # deleted meanwhile (retention): nothing to record
-        return False
+def _write_record(storage: Storage, key: str, body: dict[str, object], fsync: bool) -> bool:
+    d = key.rsplit("/", 1)[0]
     try:
-        atomic_write(path, json.dumps(body).encode(), fsync=fsync)
+        info = storage.stat(d)
+    except OSError:
+        info = None
+    if storage.local_path is not None and (info is None or info.kind != "dir"):
+        return False  # deleted meanwhile (retention): nothing to record
+    try:
+        storage.publish(key, json.dumps(body).encode(), durable=fsync)
     except OSError:  # a read-only root or a step deleted meanwhile: the record is advisory
         return False
     return True
 
 
 def record_check(
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | Storage,
     step: int,
     *,
     by: str,
@@ -214,22 +236,21 @@ def record_check(
     read and matched, or written by the save from the bytes whose CRC32C it records) or not ok (a chunk could
     not be read: an I/O error, which is never corruption). A passing check also clears a stale
     ``corrupt.json``. Returns False when the record could not be written (read-only root)."""
-    d = Path(root) / step_dir_name(step)
+    storage = as_storage(root)
+    d = step_dir_name(step)
     body: dict[str, object] = {"ok": ok, "by": by, "time": iso(), "problem": problem, "chunk": chunk}
-    if not _write_record(d / CHECK_RECORD, body, fsync):
+    if not _write_record(storage, f"{d}/{CHECK_RECORD}", body, fsync):
         return False
     if ok:
         try:
-            (d / CORRUPT_MARKER).unlink()
-        except FileNotFoundError:
-            pass
+            storage.delete(f"{d}/{CORRUPT_MARKER}")
         except OSError:
             return False
     return True
 
 
 def record_corrupt(
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | Storage,
     step: int,
     problem: str,
     *,
@@ -245,11 +266,11 @@ def record_corrupt(
         "tensors": list(tensors or []),
         "time": iso(),
     }
-    return _write_record(Path(root) / step_dir_name(step) / CORRUPT_MARKER, body, fsync)
+    return _write_record(as_storage(root), f"{step_dir_name(step)}/{CORRUPT_MARKER}", body, fsync)
 
 
 def inspect_step(
-    root: str | os.PathLike[str], step: int, path: Path, store: ChunkStore
+    root: str | os.PathLike[str] | Storage, step: int, path: Path, store: ChunkStore
 ) -> tuple[CheckpointInfo, Manifest | None]:
     """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data).
 
@@ -314,7 +335,7 @@ def inspect_step(
     ), m
 
 
-def _check_status(root: str | os.PathLike[str], step: int) -> tuple[str, str | None]:
+def _check_status(root: str | os.PathLike[str] | Storage, step: int) -> tuple[str, str | None]:
     check = check_record(root, step)
     if check is None:
         return (
@@ -386,7 +407,7 @@ def find_run_roots(parent: str | os.PathLike[str], *, max_depth: int = 2, limit:
 
 
 def scan(
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | Storage,
     store: ChunkStore | None = None,
     *,
     stable_s: float = STABLE_SCAN_S,
@@ -415,7 +436,9 @@ def scan(
         stable = after == before and not any(i.problem == GONE for i in out)
         if stable or time.monotonic() > deadline:
             if failed_saves:
-                out = sorted(out + _failed_saves(root, {i.step for i in out}), key=lambda i: i.step)
+                local = as_storage(root).local_path
+                failed = _failed_saves(local, {i.step for i in out}) if local is not None else []
+                out = sorted(out + failed, key=lambda i: i.step)
             return out
         before = after
 

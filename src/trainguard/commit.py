@@ -19,10 +19,9 @@ touched).
 
 from __future__ import annotations
 
-import shutil
+import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -46,7 +45,7 @@ from .format import (
 from .format.run import RunInfo
 from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
-from .storage.local import atomic_write, fsync_dir
+from .storage.base import Storage, as_storage
 
 
 def build_manifest(
@@ -118,26 +117,33 @@ def build_manifest(
     )
 
 
-def publish(root: Path, m: Manifest, *, fsync: bool = True) -> None:
-    """Step 3 of the protocol: create the step directory and publish the manifest last, atomically."""
-    d = root / step_dir_name(m.step)
-    created = not d.exists()
-    d.mkdir(exist_ok=True)
+def publish(root: str | os.PathLike[str] | Storage, m: Manifest, *, fsync: bool = True) -> None:
+    """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
+
+    Args:
+        root: the run root (a directory or its :class:`~trainguard.storage.base.Storage`).
+        m: the manifest to commit.
+        fsync: make the step directory and the manifest durable.
+
+    Raises:
+        StorageFullError: no space left for the manifest (nothing is committed; its ``step`` is set).
+        OSError: the manifest could not be written (nothing is committed).
+    """
+    storage = as_storage(root)
+    d = step_dir_name(m.step)
+    created = storage.make_dir(d)
     if created and fsync:
-        fsync_dir(root)
+        storage.barrier("")
     for stale in (CORRUPT_MARKER, CHECK_RECORD):  # records of a checkpoint this one replaces
-        try:
-            (d / stale).unlink()
-        except FileNotFoundError:
-            pass
+        storage.delete(f"{d}/{stale}")
     try:
-        record_check(root, m.step, by="save")
-        atomic_write(d / MANIFEST_NAME, manifest_to_json(m), fsync=fsync)
+        record_check(storage, m.step, by="save")
+        storage.publish(f"{d}/{MANIFEST_NAME}", manifest_to_json(m), durable=fsync)
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
-            shutil.rmtree(d, ignore_errors=True)
+            storage.delete_prefix(d)
         else:  # the record must not vouch for the checkpoint this one failed to replace
-            (d / CHECK_RECORD).unlink(missing_ok=True)
+            storage.delete(f"{d}/{CHECK_RECORD}")
         if isinstance(e, SaveError) and e.step is None:
             e.step = m.step
         raise

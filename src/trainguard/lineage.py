@@ -23,6 +23,7 @@ from .catalog import read_manifest, step_dirs
 from .errors import CheckpointExistsError, RunConflictError, TrainguardError
 from .format import MANIFEST_NAME, Manifest
 from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
+from .storage.base import Storage
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard")
 
 
-def run_of(root: str | os.PathLike[str], step: int, cache: dict[int, str] | None = None) -> str | None:
+def run_of(
+    root: str | os.PathLike[str] | Storage, step: int, cache: dict[int, str] | None = None
+) -> str | None:
     """Id of the run that wrote the checkpoint of ``step`` (``""`` for one written before run ids), or None
     when its manifest cannot be read (deleted, corrupt)."""
     if cache is not None and step in cache:
@@ -45,7 +48,7 @@ def run_of(root: str | os.PathLike[str], step: int, cache: dict[int, str] | None
     return rid
 
 
-def head(root: str | os.PathLike[str]) -> RunInfo | None:
+def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
     """The run of the most recently committed checkpoint (newest manifest mtime) that parses, or None."""
     dirs, _ = step_dirs(root)
     stamped = []
@@ -65,10 +68,10 @@ def head(root: str | os.PathLike[str]) -> RunInfo | None:
 
 def foreign_steps(mgr: CheckpointManager) -> dict[int, str]:
     """Committed checkpoints under the root that are not in ``mgr.run``'s lineage: step -> run id."""
-    dirs, _ = step_dirs(mgr.root)
+    dirs, _ = step_dirs(mgr.storage)
     out = {}
     for s in sorted(dirs):
-        rid = run_of(mgr.root, s, mgr._manifest_runs)
+        rid = run_of(mgr.storage, s, mgr._manifest_runs)
         if rid is not None and not mgr.run.owns(rid, s):
             out[s] = rid
     return out
@@ -118,7 +121,7 @@ def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
         raise RunConflictError(msg.decode())
     parent = mgr.dist.broadcast_ints(parent)
     if parent:
-        m = read_manifest(mgr.root, parent[0]) if mgr.dist.is_coordinator else None
+        m = read_manifest(mgr.storage, parent[0]) if mgr.dist.is_coordinator else None
         info = mgr.dist.broadcast_bytes(json.dumps(m.run.to_json() if m and m.run else None).encode())
         mgr.run = mgr.run.resume(run_from_json(json.loads(info)), parent[0])
         src = mgr.run.resumed_from
@@ -153,7 +156,7 @@ def check_step_owner(mgr: CheckpointManager, step: int) -> None:
     Raises:
         CheckpointExistsError: the committed checkpoint of ``step`` belongs to a run outside this lineage.
     """
-    rid = run_of(mgr.root, step)
+    rid = run_of(mgr.storage, step)
     if rid is not None and not mgr.run.owns(rid, step):
         raise CheckpointExistsError(
             f"step {step} under {mgr.root} holds a checkpoint of another run ({rid or '(unnamed)'}), kept apart "
@@ -167,7 +170,7 @@ def own(mgr: CheckpointManager, steps: list[int]) -> list[int]:
     """The steps whose checkpoints are in ``mgr.run``'s lineage (unreadable ones are left out)."""
     out = []
     for s in steps:
-        rid = run_of(mgr.root, s, mgr._manifest_runs)
+        rid = run_of(mgr.storage, s, mgr._manifest_runs)
         if rid is not None and mgr.run.owns(rid, s):
             out.append(s)
     return out

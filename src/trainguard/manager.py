@@ -51,6 +51,8 @@ from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
 from .state import per_rank
+from .storage.base import Storage
+from .storage.local import LocalStorage
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -64,7 +66,9 @@ class CheckpointManager:
     """Saves and restores the whole training state under one run root.
 
     Args:
-        root: the run root directory (created if missing).
+        root: the run root directory (created if missing), or its :class:`~trainguard.storage.Storage`
+            (e.g. a :class:`~trainguard.storage.FaultyStorage` in fault tests; ``fsync`` and ``durability``
+            are then the storage's own).
         save_policy: decides the steps ``maybe_save`` saves at (default: every 1000 steps).
         keep: retention: an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to keep all.
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
@@ -127,7 +131,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Storage,
         *,
         save_policy: SavePolicy | None = None,
         keep: int | RetentionPolicy | None = None,
@@ -152,7 +156,19 @@ class CheckpointManager:
 
         if isinstance(root, str) and "://" in root:
             raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
-        self.root = Path(root)
+        if isinstance(root, (str, os.PathLike)):
+            try:
+                self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
+            except ValueError as e:  # the storage checks its own options
+                raise ConfigError(str(e)) from None
+        elif isinstance(root, Storage) and root.local_path is not None:
+            self.storage = root
+        else:
+            raise ConfigError(
+                f"root must be a directory path or a trainguard.storage.Storage with a local directory, got "
+                f"{root!r}"
+            )
+        self.root: Path = self.storage.local_path  # type: ignore[assignment]  # checked just above
         self.read_only = read_only
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
         if not isinstance(self.save_policy, SavePolicy):
@@ -176,10 +192,7 @@ class CheckpointManager:
             raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
         if delta and compression == "off":
             raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
-        try:
-            self.store = ChunkStore(self.root, fsync=fsync, durability=durability)
-        except ValueError as e:  # the store checks its own options
-            raise ConfigError(str(e)) from None
+        self.store = ChunkStore(self.storage)
         self.fsync = fsync
         if when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
@@ -501,7 +514,7 @@ class CheckpointManager:
             step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
         ):
             d = self.root / step_dir_name(step)
-            info = None if step in self._in_flight else inspect_step(self.root, step, d, self.store)[0]
+            info = None if step in self._in_flight else inspect_step(self.storage, step, d, self.store)[0]
             if info is not None and info.usable:
                 lineage.check_step_owner(self, step)
             if info is None or info.usable:
@@ -588,7 +601,7 @@ class CheckpointManager:
         _restore.mark_corrupt(self, step, err)
 
     def _publish(self, m: Manifest) -> None:
-        publish(self.root, m, fsync=self.fsync)
+        publish(self.storage, m, fsync=self.fsync)
 
     def _raise_background_error(self) -> None:
         """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
@@ -651,7 +664,7 @@ class CheckpointManager:
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
         process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
-        return scan(self.root, self.store)
+        return scan(self.storage, self.store)
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one

@@ -282,3 +282,40 @@ def run_limited(
     except subprocess.TimeoutExpired as e:
         return None, str(e.stdout or ""), str(e.stderr or "")
     return p.returncode, p.stdout, p.stderr
+
+
+_STORAGE_METHODS = (
+    "write_new", "publish", "stage", "commit_staged", "barrier", "move", "read", "open_read", "read_range",
+    "stat", "exists", "list", "delete", "delete_prefix",
+)  # fmt: skip
+
+
+def faulty_local(monkeypatch: Any, *faults: Any) -> Any:
+    """Route every ``LocalStorage`` (the manager's, the CLI's, ``verify``'s) through the faults of one
+    ``FaultyStorage``, for tests that reach the storage through the CLI or a path (where no storage object can
+    be handed in). Returns that FaultyStorage: its ``faults``, ``calls`` and ``injected`` are shared by every
+    storage; ``clear()`` heals it. Undone with the ``monkeypatch``."""
+    from trainguard.storage import FaultyStorage, LocalStorage
+
+    real = {name: getattr(LocalStorage, name) for name in _STORAGE_METHODS}
+    shared = FaultyStorage(LocalStorage("/"), *faults)
+
+    class _Unpatched:  # a LocalStorage whose methods are the real ones (the FaultyStorage's inner)
+        def __init__(self, st: Any) -> None:
+            self.st = st
+
+        def __getattr__(self, name: str) -> Any:
+            return real[name].__get__(self.st) if name in real else getattr(self.st, name)
+
+    def route(name: str) -> Any:
+        def method(self: Any, *a: Any, **k: Any) -> Any:
+            view = object.__new__(FaultyStorage)
+            view.__dict__.update(shared.__dict__)
+            view.inner = _Unpatched(self)
+            return getattr(view, name)(*a, **k)
+
+        return method
+
+    for name in _STORAGE_METHODS:
+        monkeypatch.setattr(LocalStorage, name, route(name))
+    return shared

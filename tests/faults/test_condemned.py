@@ -28,6 +28,7 @@ from faultlib import (
     blank_state,
     chunk_files,
     commit_save,
+    faulty_local,
     flip_bit,
     make_state,
     manifest_path,
@@ -43,6 +44,7 @@ from trainguard.cli.main import main as cli
 from trainguard.errors import ConfigError
 from trainguard.integrity.verify import verify
 from trainguard.recovery.events import read_events
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 STEPS = (1, 2, 3)
 
@@ -78,60 +80,6 @@ def saved(tmp_path: Path) -> Path:
         for s in STEPS:
             commit_save(mgr, s, make_state(s))
     return root
-
-
-_REAL_OPEN_CHUNK = chunkstore._open_chunk
-
-
-class FlakyOpen:
-    """Stands in for ``_open_chunk`` in trainguard.incremental.chunkstore: for the file ``path``, raises ``error``
-    (an errno) on every open while ``failing``, or serves flipped bytes on the first ``bad_reads`` reads."""
-
-    def __init__(self, path: Path, *, error: int | None = None, bad_reads: int = 0) -> None:
-        self.path = path
-        self.error = error
-        self.bad_reads = bad_reads
-        self.failing = error is not None
-        self.injected = 0
-
-    def __call__(self, file: Any, *a: Any, **k: Any) -> Any:
-        f = _REAL_OPEN_CHUNK(file)
-        if Path(file) != self.path:
-            return f
-        if self.failing and self.error is not None:
-            f.close()
-            self.injected += 1
-            raise OSError(self.error, os.strerror(self.error), str(file))
-        if self.bad_reads > 0:
-            self.bad_reads -= 1
-            self.injected += 1
-            return _FlippingFile(f)
-        return f
-
-
-class _FlippingFile:
-    """A file whose first read returns its bytes with bit 0 of byte 0 flipped (a transient read error)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.first = True
-
-    def readinto(self, buf: Any) -> int:
-        n = int(self.f.readinto(buf))
-        if self.first and n:
-            view = memoryview(buf).cast("B")
-            view[0] ^= 1
-            self.first = False
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.f, name)
-
-    def __enter__(self) -> _FlippingFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.f.close()
 
 
 # -- a damaged shared chunk -------------------------------------------------------------------------------
@@ -197,16 +145,8 @@ def test_a_chunk_changed_after_this_process_verified_it_is_checked_again(tmp_pat
 def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypatch):
     """The issue's input: permissions broke every chunk read during a restore; after they were fixed the
     checkpoints still listed corrupt and restore_latest raised NoValidCheckpointError."""
-    real_open = _REAL_OPEN_CHUNK
-    injected = []
-
-    def denied(file: Any) -> Any:
-        if "/chunks/" in str(file):
-            injected.append(file)
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
-        return real_open(file)
-
-    monkeypatch.setattr(chunkstore, "_open_chunk", denied)
+    disk = faulty_local(monkeypatch, Fault("read", match="chunks/*", times=None, errno=errno.EACCES))
+    injected = disk.injected
     with tg.CheckpointManager(saved) as mgr:
         with pytest.raises(tg.NoValidCheckpointError) as ei:
             mgr.restore_latest(blank_state())
@@ -219,7 +159,7 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
     assert statuses(saved) == ["unverified"] * 3  # not corrupt, and not "valid" after a failed read
     code, report = verify_json(saved, "--all")
     assert code == 1 and "cannot be read" in report["corrupt"][0]["problem"]
-    monkeypatch.setattr(chunkstore, "_open_chunk", real_open)  # permissions fixed
+    disk.clear()  # permissions fixed
     state = blank_state()
     with tg.CheckpointManager(saved) as mgr:
         assert mgr.restore_latest(state) == 3
@@ -230,20 +170,14 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
 
 
 def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved, monkeypatch):
-    path = saved / frozen_chunk(saved)["path"]
-    flaky = FlakyOpen(path, error=errno.EIO)
-    real_sleep = chunkstore.time.sleep
-
-    def sleep_then_heal(s: float) -> None:
-        flaky.failing = False  # the storage recovers while the reader backs off
-        real_sleep(s)
-
-    monkeypatch.setattr(chunkstore, "_open_chunk", flaky)
-    monkeypatch.setattr(chunkstore.time, "sleep", sleep_then_heal)
+    # the first read fails with EIO; the storage has recovered when the reader retries after its backoff
+    disk = FaultyStorage(
+        LocalStorage(saved), Fault("read", match=frozen_chunk(saved)["path"], errno=errno.EIO)
+    )
     state = blank_state()
-    with tg.CheckpointManager(saved) as mgr:
+    with tg.CheckpointManager(disk) as mgr:
         assert mgr.restore_latest(state) == 3
-    require(flaky.injected == 1, "one read failed")
+    require(len(disk.injected) == 1, "one read failed")
     assert_state_is(state, 3)
     assert read_events(saved, event="restore_skipped") == []
 
@@ -251,16 +185,15 @@ def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved, monkeypatch):
 def test_a_mismatch_that_a_second_read_does_not_confirm_condemns_nothing(saved, monkeypatch):
     """A writing restore that reads a shared chunk wrong once: no marker, no quarantine, no fallback."""
     rec = frozen_chunk(saved)
-    flaky = FlakyOpen(saved / rec["path"], bad_reads=1)
-    monkeypatch.setattr(chunkstore, "_open_chunk", flaky)
+    disk = faulty_local(monkeypatch, Fault("read", match=rec["path"], flip_byte=0))
     state = blank_state()
     with tg.CheckpointManager(saved) as mgr:
         assert mgr.restore_latest(state) == 3
-    require(flaky.injected == 1, "one read returned flipped bytes")
+    require(len(disk.injected) == 1, "one read returned flipped bytes")
     assert_state_is(state, 3)
     assert (saved / rec["path"]).exists(), "the shared chunk was quarantined on one bad read"
     assert not list(saved.glob("step-*/corrupt.json"))
-    flaky.bad_reads = 1
+    disk.add(Fault("read", match=rec["path"], flip_byte=0))
     assert verify(saved).ok  # verify confirms too
     assert statuses(saved) == ["valid"] * 3
 
@@ -340,16 +273,8 @@ def test_a_read_only_restore_that_falls_back_makes_latest_step_agree(saved):
 
 def test_a_chunk_whose_metadata_cannot_be_read_lists_as_unverified_not_corrupt(saved, monkeypatch):
     rec = frozen_chunk(saved)
-    real_stat = Path.stat
-    denied = []
-
-    def stat(self: Path, *a: Any, **k: Any) -> Any:
-        if self.name == Path(rec["path"]).name:
-            denied.append(self)
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
-        return real_stat(self, *a, **k)
-
-    monkeypatch.setattr(Path, "stat", stat)
+    disk = faulty_local(monkeypatch, Fault("stat", match=rec["path"], times=None, errno=errno.EACCES))
+    denied = disk.injected
     rows = ls_json(saved)
     require(denied, "the stat failed")
     assert [rows[s]["status"] for s in STEPS] == ["unverified"] * 3

@@ -310,21 +310,16 @@ def test_re_saving_the_same_values_over_a_corrupt_chunk_writes_a_good_chunk(run,
 # -- unreadable chunks ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fault", ["EIO", "directory"])
 def test_an_unreadable_chunk_is_reported_and_restore_falls_back(run, caplog, monkeypatch, fault):
-    import trainguard.incremental.chunkstore as chunkstore
+    from faultlib import faulty_local
+
+    from trainguard.storage import Fault
 
     h, rec = newest_chunk(run, "model.big")
     path = run / rec["path"]
-    injected = []
+    injected: list[Any] = []
     if fault == "EIO":
-        real_open = chunkstore.open_regular  # every chunk read opens through this one function
-
-        def failing_open(file: Any, *a: Any, **k: Any) -> Any:
-            if Path(file) == path:
-                injected.append(file)
-                raise OSError(errno.EIO, os.strerror(errno.EIO), str(file))
-            return real_open(file, *a, **k)
-
-        monkeypatch.setattr(chunkstore, "open_regular", failing_open)
+        disk = faulty_local(monkeypatch, Fault("read", match=rec["path"], times=None, errno=errno.EIO))
+        injected = disk.injected
     else:
         path.unlink()
         path.mkdir()

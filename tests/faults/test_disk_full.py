@@ -334,19 +334,16 @@ def test_retention_keeps_the_newest_valid_checkpoint_when_the_newest_save_fails(
 def test_a_failed_save_leaves_no_orphan_chunks(run, monkeypatch, save_bytes, durability):
     root, before = run
     total, manifest = save_bytes
-    disk = DiskFull(total - manifest - 1000)  # every chunk but the last one makes it
-    monkeypatch.setattr(local, "os", disk)
     renamed: list[str] = []
 
-    class RecordingOs:  # chunkstore's os: records the chunks renamed into chunks/
+    class RecordingDisk(DiskFull):  # also records the chunks renamed into chunks/
         def replace(self, src: Any, dst: Any) -> None:
             os.replace(src, dst)
-            renamed.append(str(dst))
+            if Path(dst).parent.parent.name == "chunks":
+                renamed.append(str(dst))
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(os, name)
-
-    monkeypatch.setattr(chunkstore, "os", RecordingOs())
+    disk = RecordingDisk(total - manifest - 1000)  # every chunk but the last one makes it
+    monkeypatch.setattr(local, "os", disk)
     with tg.CheckpointManager(root, durability=durability) as mgr:
         with pytest.raises(tg.StorageFullError):
             commit_save(mgr, 3, make_state(3))

@@ -13,7 +13,7 @@ import pytest
 from faultlib import assert_state_is, blank_state, chunk_files, commit_save, make_state, referenced_chunks
 
 import trainguard as tg
-import trainguard.incremental.chunkstore as chunkstore
+import trainguard.storage.local as chunkstore  # the syncfs(2) wrapper lives with LocalStorage
 from trainguard.integrity.verify import verify
 
 

@@ -204,20 +204,14 @@ def test_an_odd_manifest_is_reported_and_its_step_skipped(root, tmp_path, kind):
 def test_an_unreadable_manifest_is_reported_and_its_step_skipped(root, monkeypatch, errno_):
     import errno
 
-    import trainguard.catalog as catalog
+    from faultlib import faulty_local
+
+    from trainguard.storage import Fault
 
     code = getattr(errno, errno_)
-    real = catalog.read_bounded
     bad = manifest_path(root, 2)
-    hits = []
-
-    def failing(path, *a, **k):  # the manifest's one read path: os.open refused (as for a mode-000 file)
-        if Path(path) == bad:
-            hits.append(path)
-            raise (PermissionError if code == errno.EACCES else OSError)(code, os.strerror(code), str(path))
-        return real(path, *a, **k)
-
-    monkeypatch.setattr(catalog, "read_bounded", failing)
+    disk = faulty_local(monkeypatch, Fault("read", match=str(bad.relative_to(root)), times=None, errno=code))
+    hits = disk.injected
     result = CliRunner().invoke(tg_cli(), ["ls", str(root), "--json"])
     assert result.exit_code == 0, result.output
     rows = {r["step"]: r for r in json.loads(result.output)}

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,7 +70,7 @@ class TrainguardWriter(StorageWriter):
 
     Args:
         store: the run's chunk store.
-        tmp_dir: this save's partial directory (temporary chunk files).
+        staging: the staging prefix (a storage key) of this save's new chunks (``ChunkStore.staging_for``).
         commit: called by ``finish`` on the coordinator with DCP's metadata, every rank's results and every
             rank's entry paths.
         options: chunking options.
@@ -84,7 +83,7 @@ class TrainguardWriter(StorageWriter):
     def __init__(
         self,
         store: ChunkStore,
-        tmp_dir: Path,
+        staging: str,
         commit: CommitFn,
         options: WriterOptions,
         step: int,
@@ -95,7 +94,7 @@ class TrainguardWriter(StorageWriter):
         self.encoder = encoder
         self.write_s = 0.0  # seconds of write_data (chunks written and durable)
         self.store = store
-        self.tmp_dir = tmp_dir
+        self.staging = staging
         self.commit = commit
         self.options = options
         self.step = step
@@ -141,7 +140,7 @@ class TrainguardWriter(StorageWriter):
             self.write_s = time.perf_counter() - t0
             fut.set_result(results)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
-            self.store.drop_unpublished(self.tmp_dir)
+            self.store.drop_unpublished(self.staging)
             fut.set_exception(e)  # type: ignore[arg-type]
         return fut
 
@@ -155,9 +154,9 @@ class TrainguardWriter(StorageWriter):
         """Store one chunk (a piece of a tensor named by ``key``, or a pack); returns its hash and the write
         result's ``chunks`` entries (the chunk and the chain of delta bases it needs)."""
         if self.encoder is not None:
-            chain, written = self.encoder.put_piece(self.store, self.tmp_dir, key, view, itemsize, self.step)
+            chain, written = self.encoder.put_piece(self.store, self.staging, key, view, itemsize, self.step)
         else:
-            rec0, written = self.store.put(view, self.tmp_dir, step=self.step)
+            rec0, written = self.store.put(view, self.staging, step=self.step)
             chain = (rec0,)
         rec = chain[0]
         with self._lock:
@@ -232,9 +231,7 @@ class TrainguardWriter(StorageWriter):
                 if codec is None and n >= max(opts.pack_threshold_bytes, 1):
                     pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
                     offsets = tuple(item.index.offset or ())
-                    futures.append(
-                        (item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n)
-                    )
+                    futures.append((item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n))
                     continue
                 if pack_size + n > opts.chunk_size_bytes:
                     flush_pack()

@@ -27,13 +27,8 @@ reported as ``unreadable`` and never condemns a chunk.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
-import secrets
-import stat
-import sys
 import threading
 import time
 from collections import Counter
@@ -44,11 +39,10 @@ from typing import Any
 import crc32c
 import xxhash
 
-from ..errors import CorruptCheckpointError, UnsafeFileError
+from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
-from ..storage import local as _local
-from ..storage.local import fsync_dir, raise_if_full
-from ..storage.safeio import lstat_regular, open_regular
+from ..storage.base import ObjectInfo, Staged, Storage
+from ..storage.local import DURABILITY_MODES, LocalStorage
 from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
@@ -68,138 +62,71 @@ def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
     return x.hexdigest()
 
 
-DURABILITY_MODES = ("batched", "per_file")
-
-
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:  # pragma: no cover - no loadable C library
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def _libc_function(name: str, argtypes: list[Any]) -> Any:
-    """``name`` from the C library (Linux only; errno kept for error reports), or None where missing."""
-    fn = getattr(_LIBC, name, None) if _LIBC is not None else None
-    if fn is not None:
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
-_SYNC_FILE_RANGE = _libc_function(
-    "sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-)
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(path: str | os.PathLike[str]) -> None:
-    """Start writing ``path``'s dirty pages to disk without waiting (Linux ``sync_file_range(2)`` with
-    ``SYNC_FILE_RANGE_WRITE``), so that the flush at the end of a save overlaps with writing the next chunks.
-    Durability still comes from the later ``syncfs``. A no-op where unavailable; errors are ignored (the
-    ``syncfs`` reports them)."""
-    if _SYNC_FILE_RANGE is None:
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-    finally:
-        os.close(fd)
-
-
-def syncfs(path: str | os.PathLike[str]) -> bool:
-    """Flush every dirty page and metadata change of the filesystem holding ``path`` (Linux ``syncfs(2)``;
-    it reports writeback errors since Linux 5.8). Returns False where ``syncfs`` is unavailable.
-
-    Raises:
-        OSError: the flush failed (e.g. EIO, ENOSPC).
-    """
-    if _SYNCFS is None:
-        return False
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(path))
-    finally:
-        os.close(fd)
-    return True
-
-
-def _open_chunk(path: Path) -> Any:
-    """Open a chunk file for reading: no symlink followed, no blocking open, a regular file or UnsafeFileError."""
-    return os.fdopen(open_regular(path, what="chunk"), "rb", buffering=0)
-
-
 class ChunkStore:
-    """Chunks of one run root.
+    """Chunks of one run root, stored through a :class:`~trainguard.storage.base.Storage`.
 
     Args:
-        root: the run root directory.
+        root: the run root directory, or the :class:`~trainguard.storage.base.Storage` of the run root.
         fsync: make chunk files and directories durable (default True; False only for tests and benchmarks
-            that measure without durability).
+            that measure without durability). Used when ``root`` is a directory.
         durability: ``"batched"`` (default; new chunks become visible under ``chunks/`` only in
             :meth:`sync`, after one ``syncfs(2)``; falls back to per-file fsyncs where ``syncfs`` is missing)
             or ``"per_file"`` (each chunk fsynced and renamed into place by ``put``). ``syncfs`` also flushes
             other processes' dirty data on the same filesystem; choose ``"per_file"`` on a filesystem shared
-            with heavy unrelated writers.
+            with heavy unrelated writers. Used when ``root`` is a directory.
+
+    Raises:
+        ValueError: an unknown ``durability``.
 
     Thread-safe: ``put`` may run from many threads at once.
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "batched"
+        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "batched"
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
-        self.root = Path(root)
-        self.dir = self.root / CHUNKS_DIR
-        # Resolved once, at open: ``chunks`` may be a symlink the user placed onto another disk.
-        self.dir_real = Path(os.path.realpath(self.dir))
-        self.fsync = fsync
-        self.durability = durability
+        if isinstance(root, (str, os.PathLike)):
+            self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
+        else:
+            self.storage = root
         self._lock = threading.Lock()
         self._pins: Counter[str] = Counter()
-        self._dirty_dirs: set[Path] = set()
-        self._unpublished: list[tuple[Path, Path]] = []  # (temporary file, final path), batched mode
-        self._verified: dict[str, tuple[int, int, int, int]] = {}  # hash -> file identity when verified
+        self._staged: list[Staged] = []  # written by put, made durable and visible by sync
+        self._verified: dict[str, tuple[Any, ...]] = {}  # hash -> object version when verified
         self.repaired: list[str] = []  # chunks found damaged or unreadable by a save and written anew
         self.last_progress = time.monotonic()  # a chunk stored or a flush finished (the stall watchdog)
         self._io_streak = 0  # chunks in a row that could not be read: then no more retries (bounded scrubs)
 
     # -- verified-bytes memory ----------------------------------------------------------------------------
-    @staticmethod
-    def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    def _remember(self, h: str, st: os.stat_result) -> None:
+    def _remember(self, h: str, info: ObjectInfo | None) -> None:
+        if info is None:
+            return
         with self._lock:
-            self._verified[h] = self._identity(st)
+            self._verified[h] = info.version
 
     def _forget(self, h: str) -> None:
         with self._lock:
             self._verified.pop(h, None)
 
-    def is_verified(self, h: str, st: os.stat_result) -> bool:
-        """True when this store wrote or read back chunk ``h`` with matching bytes and its file is unchanged."""
+    def is_verified(self, h: str, info: ObjectInfo) -> bool:
+        """True when this store wrote or read back chunk ``h`` with matching bytes and its object is unchanged
+        (same :attr:`ObjectInfo.version`)."""
         with self._lock:
-            return self._verified.get(h) == self._identity(st)
+            return self._verified.get(h) == info.version
 
-    def _reusable(self, rec: ChunkRecord, final: Path) -> bool:
-        """Whether the existing file ``final`` holds exactly ``rec``'s bytes (verified now if not remembered)."""
-        st = lstat_regular(final)  # a symlink or an odd file there is no copy of this content
-        if st is None or st.st_size != rec.length:
+    def _stat(self, key: str) -> ObjectInfo | None:
+        try:
+            return self.storage.stat(key)
+        except OSError:
+            return None
+
+    def _reusable(self, rec: ChunkRecord) -> bool:
+        """Whether the stored chunk holds exactly ``rec``'s bytes (verified now if not remembered)."""
+        info = self._stat(rec.path)  # a symlink or an odd file there is no copy of this content
+        if info is None or not info.is_file or info.size != rec.length:
             return False
-        if not self.is_verified(rec.hash, st):
+        if not self.is_verified(rec.hash, info):
             try:
                 self.verify(rec, attempts=1)
             except CorruptCheckpointError as e:
@@ -207,15 +134,15 @@ class ChunkStore:
                     "chunk %s under %s %s; writing it anew from the bytes being saved (this also repairs the "
                     "older checkpoints that share it)",
                     rec.path,
-                    self.root,
+                    self.storage.url,
                     str(e).split(f"chunk {rec.path} ", 1)[-1],
                 )
                 with self._lock:
                     self.repaired.append(rec.path)
                 return False
         try:
-            os.utime(final)  # "in use": distributed GC spares recently modified chunks
-            self._remember(rec.hash, final.stat())
+            self.storage.touch(rec.path)  # "in use": distributed GC spares recently modified chunks
+            self._remember(rec.hash, self.storage.stat(rec.path))
         except OSError:
             pass
         return True
@@ -224,37 +151,34 @@ class ChunkStore:
         """Why chunks saved here would be refused by restore (checked before a manager's first save), else None:
         ``chunks`` itself may be a symlink to a directory anywhere, but a ``chunks/<2 hex>`` directory that
         leads out of it would hold chunks whose paths resolve outside the chunk store."""
-        if self.dir.is_symlink() and not self.dir.exists():
-            return f"{self.dir} is a symlink to {os.readlink(self.dir)!r}, which does not exist"
-        if self.dir.exists() and not self.dir.is_dir():
-            return f"{self.dir} exists but is not a directory"
-        if not self.dir.is_dir():
+        local = self.storage.local_path
+        if local is None:
             return None
-        for sub in self.dir.iterdir():
+        d = local / CHUNKS_DIR
+        if d.is_symlink() and not d.exists():
+            return f"{d} is a symlink to {os.readlink(d)!r}, which does not exist"
+        if d.exists() and not d.is_dir():
+            return f"{d} exists but is not a directory"
+        if not d.is_dir():
+            return None
+        d_real = Path(os.path.realpath(d))
+        for sub in d.iterdir():
             if sub.is_symlink():
                 real = Path(os.path.realpath(sub))
-                if self.dir_real not in real.parents:
+                if d_real not in real.parents:
                     return (
-                        f"{sub} is a symlink to {real}, outside {self.dir_real}: restore would refuse every "
+                        f"{sub} is a symlink to {real}, outside {d_real}: restore would refuse every "
                         "chunk saved there; move the whole chunks directory instead (a symlink at chunks/ is "
                         "supported)"
                     )
         return None
 
     # -- writing ------------------------------------------------------------------------------------------
-    def tmp_dir_for(self, partial: Path) -> Path:
-        """Where a save whose partial directory is ``partial`` writes its temporary chunk files: ``partial``
-        itself, or, when ``chunks/`` lives on another filesystem (a symlink to another disk), a sibling
-        ``chunks/.<partial name>/`` on that filesystem (a rename cannot cross filesystems). Created here."""
-        try:
-            other_fs = self.dir.is_dir() and os.stat(self.dir).st_dev != os.stat(partial).st_dev
-        except OSError:
-            other_fs = False
-        if not other_fs:
-            return partial
-        tmp = self.dir / f".{partial.name}"
-        tmp.mkdir(exist_ok=True)
-        return tmp
+    def staging_for(self, partial: str) -> str:
+        """The staging prefix (a key) where a save whose partial directory is ``partial`` writes its new
+        chunks before :meth:`sync`: ``partial`` itself, or a sibling under ``chunks/`` when that lives on
+        another filesystem (a rename cannot cross filesystems)."""
+        return self.storage.staging_prefix(partial, CHUNKS_DIR)
 
     def pin(self, hashes: Iterable[str]) -> None:
         """Pin chunks a save references without writing them (e.g. delta bases); undo with :meth:`unpin`."""
@@ -263,11 +187,11 @@ class ChunkStore:
                 self._pins[h] += 1
 
     def reuse(self, rec: ChunkRecord) -> bool:
-        """Pin ``rec`` and return True when its file holds exactly its bytes (verified as for deduplication),
-        else unpin it and return False (the caller writes the content anew)."""
+        """Pin ``rec`` and return True when its stored object holds exactly its bytes (verified as for
+        deduplication), else unpin it and return False (the caller writes the content anew)."""
         self.pin([rec.hash])
         try:
-            ok = self._reusable(rec, self.root / rec.path)
+            ok = self._reusable(rec)
         except BaseException:
             self.unpin([rec.hash])
             raise
@@ -278,7 +202,7 @@ class ChunkStore:
     def put(
         self,
         buf: memoryview | bytes,
-        tmp_dir: Path,
+        staging: str,
         *,
         step: int | None = None,
         encoding: Encoding | None = None,
@@ -286,9 +210,9 @@ class ChunkStore:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
 
         Args:
-            buf: the stored bytes.
-            tmp_dir: this save's directory for temporary chunk files.
-            step: the step being saved (error messages).
+            buf: the chunk's stored bytes.
+            staging: the staging prefix of the save (:meth:`staging_for`).
+            step: the step being saved, for error messages.
             encoding: how ``buf`` decodes (None: raw bytes).
 
         Raises:
@@ -304,35 +228,22 @@ class ChunkStore:
             )
         else:
             rec = ChunkRecord(h, rel, len(view), crc32c.crc32c(view), "raw")
-        final = self.root / rel
         with self._lock:
             self._pins[h] += 1
         try:
-            if self._reusable(rec, final):
+            if self._reusable(rec):
                 self.last_progress = time.monotonic()
                 return rec, False
-            tmp = tmp_dir / f"{h}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
-            batched = self.durability == "batched"
             try:
-                # via the module: one seam for fault injection
-                _local.write_file(tmp, view, fsync=self.fsync and not batched)
-                if batched and self.fsync:
-                    start_writeback(tmp)
-                if not batched:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(tmp, final)
-                    self._remember(h, final.stat())
-            except OSError as e:
-                try:
-                    tmp.unlink()
-                except OSError:
-                    pass
-                raise_if_full(e, final, step)
+                staged = self.storage.stage(rel, view, staging=staging)
+            except StorageFullError as e:
+                if e.step is None:
+                    e.step = step
+                raise
+            if staged.token is None:  # already visible (per-file durability, object stores)
+                self._remember(h, self._stat(rel))
             with self._lock:
-                if batched:
-                    self._unpublished.append((tmp, final))
-                else:
-                    self._dirty_dirs.add(final.parent)
+                self._staged.append(staged)
             self.last_progress = time.monotonic()
             return rec, True
         except BaseException:
@@ -341,48 +252,32 @@ class ChunkStore:
 
     def sync(self, *, step: int | None = None) -> None:
         """Make every chunk written since the last call durable and visible under ``chunks/`` (after all
-        puts, before the commit). Batched mode: one ``syncfs`` of the temporary files, the renames into
-        ``chunks/``, one more ``syncfs`` for the renames (per-file fsyncs where ``syncfs`` is unavailable).
+        puts, before the commit): :meth:`Storage.commit_staged <trainguard.storage.base.Storage.commit_staged>`.
 
         Raises:
             StorageFullError: ENOSPC or EDQUOT while flushing.
             OSError: the flush failed (e.g. EIO); nothing of this save is renamed into ``chunks/`` then.
         """
         with self._lock:
-            dirs, self._dirty_dirs = self._dirty_dirs, set()
-            pending, self._unpublished = self._unpublished, []
-        fs = self.dir if self.dir.is_dir() else self.root  # the chunks' filesystem (may be another disk)
+            staged, self._staged = self._staged, []
         self.last_progress = time.monotonic()
         try:
-            if pending:
-                if self.fsync and not syncfs(fs):
-                    for tmp, _ in pending:  # no syncfs here: one fsync per file
-                        fd = os.open(tmp, os.O_RDONLY)
-                        try:
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
-                for tmp, final in pending:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(tmp, final)
-                    dirs.add(final.parent)
-                    self._remember(final.name, final.stat())
-                if self.fsync and syncfs(fs):
-                    return  # the renames and the new directories are durable
-        except OSError as e:
-            raise_if_full(e, self.dir, step)
-        if not self.fsync:
-            return
-        for d in dirs:
-            fsync_dir(d)
-        if dirs:
-            fsync_dir(self.dir)
+            self.storage.commit_staged(staged)
+        except StorageFullError as e:
+            if e.step is None:
+                e.step = step
+            raise
+        for s in staged:
+            if s.token is not None:
+                self._remember(s.key.rsplit("/", 1)[-1], self._stat(s.key))
 
-    def drop_unpublished(self, tmp_dir: Path) -> None:
-        """Forget the batched chunks written into ``tmp_dir`` by a save that failed before :meth:`sync`
+    def drop_unpublished(self, staging: str) -> None:
+        """Forget the staged chunks written under ``staging`` by a save that failed before :meth:`sync`
         (their temporary files go with the save's partial directory)."""
         with self._lock:
-            self._unpublished = [(t, f) for t, f in self._unpublished if t.parent != tmp_dir]
+            dropped = [s for s in self._staged if s.staging == staging]
+            self._staged = [s for s in self._staged if s.staging != staging]
+        self.storage.discard_staged(dropped)
 
     def unpin(self, hashes: Iterable[str]) -> None:
         with self._lock:
@@ -392,25 +287,21 @@ class ChunkStore:
                     del self._pins[h]
 
     # -- reading ------------------------------------------------------------------------------------------
-    def path(self, rec: ChunkRecord) -> Path:
-        return self.root / rec.path
-
     def check_present(self, rec: ChunkRecord) -> str | None:
         """Cheap check (no read): None if the chunk exists as a regular file (not a symlink) with the right
         length, else the problem."""
-        p = self.root / rec.path
         try:
-            st = p.lstat()
-        except FileNotFoundError:
-            return "is missing"
+            info = self.storage.stat(rec.path)
         except OSError as e:
             return f"cannot be read ({e.strerror or e})"
-        if stat.S_ISLNK(st.st_mode):
+        if info is None:
+            return "is missing"
+        if info.kind == "symlink":
             return "is a symlink (chunks are never read through one)"
-        if not stat.S_ISREG(st.st_mode):
+        if not info.is_file:
             return "is not a regular file"
-        if st.st_size != rec.length:
-            return f"has the wrong length ({st.st_size} bytes, expected {rec.length})"
+        if info.size != rec.length:
+            return f"has the wrong length ({info.size} bytes, expected {rec.length})"
         return None
 
     def read(
@@ -491,7 +382,6 @@ class ChunkStore:
     ) -> None:
         """Run ``once(file) -> (length read or None, crc32c)`` on the chunk's file until it matches ``rec``,
         retrying I/O errors and confirming a mismatch by one more read."""
-        p = self.root / rec.path
         io_errors = 0
         mismatches = 0
         if self._io_streak >= 3:  # the storage is unreadable, not this chunk: one attempt is enough
@@ -499,10 +389,10 @@ class ChunkStore:
         while True:
             try:
                 # no symlink followed, no blocking open (a named pipe), and the size checked before reading
-                with _open_chunk(p) as f:
-                    st = os.fstat(f.fileno())
-                    if st.st_size != rec.length:  # a sparse 64 GiB file is never read
-                        total, crc = st.st_size, 0
+                f, info = self.storage.open_read(rec.path, what="chunk")
+                with f:
+                    if info.size != rec.length:  # a sparse 64 GiB file is never read
+                        total, crc = info.size, 0
                     else:
                         total, crc = once(f)
             except FileNotFoundError:
@@ -533,7 +423,7 @@ class ChunkStore:
                 what = f"fails CRC32C (stored {rec.crc32c:#010x}, read {crc:#010x})"
             else:
                 self._io_streak = 0
-                self._remember(rec.hash, st)
+                self._remember(rec.hash, info)
                 return
             mismatches += 1
             if mismatches >= 2:  # confirmed by a second read: the bytes on storage are wrong
@@ -563,24 +453,18 @@ class ChunkStore:
 
     def quarantine(self, rel: str) -> str | None:
         """Move a chunk found corrupt aside (``<hash>.corrupt-<time>``) so the next save that needs the same
-        content writes it anew instead of deduplicating against damaged bytes. Returns the new path."""
-        src = self.root / rel
-        self._forget(src.name)
-        dst = src.with_name(f"{src.name}.corrupt-{int(time.time())}")
-        try:
-            os.replace(src, dst)
-        except FileNotFoundError:
-            return None
-        return str(dst.relative_to(self.root))
+        content writes it anew instead of deduplicating against damaged bytes. Returns the new key."""
+        self._forget(rel.rsplit("/", 1)[-1])
+        dst = f"{rel}.corrupt-{int(time.time())}"
+        return dst if self.storage.move(rel, dst) else None
 
     # -- garbage collection -------------------------------------------------------------------------------
     def all_hashes(self) -> set[str]:
+        """Every chunk hash stored under ``chunks/`` (one listing per ``chunks/<2 hex>`` directory)."""
         out: set[str] = set()
-        if not self.dir.is_dir():
-            return out
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
-                out.update(f.name for f in sub.iterdir() if len(f.name) == 32)
+        for sub in self.storage.list(CHUNKS_DIR):
+            if sub.is_dir:
+                out.update(e.name for e in self.storage.list(f"{CHUNKS_DIR}/{sub.name}") if len(e.name) == 32)
         return out
 
     def collect(
@@ -592,17 +476,17 @@ class ChunkStore:
         """
         freed = 0
         for h in set(candidates) - referenced:
-            p = self.root / chunk_relpath(h)
+            key = chunk_relpath(h)
             with self._lock:  # a put() pins before it checks existence: check pins and delete atomically
                 if h in self._pins:
                     continue
                 try:
-                    st = p.stat()
-                    if protect_newer_than is not None and st.st_mtime > protect_newer_than:
+                    info = self.storage.stat(key)
+                    if info is None or (protect_newer_than is not None and info.mtime > protect_newer_than):
                         continue
-                    p.unlink()
+                    self.storage.delete(key)
                     self._verified.pop(h, None)
-                    freed += st.st_size
+                    freed += info.size
                 except OSError:
                     continue
         return freed

@@ -33,8 +33,6 @@ from ..format import ChunkRecord
 from .codecs import CodecError, Encoding, compress, decompress_into, delta_decode_inplace, delta_encode
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from .chunkstore import ChunkStore
 
 PieceKey = tuple[str, tuple[int, ...], int]  # (fqn, shard offsets, piece index)
@@ -125,7 +123,7 @@ class SaveEncoder:
     def put_piece(
         self,
         store: ChunkStore,
-        tmp_dir: Path,
+        staging: str,
         key: PieceKey | None,
         view: memoryview,
         itemsize: int,
@@ -139,7 +137,7 @@ class SaveEncoder:
             self._remember(key, Piece(raw_hash, prev.chain, prev.data), reused=True)
             return prev.chain, False
         if not self.compress:
-            rec, written = store.put(view, tmp_dir, step=step)
+            rec, written = store.put(view, staging, step=step)
             if key is not None:
                 self._remember(key, Piece(raw_hash, (rec,), self._copy(view)))
             return (rec,), written
@@ -165,7 +163,7 @@ class SaveEncoder:
                 chain_tail = prev.chain
         dt = time.perf_counter() - t0
         try:
-            rec, written = store.put(stored, tmp_dir, step=step, encoding=enc)
+            rec, written = store.put(stored, staging, step=step, encoding=enc)
         except BaseException:
             if chain_tail:
                 store.unpin(r.hash for r in chain_tail)

@@ -9,14 +9,14 @@ when deduplicated) less than ``GC_GRACE_S`` before the oldest save still in flig
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..catalog import read_manifest, scan, step_dirs
+from ..catalog import read_manifest, scan, step_keys
 from ..errors import TrainguardError
-from ..format import MANIFEST_NAME, step_dir_name
-from ..storage.local import remove_tree
+from ..format import CHUNKS_DIR, MANIFEST_NAME, step_dir_name
 from . import select, uses_metrics
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def chunks_of(mgr: CheckpointManager, step: int) -> set[str] | None:
     """Chunk hashes the manifest of ``step`` references (cached), or None if it cannot be read."""
     if step not in mgr._manifest_chunks:
         try:
-            mgr._manifest_chunks[step] = set(read_manifest(mgr.root, step).chunks)
+            mgr._manifest_chunks[step] = set(read_manifest(mgr.storage, step).chunks)
         except TrainguardError:
             return None
     return mgr._manifest_chunks[step]
@@ -40,7 +40,7 @@ def metrics_of(mgr: CheckpointManager, step: int) -> dict[str, Any] | None:
     """The metrics the manifest of ``step`` recorded (cached with its chunks), or None if it cannot be read."""
     if step not in mgr._manifest_metrics:
         try:
-            m = read_manifest(mgr.root, step)
+            m = read_manifest(mgr.storage, step)
         except TrainguardError:
             return None
         mgr._manifest_metrics[step] = dict(m.metrics)
@@ -51,10 +51,10 @@ def metrics_of(mgr: CheckpointManager, step: int) -> dict[str, Any] | None:
 def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
     """Every chunk a committed manifest references; None if a manifest cannot be read."""
     referenced: set[str] = set()
-    steps, _ = step_dirs(mgr.root)
+    steps, _ = step_keys(mgr.storage)
     for s, d in steps.items():
         chunks = chunks_of(mgr, s)
-        if chunks is None and (d / MANIFEST_NAME).exists():
+        if chunks is None and mgr.storage.exists(f"{d}/{MANIFEST_NAME}"):
             return None  # an unreadable manifest: its chunks are unknown, collect nothing
         referenced |= chunks or set()
     return referenced
@@ -71,7 +71,7 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     """
     from ..lineage import own
 
-    valid = own(mgr, [i.step for i in scan(mgr.root, mgr.store) if i.usable])  # valid or unverified
+    valid = own(mgr, [i.step for i in scan(mgr.storage, mgr.store) if i.usable])  # valid or unverified
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
@@ -86,12 +86,9 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     candidates: set[str] = set()
     for s in doomed:
         candidates |= chunks_of(mgr, s) or set()
-        d = mgr.root / step_dir_name(s)
-        try:
-            (d / MANIFEST_NAME).unlink()  # uncommit first
-        except FileNotFoundError:
-            pass
-        remove_tree(d)
+        d = step_dir_name(s)
+        mgr.storage.delete(f"{d}/{MANIFEST_NAME}")  # uncommit first
+        mgr.storage.delete_prefix(d)
         mgr._manifest_chunks.pop(s, None)
         mgr._manifest_runs.pop(s, None)
         mgr._manifest_metrics.pop(s, None)
@@ -114,7 +111,7 @@ def _intact(mgr: CheckpointManager, step: int) -> bool:
     from ..catalog import record_check
 
     try:
-        m = read_manifest(mgr.root, step)
+        m = read_manifest(mgr.storage, step)
         owners = m.chunk_owners()
         for h, rec in m.chunks.items():
             mgr.store.verify(rec, step=step, owners=owners.get(h))
@@ -124,7 +121,7 @@ def _intact(mgr: CheckpointManager, step: int) -> bool:
         )
         mgr._event("retention_deferred", step=step, problem=str(e))
         return False
-    record_check(mgr.root, step, by="verify")
+    record_check(mgr.storage, step, by="verify")
     return True
 
 
@@ -132,19 +129,22 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
     """With the lock held, before any save: remove partial directories and step directories without a manifest
     (commits killed midway), and collect every orphan chunk (left by a killed or failed save, or by step
     directories deleted by hand)."""
-    steps, partials = step_dirs(mgr.root)
-    dead = [s for s, d in steps.items() if not (d / MANIFEST_NAME).exists()]
-    # temporary chunk files of killed saves when chunks/ is on another filesystem (ChunkStore.tmp_dir_for)
-    for tmp_dir in mgr.store.dir.glob(".step-*.partial-*") if mgr.store.dir.is_dir() else []:
-        remove_tree(tmp_dir)
+    storage = mgr.storage
+    steps, partials = step_keys(storage)
+    dead = [s for s, d in steps.items() if not storage.exists(f"{d}/{MANIFEST_NAME}")]
+    # temporary chunk files of killed saves when chunks/ is on another filesystem (ChunkStore.staging_for)
+    for e in storage.list(CHUNKS_DIR):
+        if e.is_dir and fnmatch.fnmatchcase(e.name, ".step-*.partial-*"):
+            storage.delete_prefix(f"{CHUNKS_DIR}/{e.name}")
     for d in steps.values():  # temporary manifests of a publish killed before its rename
-        for tmp in d.glob(f".{MANIFEST_NAME}.tmp-*"):
-            tmp.unlink(missing_ok=True)
+        for e in storage.list(d):
+            if e.name.startswith(f".{MANIFEST_NAME}.tmp-"):
+                storage.delete(f"{d}/{e.name}")
     for s in dead:
-        remove_tree(steps.pop(s))
+        storage.delete_prefix(steps.pop(s))
     for ps in partials.values():
         for p in ps:
-            remove_tree(p)
+            storage.delete_prefix(p)
     referenced = referenced_chunks(mgr)
     if referenced is None:
         log.warning("a manifest under %s is unreadable; not collecting orphan chunks", mgr.root)
@@ -164,7 +164,7 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
 def space_hint(mgr: CheckpointManager) -> str:
     """What reopening with ``keep=1`` would free, naming the step it keeps (for a StorageFullError)."""
     try:
-        usable = sorted(i.step for i in scan(mgr.root, mgr.store) if i.usable)
+        usable = sorted(i.step for i in scan(mgr.storage, mgr.store) if i.usable)
     except OSError:
         return ""
     if not usable:
@@ -173,7 +173,7 @@ def space_hint(mgr: CheckpointManager) -> str:
     if not older:
         return f" The only checkpoint is step {newest}: free space on the device."
     try:
-        manifests = {s: read_manifest(mgr.root, s) for s in usable}
+        manifests = {s: read_manifest(mgr.storage, s) for s in usable}
     except TrainguardError:
         return ""
     kept = set(manifests[newest].chunks)
