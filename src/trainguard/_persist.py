@@ -198,6 +198,7 @@ def end_encoding(
     st = encoder.stats if encoder is not None else None
     mgr.compression.observe(
         compressed=decision.compress,
+        logical_bytes=int(decision.inputs.get("logical_bytes") or 0),
         stored_written=writer.bytes_written,
         raw_encoded=st.raw_bytes if st else 0,
         stored_encoded=st.stored_bytes if st else 0,

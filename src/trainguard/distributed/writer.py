@@ -231,7 +231,9 @@ class TrainguardWriter(StorageWriter):
                 if codec is None and n >= max(opts.pack_threshold_bytes, 1):
                     pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
                     offsets = tuple(item.index.offset or ())
-                    futures.append((item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n))
+                    futures.append(
+                        (item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n)
+                    )
                     continue
                 if pack_size + n > opts.chunk_size_bytes:
                     flush_pack()

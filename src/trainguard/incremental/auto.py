@@ -1,27 +1,31 @@
 """``compression="auto"``: compress a save only when that lowers its durable time, by measurement.
 
-Model (per save of ``L`` logical bytes, ``n`` encoding threads, storage bandwidth ``bw`` in stored bytes/s,
-codec speed ``cs`` in raw bytes/s per thread, stored/raw ratio ``r``)::
+Two sources, in this order:
 
-    t_off = L / bw
-    t_on  = max(L / (cs * n), r * L / bw) + P / cs
-    compress  iff  t_on < MARGIN * t_off
+1. **Measured** (once both ways were seen): the seconds per logical byte of the write phase (chunks written
+   and durable) of the manager's own saves, the best of the last ``WINDOW`` saves per way (interference from
+   other work on a shared machine only ever slows a save down, so the best recent save is the least noisy
+   estimate of what the storage and codec can do). Compress iff ``measured_on < MARGIN * measured_off``. The way not taken is tried again every ``EXPLORE`` saves, so a
+   change of storage speed or machine load is followed. This catches what no model does: other processes on
+   the cores, the page cache, the storage's own latency.
+2. **Model** (before compression was ever measured), per save of ``L`` logical bytes, ``n`` encoding
+   threads, storage bandwidth ``bw`` (stored bytes/s, the best of this manager's recent uncompressed saves), codec
+   speed ``cs`` (raw bytes/s per thread) and stored/raw ratio ``r`` (both from compressing a sample of the
+   state, up to ``SAMPLE_BYTES``)::
 
-The writer's threads encode one piece while others write theirs (and the kernel writes back while encoding
-goes on), so encoding and I/O overlap; ``P / cs``, the encoding of the largest piece ``P`` (a tensor, at most
-``chunk_size_bytes``), is the pipeline's fill and drain.
+       t_off = L / bw
+       t_on  = max(L / (cs * n), r * L / bw) + P / cs        (encoding overlaps I/O; P: largest piece)
+       compress (once, to measure it)  iff  t_on < MARGIN * t_off
 
-``bw`` is measured on saves written uncompressed (stored bytes written / seconds from the first chunk to the
-durable sync), and on compressed saves net of the encoding time; ``cs`` and ``r`` come from the last compressed
-save, or from compressing a sample of the state (up to ``SAMPLE_BYTES``) while none has been. The first save
-is written uncompressed (nothing is known about the storage yet). Each estimate is an exponentially weighted
-average (``ALPHA``). The decision and its inputs are logged and put into the save's event.
+The first save is written uncompressed (nothing is known about the storage yet). The decision and its inputs
+are logged and put into the save's event.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +34,10 @@ from .codecs import compress
 MODES = ("auto", "zstd", "off")
 MARGIN = 0.95
 ALPHA = 0.5
+WINDOW = 5
+EXPLORE = 16
 SAMPLE_BYTES = 4 << 20
+MIN_MEASURED_BYTES = 1 << 20  # a smaller save measures latency, not bandwidth
 
 
 @dataclass
@@ -51,6 +58,9 @@ class CompressionChooser:
     Args:
         mode: ``"auto"``, ``"zstd"`` (always compress: space over time) or ``"off"``.
         threads: encoding threads per rank (the writer's).
+
+    Raises:
+        ValueError: an unknown ``mode``.
     """
 
     def __init__(self, mode: str, *, threads: int) -> None:
@@ -61,6 +71,15 @@ class CompressionChooser:
         self.bw_Bps: float | None = None
         self.codec_Bps: float | None = None
         self.ratio: float | None = None
+        self._s_per_GB: dict[bool, deque[float]] = {}  # write-phase seconds per logical GB, recent, per way
+        self._bw: deque[float] = deque(maxlen=WINDOW)
+        self.saves = 0
+        self.last_tried: dict[bool, int] = {}  # save index at which each way last ran
+
+    @property
+    def s_per_GB(self) -> dict[bool, float]:
+        """Measured write-phase seconds per logical GB per way (compressed or not): the best recent save."""
+        return {k: min(v) for k, v in self._s_per_GB.items() if v}
 
     @staticmethod
     def _ewma(old: float | None, new: float) -> float:
@@ -79,25 +98,41 @@ class CompressionChooser:
             return Decision(self.mode == "zstd", f"compression={self.mode!r}")
         if self.codec_Bps is None and sample:
             self._measure_sample(sample)
-        inputs = {
+        measured = self.s_per_GB
+        inputs: dict[str, Any] = {
             "write_bw_Bps": self.bw_Bps,
             "codec_Bps": self.codec_Bps,
             "ratio": self.ratio,
             "threads": self.threads,
             "logical_bytes": logical_bytes,
+            "measured_off_s_per_GB": measured.get(False),
+            "measured_on_s_per_GB": measured.get(True),
         }
+        if True in measured and False in measured:
+            on, off = measured[True], measured[False]
+            better = on < MARGIN * off
+            other = not better
+            if self.saves - self.last_tried.get(other, 0) >= EXPLORE:
+                return Decision(
+                    other, "auto: trying the other way again (measurements may have changed)", inputs
+                )
+            why = "measured faster" if better else "measured not faster"
+            return Decision(better, f"auto: compressing {why} on this storage", inputs)
         if self.bw_Bps is None or self.codec_Bps is None or self.ratio is None:
             return Decision(
                 False, "auto: storage bandwidth not measured yet (first save uncompressed)", inputs
             )
         t_off = logical_bytes / self.bw_Bps
-        t_on = max(
-            logical_bytes / (self.codec_Bps * self.threads), self.ratio * logical_bytes / self.bw_Bps
-        ) + min(piece_bytes, logical_bytes) / self.codec_Bps
+        t_on = (
+            max(logical_bytes / (self.codec_Bps * self.threads), self.ratio * logical_bytes / self.bw_Bps)
+            + min(piece_bytes, logical_bytes) / self.codec_Bps
+        )
         inputs.update(t_off_s=t_off, t_on_s=t_on)
         if t_on < MARGIN * t_off:
-            return Decision(True, "auto: compressing lowers the estimated durable time", inputs)
-        return Decision(False, "auto: the storage is faster than compressing saves", inputs)
+            return Decision(
+                True, "auto: the model says compressing lowers the durable time (measuring it)", inputs
+            )
+        return Decision(False, "auto: the model says the storage is faster than compressing", inputs)
 
     def _measure_sample(self, sample: list[tuple[memoryview, int]]) -> None:
         raw = stored = 0
@@ -117,21 +152,26 @@ class CompressionChooser:
         self,
         *,
         compressed: bool,
+        logical_bytes: int,
         stored_written: int,
         raw_encoded: int,
         stored_encoded: int,
         encode_s: float,
         write_s: float,
     ) -> None:
-        """Record what a committed save measured: stored bytes written and the seconds of its write phase
-        (chunks + durable sync), and for a compressed save the raw and stored bytes encoded and the encoding
-        CPU seconds (all threads)."""
+        """Record what a committed save measured: its logical bytes, the stored bytes it wrote and the seconds
+        of its write phase (chunks + durable sync), and for a compressed save the raw and stored bytes encoded
+        and the encoding seconds (all threads)."""
+        self.saves += 1
+        self.last_tried[compressed] = self.saves
         if compressed and raw_encoded and encode_s > 0:
             self.codec_Bps = self._ewma(self.codec_Bps, raw_encoded / encode_s)
             self.ratio = self._ewma(self.ratio, stored_encoded / raw_encoded)
-        io_s = write_s - (encode_s / self.threads if compressed else 0.0)
-        if stored_written >= (1 << 20) and io_s > 0:  # a tiny write measures latency, not bandwidth
-            self.bw_Bps = self._ewma(self.bw_Bps, stored_written / io_s)
+        if logical_bytes >= MIN_MEASURED_BYTES and write_s > 0:
+            self._s_per_GB.setdefault(compressed, deque(maxlen=WINDOW)).append(write_s / logical_bytes * 1e9)
+        if not compressed and stored_written >= MIN_MEASURED_BYTES and write_s > 0:
+            self._bw.append(stored_written / write_s)
+            self.bw_Bps = max(self._bw)
 
 
 def state_sample(
