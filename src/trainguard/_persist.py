@@ -158,15 +158,26 @@ def persist(
     return result
 
 
+def local_tensors(flat: Mapping[str, Any]) -> list[torch.Tensor]:
+    """This rank's plain CPU tensors of a flattened state (a DTensor's local shard)."""
+    out = []
+    for t in flat.values():
+        to_local = getattr(t, "to_local", None)
+        t = to_local() if callable(to_local) else t
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.device.type == "cpu":
+            out.append(t)
+    return out
+
+
 def logical_bytes(flat: Mapping[str, Any]) -> int:
-    """In-memory bytes of the tensors of a flattened state."""
-    return sum(t.numel() * t.element_size() for t in flat.values() if isinstance(t, torch.Tensor))
+    """In-memory bytes of this rank's tensors of a flattened state."""
+    return sum(t.numel() * t.element_size() for t in local_tensors(flat))
 
 
 def begin_encoding(mgr: CheckpointManager, flat: Mapping[str, Any]) -> tuple[Decision, SaveEncoder | None]:
     """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
     memory of pieces needed)."""
-    tensors = [t for t in flat.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    tensors = local_tensors(flat)
     chooser = mgr.compression
     sample = None
     if chooser.mode == "auto" and chooser.codec_Bps is None:
