@@ -133,9 +133,18 @@ class SaveEncoder:
         (all pinned in ``store``; the caller unpins them after the commit), and whether a chunk was written."""
         raw_hash = xxhash.xxh3_128_hexdigest(view) if key is not None else ""
         prev = self.state.prev.get(key) if key is not None else None
-        if prev is not None and prev.raw_hash == raw_hash and len(prev.chain) and self._reuse(store, prev):
-            self._remember(key, Piece(raw_hash, prev.chain, prev.data), reused=True)
-            return prev.chain, False
+        if prev is not None and prev.raw_hash == raw_hash and len(prev.chain):
+            if self._reuse(store, prev):
+                self._remember(key, Piece(raw_hash, prev.chain, prev.data), reused=True)
+                return prev.chain, False
+            head = prev.chain[0]
+            if head.base is None:  # damaged or gone: written anew the same way, which repairs older saves
+                stored = view if head.codec == "raw" else compress(view, itemsize)
+                enc = None if head.codec == "raw" else Encoding(head.codec, len(view))
+                rec, written = store.put(stored, staging, step=step, encoding=enc)
+                assert key is not None
+                self._remember(key, Piece(raw_hash, (rec,), self._copy(view)))
+                return (rec,), written
         if not self.compress:
             rec, written = store.put(view, staging, step=step)
             if key is not None:
