@@ -18,14 +18,21 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     MissingDependencyError,
+    NonFiniteStateError,
     NoValidCheckpointError,
+    ResumeDivergedError,
     RootLockedError,
     RunConflictError,
     SaveError,
     StateMismatchError,
     StorageFullError,
+    SuspectCheckpointError,
+    TierUploadError,
     TrainguardError,
+    UnsafeCheckpointError,
+    UnsafeFileError,
 )
 
 __version__ = "0.1.0"
@@ -46,13 +53,14 @@ _LAZY = {
     "ResumableLoader": ".state.data",
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
+    "Tier": ".tiers.config",
     "ModelOptimizerState": ".distributed.state",
     "dcp_reader": ".interop.dcp_reader",  # dcp_reader(root, step): a StorageReader for plain dcp.load
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
 }
 
 
-_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+_SUBMODULES = ("lightning", "hf")  # integrations; each needs its extra (trainguard[lightning], [hf])
 
 
 def __getattr__(name: str) -> Any:
@@ -81,12 +89,15 @@ __all__ = [
     "CorruptCheckpointError",
     "EveryNSteps",
     "EveryTSeconds",
+    "InsufficientMemoryError",
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
     "MissingDependencyError",
     "ModelOptimizerState",
     "NoValidCheckpointError",
+    "NonFiniteStateError",
+    "ResumeDivergedError",
     "PendingSave",
     "PerRank",
     "RNGState",
@@ -98,7 +109,12 @@ __all__ = [
     "SaveResult",
     "StateMismatchError",
     "StorageFullError",
+    "SuspectCheckpointError",
+    "Tier",
+    "TierUploadError",
     "TrainguardError",
+    "UnsafeCheckpointError",
+    "UnsafeFileError",
     "dcp_reader",
     "heartbeat",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -13,14 +14,8 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import WriteResult
 
 from .commit import build_manifest
-from .distributed import TrainguardSavePlanner, TrainguardWriter
-from .distributed.writer import tensor_bytes
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
@@ -28,8 +23,14 @@ from .incremental.auto import Decision, state_sample
 from .incremental.delta import SaveEncoder
 from .results import SaveResult
 from .retention.apply import referenced_chunks, space_hint
+from .validation.hooks import check_before_persist
+from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from .distributed import TrainguardWriter
     from .manager import CheckpointManager
 
 log = logging.getLogger("trainguard")
@@ -51,7 +52,14 @@ def persist(
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
-    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
+    Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
+
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
+
+    Raises:
+        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
+    probe = mgr._probes.pop(step, None)
+    check_before_persist(mgr, step, flat)
     partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
     mgr.storage.make_dir(partial)
     mgr.store.last_progress = time.monotonic()
@@ -63,8 +71,12 @@ def persist(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m)
+        mgr._publish(m, (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None)
         manifest_box.append(m)
+
+    import torch.distributed.checkpoint as dcp
+
+    from .distributed import TrainguardSavePlanner, TrainguardWriter
 
     staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
     decision, encoder = begin_encoding(mgr, flat)
@@ -76,7 +88,7 @@ def persist(
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
+        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [mgr.dist.rank]
         mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(mgr, writer)
         if isinstance(err, StorageFullError):
@@ -153,8 +165,14 @@ def persist(
         chunks=len(m.chunks),
         staging_bytes=mgr.staging_bytes,
         async_save=not blocking,
+        **({"probe_s": probe[1]} if probe is not None else {}),
     )
+    tier_error = (
+        mgr._tiers.after_commit(step) if mgr._tiers is not None else None
+    )  # dual write, queue uploads
     mgr._apply_retention()
+    if tier_error is not None:
+        raise tier_error
     return result
 
 
@@ -177,6 +195,8 @@ def logical_bytes(flat: Mapping[str, Any]) -> int:
 def begin_encoding(mgr: CheckpointManager, flat: Mapping[str, Any]) -> tuple[Decision, SaveEncoder | None]:
     """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
     memory of pieces needed)."""
+    from .distributed.writer import tensor_bytes  # DCP is imported lazily (the save path only)
+
     tensors = local_tensors(flat)
     chooser = mgr.compression
     sample = None
@@ -251,6 +271,12 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
+def is_checkpoint_exception(e: BaseException) -> bool:
+    """Whether ``e`` is DCP's CheckpointException (never imports DCP: none is raised before it is imported)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(e, api.CheckpointException)
+
+
 def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
     """The original exception(s) inside DCP's CheckpointException.
 
@@ -258,8 +284,9 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
     ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
     every rank then raises so that all fall back together).
     """
-    if not isinstance(e, CheckpointException):
+    if not is_checkpoint_exception(e):
         return e
+    assert hasattr(e, "failures")
     errors: dict[int, BaseException] = {}
     for rank, failure in e.failures.items():
         inner = failure[0] if isinstance(failure, tuple) else failure

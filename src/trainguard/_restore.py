@@ -18,8 +18,6 @@ import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
@@ -32,17 +30,20 @@ from .catalog import (
     record_corrupt,
     step_dirs,
 )
-from .distributed import TrainguardLoadPlanner, TrainguardReader
+from .distributed.chunkread import ShardReader, load_local, local_loadable
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InsufficientMemoryError,
     NoValidCheckpointError,
+    SuspectCheckpointError,
 )
 from .format import MANIFEST_NAME, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head
 from .state.dtypes import check_shard_bytes
+from .validation.hooks import check_probe, scan_loaded
+from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -116,6 +117,8 @@ def restore_latest(
                             )
                         foreign[step] = rid
                 problem, chunk = info.problem or info.status, info.chunk
+                if info.status == "suspect":
+                    problem = f"suspect: {problem}"
             verdict = mgr.dist.broadcast_ints([verdict])[0]
             if verdict == GONE:
                 raced = True
@@ -134,6 +137,11 @@ def restore_latest(
             t_chosen = time.perf_counter()
             try:
                 mgr._load(step, state, strict=strict)
+                probe_s = check_probe(mgr, step)
+            except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
+                skip(mgr, step, f"suspect: {e.reason}", None, timings, problems)
+                judged.add(step)
+                continue
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 if gone(mgr, step):
                     raced = True
@@ -151,8 +159,8 @@ def restore_latest(
                 continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
-            timings.load_s = t_loaded - t_chosen
-            timings.validate_s = 0.0
+            timings.validate_s = mgr._validate_s + probe_s
+            timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
             timings.bytes = mgr.last_restore.bytes
             mgr._event(
                 "restore",
@@ -195,10 +203,18 @@ def restore_latest(
         else ""
     )
     which = "of the newest run's lineage is" if foreign else "is"
+    suspect = [s for s in sorted(judged) if suspect_reason(mgr.root, s) is not None]
+    cleared = (
+        f"\nSuspect checkpoints {suspect} failed validation after load (probe, NaN/Inf, or the loss diverged after "
+        f"resuming); after checking one, `trainguard mark {mgr.root} STEP --clear` makes it a candidate again."
+        if suspect
+        else ""
+    )
     raise NoValidCheckpointError(
         f"{mgr.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
         + "\n  ".join(problems)
         + other
+        + cleared
         + f"\nRun `trainguard verify {mgr.root} --all` for details; restore a replica or start a new run root "
         "deliberately."
     )
@@ -250,12 +266,21 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         )
     if memory_error is not None:
         raise memory_error
-    reader = TrainguardReader(mgr.store, m)
+    reader: ShardReader
     try:
-        with quiet_dcp():
-            dcp.load(
-                template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
-            )
+        if not mgr.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
+            reader = ShardReader(mgr.store, m)
+            load_local(template, reader)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            from .distributed import TrainguardLoadPlanner, TrainguardReader
+
+            reader = TrainguardReader(mgr.store, m)
+            with quiet_dcp():
+                dcp.load(
+                    template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
+                )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if (
@@ -265,6 +290,7 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         ):
             mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
+    mgr._validate_s = scan_loaded(mgr, step, template)  # before the state's objects take the tensors
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     mgr._restored(m)
     mgr.last_restore.bytes = reader.bytes_read

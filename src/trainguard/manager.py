@@ -19,16 +19,16 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _persist, _restore, _statefn, _worker, lineage
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, scan
 from .commit import publish
 from .distributed.context import DistContext
-from .distributed.writer import WriterOptions
+from .distributed.options import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
@@ -53,6 +53,10 @@ from .staging import PendingSave, Stager
 from .state import per_rank
 from .storage.base import Storage
 from .storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from .validation.scrub import Scrubber
+    from .validation.trajectory import Recorder
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -106,9 +110,25 @@ class CheckpointManager:
             (``trainguard_save_block_seconds``, ``trainguard_save_persist_seconds``,
             ``trainguard_checkpoint_bytes``, ``trainguard_save_failures_total``); None: a private one, see
             :attr:`metrics_registry`. Pass ``prometheus_client.REGISTRY`` to export through the default one.
+        check_finite: ``"error"`` (default): a save whose floating tensors hold NaN/Inf is rejected in the persist
+            path (NonFiniteStateError, nothing committed, retention not run) and a restored checkpoint holding
+            NaN/Inf is suspect (``restore_latest`` falls back); ``"warn"``: log and go on; ``"off"``.
+        probe: ``fn() -> tensor | dict[str, tensor]`` computed from the live training objects on a fixed probe
+            batch (model in eval mode, under no_grad; it must not change any state). Run in the caller at each
+            save and stored with the checkpoint; after a restore it runs again and must match, else the
+            checkpoint is suspect and ``restore_latest`` falls back to an older one.
+        probe_rtol: relative tolerance of the probe comparison (0 with ``probe_atol`` 0: bitwise, the
+            default; set both for another device, dtype or world size).
+        probe_atol: absolute tolerance of the probe comparison.
+        trajectory_steps: after a restore, the losses given to ``maybe_save(metrics={"loss": ...})`` for this
+            many steps are compared with those logged before the failure; a divergence raises
+            ResumeDivergedError and marks the checkpoints suspect (0: off).
+        scrub_interval_s: re-verify the committed checkpoints in a background thread every this many seconds
+            (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it.
         compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
-            the measured storage bandwidth, codec speed and ratio say it lowers the durable save time; the
-            decision and its inputs are logged and in each ``save`` event), ``"zstd"`` (always: space over
+            that measured faster on this storage: the write time of this manager's own saves both ways; before
+            compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
+            the decision and its inputs are logged and in each ``save`` event), ``"zstd"`` (always: space over
             time) or ``"off"``.
         delta: write each changed tensor piece as a delta (integer difference) against the same piece of the
             previous save when that is smaller than compressing it alone; only in compressed saves. Holds one
@@ -148,14 +168,36 @@ class CheckpointManager:
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
         metrics_registry: Any = None,
+        check_finite: str = "error",
+        probe: Any = None,
+        probe_rtol: float = 0.0,
+        probe_atol: float = 0.0,
+        trajectory_steps: int = 50,
+        scrub_interval_s: float | None = None,
+        tiers: list[Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
         compression: str = "auto",
         delta: bool = False,
         max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
+        from .storage.objects import is_url
 
-        if isinstance(root, str) and "://" in root:
-            raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
+        self.url: str | None = None
+        self._tiers: Any = None
+        self._store_lock: Any = None
+        tiers = list(tiers or [])
+        if is_url(root):  # an object-store run root: a local cache as the hot root, the URL as a sync replica
+            from .tiers.config import Tier
+
+            self.url = str(root).rstrip("/")
+            tiers.insert(0, Tier(self.url, keep=keep, sync=True, storage_options=storage_options))
+            root = _cache_root(self.url)
+            keep = 1 if keep is not None else None  # the cache keeps the newest; the store keeps ``keep``
+        elif storage_options is not None:
+            raise ConfigError(
+                "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
+            )
         if isinstance(root, (str, os.PathLike)):
             try:
                 self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
@@ -177,6 +219,25 @@ class CheckpointManager:
                 f"{type(save_policy).__name__}"
             )
         self.retention = as_retention(keep)
+        validation_options(
+            check_finite=check_finite,
+            probe=probe,
+            probe_rtol=probe_rtol,
+            probe_atol=probe_atol,
+            trajectory_steps=trajectory_steps,
+            scrub_interval_s=scrub_interval_s,
+        )
+        self.check_finite: str = check_finite
+        self.probe: Callable[[], Any] | None = probe
+        self.probe_rtol = float(probe_rtol)
+        self.probe_atol = float(probe_atol)
+        self.trajectory_steps: int = trajectory_steps
+        self.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
+        # step -> (probe outputs, seconds the probe took), until the save of that step commits or fails
+        self._probes: dict[int, tuple[dict[str, Any], float]] = {}
+        self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
+        self._trajectory: Recorder | None = None  # set for a writer (below)
+        self._scrubber: Scrubber | None = None
         # with deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
         # previous save; a shared pack of many small tensors changes whenever any of them does)
         self.options = WriterOptions(
@@ -261,8 +322,12 @@ class CheckpointManager:
         self._manifest_metrics: dict[int, dict[str, Any]] = {}
         self._metrics: Any = None
         if read_only:
+            if self.url is not None or tiers:  # the hot root a restore from the tiers copies into
+                self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
                 raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
+            if tiers:
+                self._open_tiers(tiers, writer=False)
             return
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._events = _open_root(self.root)
@@ -300,8 +365,26 @@ class CheckpointManager:
             install_preemption_handler()
             self._preemption = True
         self._events.set_context(checkpoint_run_id=self.run.run_id)
+        if tiers:
+            try:
+                self._open_tiers(tiers, writer=True)
+            except BaseException:
+                if self._lock is not None:
+                    self._lock.release()
+                self._events.close()
+                raise
         self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
+        from .validation.trajectory import Recorder
+
+        self._trajectory = Recorder(
+            self.root, self.run.run_id, self.trajectory_steps, coordinator=self.dist.is_coordinator
+        )
+        if self.scrub_interval_s is not None and self.dist.is_coordinator:
+            from .validation.scrub import Scrubber
+
+            self._scrubber = Scrubber(self, self.scrub_interval_s)
+            self._scrubber.start()
 
     # -- context manager ----------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -330,6 +413,10 @@ class CheckpointManager:
                 abandoned,
             )
         self._closed = True
+        if self._scrubber is not None:
+            self._scrubber.stop()
+        if self._trajectory is not None:
+            self._trajectory.close()
         if self._exit_flush is not None:
             import atexit
 
@@ -337,12 +424,42 @@ class CheckpointManager:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
+        if self._tiers is not None:
+            try:
+                self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
+            except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+                err = err or e
+            finally:
+                if self._store_lock is not None:
+                    from .tiers.attach import release_store_lock
+
+                    release_store_lock(self._store_lock)
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
             self._lock.release()
         if err is not None:
             raise err
+
+    def _open_tiers(self, tiers: list[Any], *, writer: bool) -> None:
+        """Open and check the tiers (configuration errors raise here), lock a URL root, record the tiers in
+        the hot root and queue the committed steps a tier is missing."""
+        from .catalog import stable_committed_steps
+        from .tiers.attach import TierSet, acquire_store_lock, open_links
+
+        links = open_links(self.root, tiers, self._event, fsync=self.fsync)
+        self._tiers = TierSet(self.root, links, self._event, fsync=self.fsync)
+        if not writer:
+            return
+        if self.url is not None and self.dist.is_coordinator:
+            from .tiers.attach import prune_cache
+
+            acquire_store_lock(links[0].store, self.url)
+            self._store_lock = links[0].store
+            prune_cache(self.root, links[0])
+        if self.dist.is_coordinator:
+            self._tiers.record()
+            self._tiers.resume(stable_committed_steps(self.root))
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -415,6 +532,7 @@ class CheckpointManager:
         from .recovery.heartbeat import heartbeat, preemption_requested
 
         heartbeat(step)
+        self._record_loss(step, metrics)
         if not self._first_step_logged:
             self._first_step_logged = True
             self._event("first_step", step=step)
@@ -443,6 +561,28 @@ class CheckpointManager:
                 step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
             )
         return None
+
+    def _record_loss(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Append the step's loss to the run's trajectory log; after a restore, check it (collective while the
+        check is armed: every rank calls ``maybe_save`` each step, with or without a loss)."""
+        tr = self._trajectory
+        if tr is None:
+            return
+        armed = tr.check is not None
+        bad = tr.record(step, metrics)
+        if not armed:
+            return
+        if self.dist.enabled:
+            bad = self.dist.any(bad)
+        if bad:
+            from .validation.hooks import diverged
+
+            raise diverged(self, step)
+        tr.passed(step)
+
+    def _arm_trajectory(self, step: int) -> None:
+        if self._trajectory is not None:
+            self._trajectory.arm(step)
 
     def _should_save(self, step: int) -> bool:
         decision = self.save_policy.should_save(step, now_s=time.monotonic())
@@ -524,11 +664,12 @@ class CheckpointManager:
                 )
             # A corrupt checkpoint of this step (typically the one restore_latest just skipped) holds nothing
             # usable: replace it rather than stop the training loop.
-            log.warning("replacing the corrupt checkpoint of step %d (%s)", step, info.problem)
+            log.warning("replacing the %s checkpoint of step %d (%s)", info.status, step, info.problem)
             self._event("replace_corrupt", step=step, problem=info.problem)
         t0 = time.perf_counter()
         now0 = time.monotonic()
         if not self.async_save:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
@@ -560,6 +701,7 @@ class CheckpointManager:
             log.warning("skipping the save of step %d: earlier saves are still persisting", step)
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             staged = bufset.stage(flat)
@@ -584,6 +726,16 @@ class CheckpointManager:
         self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
         return handle
 
+    def _run_probe(self, step: int) -> None:
+        """Compute the probe in the caller's thread; its record goes with this step's save."""
+        if self.probe is None:
+            return
+        from .validation.probe import compute
+
+        t = time.perf_counter()
+        outputs = compute(self.probe)
+        self._probes[step] = (outputs, time.perf_counter() - t)
+
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(
@@ -600,8 +752,8 @@ class CheckpointManager:
     def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
         _restore.mark_corrupt(self, step, err)
 
-    def _publish(self, m: Manifest) -> None:
-        publish(self.storage, m, fsync=self.fsync)
+    def _publish(self, m: Manifest, extra: Callable[[bytes], dict[str, bytes]] | None = None) -> None:
+        publish(self.storage, m, fsync=self.fsync, extra=extra)
 
     def _raise_background_error(self) -> None:
         """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
@@ -664,7 +816,23 @@ class CheckpointManager:
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
         process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
+        if self._tiers is not None:
+            from .tiers.attach import listing
+
+            return listing(self._tiers, lambda: scan(self.storage, self.store), url=self.url)
         return scan(self.storage, self.store)
+
+    def prefetch(self) -> int | None:
+        """Copy the newest checkpoint restorable from any tier to the hot root (chunks intact there are kept,
+        the others read from the first tier holding them with a matching CRC32C), ahead of a restart.
+
+        Returns:
+            The step now intact on the hot root, or None when no tier holds a restorable checkpoint (without
+            tiers: the newest usable step of the root).
+        """
+        if self._tiers is None:
+            return self.latest_step()
+        return self._tiers.materialize()
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one
@@ -699,8 +867,17 @@ class CheckpointManager:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
+        if self._tiers is not None:
+            self._tiers.materialize(step)  # chunks missing or corrupt on the hot root are read from a tier
         self._load(step, state, strict=strict)
-        self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
+        load_s = time.perf_counter() - t0
+        from .validation.hooks import check_probe
+
+        validate_s = self._validate_s + check_probe(self, step)
+        self.last_restore = RestoreTimings(
+            load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes
+        )
+        self._arm_trajectory(step)
         return step
 
     def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
@@ -723,10 +900,48 @@ class CheckpointManager:
             raise TrainguardError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
+        if self._tiers is not None:
+            self._tiers.materialize()  # the newest step restorable from any tier, intact on the hot root
         step = _restore.restore_latest(self, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
+            self._arm_trajectory(step)
         return step
+
+
+def validation_options(
+    *,
+    check_finite: str,
+    probe: Any,
+    probe_rtol: float,
+    probe_atol: float,
+    trajectory_steps: int,
+    scrub_interval_s: float | None,
+) -> None:
+    """Check the validation options (issue 11).
+
+    Raises:
+        ConfigError: naming the option and what it accepts.
+    """
+    from .validation import CHECK_FINITE_MODES
+
+    if check_finite not in CHECK_FINITE_MODES:
+        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
+    if probe is not None and not callable(probe):
+        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
+    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
+        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
+    if scrub_interval_s is not None and (
+        isinstance(scrub_interval_s, bool)
+        or not isinstance(scrub_interval_s, (int, float))
+        or not 0 < scrub_interval_s < float("inf")
+    ):
+        raise ConfigError(
+            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
+        )
 
 
 def _root_problem(root: Path) -> str | None:
@@ -783,3 +998,14 @@ def _open_root(root: Path) -> EventLog:
 
 def _abandoned(mgr: CheckpointManager) -> set[int]:
     return {j.handle.step for j in mgr._abandoned}
+
+
+def _cache_root(url: str) -> Path:
+    """The local hot root of a URL run root: ``$TRAINGUARD_CACHE_DIR`` (default ``~/.cache/trainguard``) /
+    ``roots/<hash of the URL>``."""
+    import hashlib
+
+    base = os.environ.get("TRAINGUARD_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "trainguard"
+    )
+    return Path(base) / "roots" / hashlib.sha256(url.encode()).hexdigest()[:16]

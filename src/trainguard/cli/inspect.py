@@ -24,7 +24,9 @@ from ..catalog import (
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import TensorEntry, step_dir_name
 from ..recovery.events import read_events
+from ..storage.objects import is_url
 from .main import main
+from .remote import ls_url, tier_columns, url_cache, verify_url
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
@@ -62,12 +64,23 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 
 @main.command("ls")
 @click.argument("root")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, new_bytes, logical_bytes, time}.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON array of {step, status, bytes, new_bytes, logical_bytes, time, problem, reason}.",
+)
 def ls_cmd(root: str, as_json: bool) -> None:
-    """List the checkpoints under ROOT with status (valid / unverified / corrupt / incomplete), size and time."""
+    """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size
+    and time. ``reason`` says why a checkpoint is suspect (its content failed validation) or corrupt.
+
+    ROOT may be a URL (``s3://bucket/run1``). With tiers, ``--json`` adds each step's ``tiers`` mapping."""
+    if is_url(root):
+        return ls_url(root, as_json)
     p = _root(root)
     infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
+    tiers = tier_columns(p, [i.step for i in infos]) if as_json else None
     if as_json:
         if not infos:
             hint = _runs_hint(p, "ls")
@@ -79,6 +92,8 @@ def ls_cmd(root: str, as_json: bool) -> None:
             ev = timings.get(i.step)
             if ev is not None:
                 row.update(block_s=ev.get("block_s"), persist_s=ev.get("persist_s"))
+            if tiers is not None:
+                row["tiers"] = tiers.get(i.step, {})
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
@@ -92,7 +107,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
     problems = []
     for i in infos:
         ev = timings.get(i.step, {})
-        color = {"valid": "green", "unverified": "cyan", "corrupt": "red", "incomplete": "yellow"}[i.status]
+        color = STATUS_COLORS[i.status]
         table.add_row(
             str(i.step),
             f"[{color}]{i.status}[/]",
@@ -111,6 +126,15 @@ def ls_cmd(root: str, as_json: bool) -> None:
             c.print(line, highlight=False, overflow="fold")
     else:
         click.echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+
+
+STATUS_COLORS = {
+    "valid": "green",
+    "unverified": "cyan",
+    "corrupt": "red",
+    "suspect": "magenta",
+    "incomplete": "yellow",
+}
 
 
 def _runs_hint(p: Path, command: str) -> str:
@@ -145,7 +169,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """
     from ..incremental.chunkstore import ChunkStore
 
-    p = _root(root)
+    p = url_cache(root, step) if is_url(root) else _root(root)
     store = ChunkStore(p)
     latest = step is None
     for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
@@ -191,7 +215,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "run": _run_json(m),
         "entries": entries,
     }
-    bad = status.status in ("corrupt", "incomplete")  # a status that only lacks a full read is not a failure
+    bad = status.status in ("corrupt", "suspect", "incomplete")  # lacking only a full read is not a failure
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
         if bad:
@@ -351,18 +375,37 @@ def _print_info(summary: dict[str, Any]) -> None:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}."
 )
-def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> None:
+@click.option(
+    "--max-bandwidth",
+    default=None,
+    metavar="RATE",
+    help="Cap the re-read rate, e.g. 200MB/s (a scrub of a live job's storage); default: as fast as it reads.",
+)
+def verify_cmd(
+    root: str, step: int | None, all_steps: bool, as_json: bool, max_bandwidth: str | None
+) -> None:
     """Re-read every chunk of the checkpoints under ROOT and check CRC32C.
 
     Default: the newest committed checkpoint. Exit 1 if anything is corrupt, naming the chunk and the
     tensors it holds.
     """
     from ..catalog import step_dirs
+    from ..errors import ConfigError
     from ..integrity.verify import verify
+    from ..planning.units import parse_bandwidth_bytes_per_s
+    from ..validation.scrub import RateLimiter
 
-    p = _root(root)
+    limiter = None
+    if max_bandwidth is not None:
+        try:
+            limiter = RateLimiter(parse_bandwidth_bytes_per_s(max_bandwidth, what="--max-bandwidth"))
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--max-bandwidth") from None
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
+    if is_url(root):
+        return verify_url(root, step, all_steps, as_json)
+    p = _root(root)
     dirs, partials = step_dirs(p)
     # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
     committed = stable_committed_steps(p)
@@ -399,9 +442,9 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
                     def progress(done: int, total: int, task: Any = task, prog: Any = prog) -> None:
                         prog.update(task, completed=done, total=total)
 
-                    report = verify(p, steps, progress=progress)
+                    report = verify(p, steps, progress=progress, limiter=limiter)
             else:
-                report = verify(p, steps)
+                report = verify(p, steps, limiter=limiter)
             break
         except CheckpointNotFoundError as e:
             if step is not None or attempt == RACE_RETRIES - 1:
@@ -421,3 +464,18 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
             f"{verdict} {len(report.checked)} checkpoint(s) checked, {human_bytes(report.bytes_read)} re-read"
         )
     sys.exit(0 if report.ok else 1)
+
+
+@main.command("prefetch")
+@click.argument("root")
+@click.option("--tier", "tiers", multiple=True, help="A tier URL or path (default: the tiers ROOT records).")
+@click.option("--json", "as_json", is_flag=True, help="Print {ok, step, root}.")
+def prefetch_cmd(root: str, tiers: tuple[str, ...], as_json: bool) -> None:
+    """Copy the newest checkpoint restorable from the tiers into the hot root ROOT ahead of a restart.
+
+    Chunks already intact in ROOT are kept (each is re-read and its CRC32C checked); the others are read from
+    the first tier holding them intact. Exit 1 when no tier holds a restorable checkpoint.
+    """
+    from .remote import prefetch_cmd_impl
+
+    prefetch_cmd_impl(root, tiers, as_json)

@@ -21,7 +21,7 @@ def _register() -> None:
     # Each command module registers itself on `main`; a module that is not there yet is skipped.
     import importlib
 
-    for mod in ("inspect", "plan", "run", "demo", "observe", "interop"):
+    for mod in ("inspect", "plan", "run", "demo", "observe", "interop", "validate"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:  # pragma: no cover - only while a command is being built

@@ -78,6 +78,8 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     if uses_metrics(mgr.retention):
         metrics = {s: m for s in valid if (m := metrics_of(mgr, s)) is not None}
     keep = select(mgr.retention, valid, metrics) | {max(valid)}
+    if getattr(mgr, "_tiers", None) is not None:
+        keep |= mgr._tiers.protected()  # still to be sent to a tier
     doomed = [s for s in valid if s not in keep]
     if not doomed:
         return
