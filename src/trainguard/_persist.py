@@ -110,9 +110,8 @@ def persist(
         mgr.saves.append(result)
         return result
     m = manifest_box[0]
-    mgr._manifest_chunks[step] = set(m.chunks)
-    mgr._manifest_runs[step] = mgr.run.run_id
-    mgr._manifest_metrics[step] = dict(m.metrics)
+    mgr.refs.add(step, m.chunks, run_id=mgr.run.run_id, metrics=m.metrics)
+    mgr.refs.committed(step)
     result = SaveResult(
         step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
     )

@@ -278,6 +278,7 @@ def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError)
     corruption; a missing chunk needs no record (listing sees it). A read-only manager records too (the records
     are advisory files; nothing is written where the root is read-only) but never moves a chunk.
     """
+    mgr.refs.invalidate()  # statuses changed: retention scans again before it deletes anything
     if err.unreadable:
         record_check(mgr.storage, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
         return

@@ -71,7 +71,7 @@ def foreign_steps(mgr: CheckpointManager) -> dict[int, str]:
     dirs, _ = step_dirs(mgr.storage)
     out = {}
     for s in sorted(dirs):
-        rid = run_of(mgr.storage, s, mgr._manifest_runs)
+        rid = run_of(mgr.storage, s, mgr.refs.runs)
         if rid is not None and not mgr.run.owns(rid, s):
             out[s] = rid
     return out
@@ -170,7 +170,7 @@ def own(mgr: CheckpointManager, steps: list[int]) -> list[int]:
     """The steps whose checkpoints are in ``mgr.run``'s lineage (unreadable ones are left out)."""
     out = []
     for s in steps:
-        rid = run_of(mgr.storage, s, mgr._manifest_runs)
+        rid = run_of(mgr.storage, s, mgr.refs.runs)
         if rid is not None and mgr.run.owns(rid, s):
             out.append(s)
     return out

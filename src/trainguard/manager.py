@@ -47,6 +47,7 @@ from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
+from .retention.refs import ManifestCache
 from .staging import PendingSave, Stager
 from .state import per_rank
 from .storage.base import Storage
@@ -230,9 +231,7 @@ class CheckpointManager:
         self._events: EventLog | None = None
         self._first_step_logged = False
         self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
-        self._manifest_chunks: dict[int, set[str]] = {}
-        self._manifest_runs: dict[int, str] = {}  # step -> id of the run that wrote it (retention's cache)
-        self._manifest_metrics: dict[int, dict[str, Any]] = {}
+        self.refs = ManifestCache()  # chunks, run and metrics of each committed step (retention's cache)
         self._metrics: Any = None
         if read_only:
             if not self.root.is_dir():

@@ -109,7 +109,7 @@ def install_hook(point: str, at: int, marker: str) -> None:
 
         def _apply_retention(self: Any) -> None:
             if hit():
-                fire(steps=sorted(self._manifest_chunks))
+                fire(steps=sorted(self.refs.chunks))
             real_retention(self)
 
         manager.CheckpointManager._apply_retention = _apply_retention

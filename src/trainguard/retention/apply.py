@@ -12,12 +12,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..catalog import read_manifest, scan, step_keys
+from ..catalog import corrupt_marker, read_manifest, scan, step_keys
 from ..errors import TrainguardError
 from ..format import CHUNKS_DIR, MANIFEST_NAME, step_dir_name
-from . import select, uses_metrics
+from . import KeepAll, select, uses_metrics
 
 if TYPE_CHECKING:
     from ..manager import CheckpointManager
@@ -26,38 +27,42 @@ log = logging.getLogger("trainguard")
 GC_GRACE_S = 300.0
 
 
-def chunks_of(mgr: CheckpointManager, step: int) -> set[str] | None:
+def _learn(mgr: CheckpointManager, step: int) -> bool:
+    """Read the manifest of ``step`` into the manager's cache (chunks, run, metrics). False if unreadable."""
+    try:
+        m = read_manifest(mgr.storage, step)
+    except TrainguardError:
+        return False
+    mgr.refs.add(step, m.chunks, run_id=m.run.run_id if m.run is not None else "", metrics=m.metrics)
+    return True
+
+
+def chunks_of(mgr: CheckpointManager, step: int) -> frozenset[str] | None:
     """Chunk hashes the manifest of ``step`` references (cached), or None if it cannot be read."""
-    if step not in mgr._manifest_chunks:
-        try:
-            mgr._manifest_chunks[step] = set(read_manifest(mgr.storage, step).chunks)
-        except TrainguardError:
-            return None
-    return mgr._manifest_chunks[step]
+    if step not in mgr.refs.chunks and not _learn(mgr, step):
+        return None
+    return mgr.refs.chunks[step]
 
 
 def metrics_of(mgr: CheckpointManager, step: int) -> dict[str, Any] | None:
     """The metrics the manifest of ``step`` recorded (cached with its chunks), or None if it cannot be read."""
-    if step not in mgr._manifest_metrics:
-        try:
-            m = read_manifest(mgr.storage, step)
-        except TrainguardError:
-            return None
-        mgr._manifest_metrics[step] = dict(m.metrics)
-        mgr._manifest_chunks.setdefault(step, set(m.chunks))
-    return mgr._manifest_metrics[step]
+    if step not in mgr.refs.metrics and not _learn(mgr, step):
+        return None
+    return mgr.refs.metrics[step]
 
 
-def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
-    """Every chunk a committed manifest references; None if a manifest cannot be read."""
-    referenced: set[str] = set()
+def referenced_chunks(mgr: CheckpointManager) -> Mapping[str, int] | None:
+    """Every chunk a committed manifest references (hash -> references); None if a manifest cannot be read.
+
+    One listing of the root; only manifests not cached yet are read (at open: all of them; then none, unless
+    a checkpoint was copied in), so the cost per save does not grow with the number of checkpoints."""
     steps, _ = step_keys(mgr.storage)
+    for s in mgr.refs.steps() - set(steps):  # deleted meanwhile (by hand): its chunks are unreferenced
+        mgr.refs.drop(s)
     for s, d in steps.items():
-        chunks = chunks_of(mgr, s)
-        if chunks is None and mgr.storage.exists(f"{d}/{MANIFEST_NAME}"):
+        if s not in mgr.refs.chunks and not _learn(mgr, s) and mgr.storage.exists(f"{d}/{MANIFEST_NAME}"):
             return None  # an unreadable manifest: its chunks are unknown, collect nothing
-        referenced |= chunks or set()
-    return referenced
+    return mgr.refs.referenced()
 
 
 def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
@@ -71,14 +76,22 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     """
     from ..lineage import own
 
-    valid = own(mgr, [i.step for i in scan(mgr.storage, mgr.store) if i.usable])  # valid or unverified
+    if isinstance(mgr.retention, KeepAll):  # nothing is ever deleted: no need to look at the checkpoints
+        return
+    if len(mgr.store.repaired) != mgr.refs.repairs_seen:  # a save rewrote damaged chunks: the checkpoints
+        mgr.refs.repairs_seen = len(mgr.store.repaired)  # sharing them may be valid again
+        mgr.refs.invalidate()
+    if at_open or mgr.refs.usable is None:  # a full scan (once per writer, and after a restore condemned one)
+        mgr.refs.usable = {i.step for i in scan(mgr.storage, mgr.store) if i.usable}
+    valid = own(mgr, sorted(mgr.refs.usable))  # valid or unverified
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
     if uses_metrics(mgr.retention):
         metrics = {s: m for s in valid if (m := metrics_of(mgr, s)) is not None}
     keep = select(mgr.retention, valid, metrics) | {max(valid)}
-    doomed = [s for s in valid if s not in keep]
+    # one cheap check per doomed step: a checkpoint condemned meanwhile by another process is not retention's
+    doomed = [s for s in valid if s not in keep and corrupt_marker(mgr.storage, s) is None]
     if not doomed:
         return
     if at_open and not _intact(mgr, max(valid)):
@@ -89,9 +102,7 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
         d = step_dir_name(s)
         mgr.storage.delete(f"{d}/{MANIFEST_NAME}")  # uncommit first
         mgr.storage.delete_prefix(d)
-        mgr._manifest_chunks.pop(s, None)
-        mgr._manifest_runs.pop(s, None)
-        mgr._manifest_metrics.pop(s, None)
+        mgr.refs.drop(s)
         mgr._event("retention_delete", step=s)
     referenced = referenced_chunks(mgr)
     if referenced is None:
