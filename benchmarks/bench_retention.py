@@ -57,7 +57,7 @@ def per_save_cost(root: Path, n: int, keep: object, saves: int) -> tuple[float, 
             t0 = time.perf_counter()
             mgr.save(s, state)  # runs retention once (the production path)
             t1 = time.perf_counter()
-            apply_retention(mgr)  # the same pass again, timed alone
+            apply_retention(getattr(mgr, "ctx", mgr))  # the same pass again, timed alone (older: the manager)
             times.append(time.perf_counter() - t1)
             save_times.append(t1 - t0)
     return statistics.median(times), statistics.median(save_times)
@@ -111,8 +111,9 @@ def main() -> None:
     for r in rows:
         verdict = "PASS" if r["met"] else "MISS"
         print(
-            f"  {verdict}  retention cost per save flat ({r['policy']}): {large}/{small} = {r['ratio']:.2f} "
-            f"(target <= {TARGET_RATIO})"
+            f"  {verdict}  cost of a save with its retention pass flat ({r['policy']}): save ms {large}/{small} "
+            f"= {r['ratio']:.2f} (target <= {TARGET_RATIO}); retention pass alone at {large}: "
+            f"{r[f'retention_ms_{large}']:.3f} ms"
         )
 
 

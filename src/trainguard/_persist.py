@@ -16,20 +16,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .commit import build_manifest
+from .commit import build_manifest, publish
 from .distributed import TrainguardSavePlanner, TrainguardWriter
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
-from .retention.apply import referenced_chunks, space_hint
+from .retention.apply import apply_retention, referenced_chunks, space_hint
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ._context import RootContext
 
 
 def persist(
-    mgr: CheckpointManager,
+    ctx: RootContext,
     step: int,
     flat: dict[str, Any],
     paths: Mapping[str, Any],
@@ -45,9 +45,9 @@ def persist(
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
-    partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
-    mgr.storage.make_dir(partial)
-    mgr.store.last_progress = time.monotonic()
+    partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
+    ctx.storage.make_dir(partial)
+    ctx.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
     def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
@@ -55,27 +55,27 @@ def persist(
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
-        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m)
+        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
+        publish(ctx.storage, m, fsync=ctx.fsync)
         manifest_box.append(m)
 
-    staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
-    writer = TrainguardWriter(mgr.store, staging, commit, mgr.options, step, paths=dict(paths))
+    staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
+    writer = TrainguardWriter(ctx.store, staging, commit, ctx.options, step, paths=dict(paths))
     try:
         with quiet_dcp():
-            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
+            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [mgr.dist.rank]
-        mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
-        discard_new_chunks(mgr, writer)
+        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [ctx.dist.rank]
+        ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+        discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):
             if err.step is None:
                 err.step = step
-            hint = space_hint(mgr)
+            hint = space_hint(ctx)
             if hint and err.args and hint not in str(err.args[0]):
                 err.args = (str(err.args[0]) + hint, *err.args[1:])
-        if mgr.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
+        if ctx.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
             # a SaveError raised on one rank (StorageFullError): name that rank on every rank
             cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
             err.rank_errors = {ranks[0]: cause}
@@ -83,9 +83,9 @@ def persist(
                 err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
-        if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
+        if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not ctx.dist.enabled:
             raise err  # noqa: B904 - one process: the specific error; under dist it is wrapped to name the rank
-        where = f" on rank {ranks[0]}" if mgr.dist.enabled else ""
+        where = f" on rank {ranks[0]}" if ctx.dist.enabled else ""
         raise SaveError(
             f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
             "checkpoints are intact",
@@ -93,10 +93,10 @@ def persist(
             rank_errors={ranks[0]: err},
         ) from err
     finally:
-        mgr.store.unpin(writer.hashes)
-        mgr.storage.delete_prefix(partial)
+        ctx.store.unpin(writer.hashes)
+        ctx.storage.delete_prefix(partial)
         if staging != partial:
-            mgr.storage.delete_prefix(staging)
+            ctx.storage.delete_prefix(staging)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
@@ -107,16 +107,16 @@ def persist(
             block_s=block_s,
             persist_s=elapsed,
         )
-        mgr.saves.append(result)
+        ctx.saves.append(result)
         return result
     m = manifest_box[0]
-    mgr.refs.add(step, m.chunks, run_id=mgr.run.run_id, metrics=m.metrics)
-    mgr.refs.committed(step)
+    ctx.refs.add(step, m.chunks, run_id=ctx.run.run_id, metrics=m.metrics)
+    ctx.refs.committed(step)
     result = SaveResult(
         step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
     )
-    mgr.saves.append(result)
-    mgr._event(
+    ctx.saves.append(result)
+    ctx.event(
         "save",
         step=step,
         bytes=result.bytes,
@@ -124,14 +124,14 @@ def persist(
         block_s=result.block_s,
         persist_s=result.persist_s,
         chunks=len(m.chunks),
-        staging_bytes=mgr.staging_bytes,
+        staging_bytes=ctx.staging_bytes(),
         async_save=not blocking,
     )
-    mgr._apply_retention()
+    apply_retention(ctx)
     return result
 
 
-def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:
+def discard_new_chunks(ctx: RootContext, writer: TrainguardWriter) -> None:
     """After a failed save: delete the chunks it wrote that no committed manifest references.
 
     One process: this save's new chunks. Under torch.distributed, rank 0 (the lock holder) collects every
@@ -139,21 +139,21 @@ def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None
     chunks are renamed into ``chunks/`` or dropped by then), and no other save of this run can write before
     rank 0 joins its planning collective, so every unreferenced chunk is garbage of this save (or of earlier
     failed ones)."""
-    mgr.store.unpin(writer.hashes)
+    ctx.store.unpin(writer.hashes)
     writer.hashes = []
-    if mgr.dist.enabled:
-        if not mgr.dist.is_coordinator:
+    if ctx.dist.enabled:
+        if not ctx.dist.is_coordinator:
             return
-        candidates = mgr.store.all_hashes()
+        candidates = ctx.store.all_hashes()
     elif writer.new_hashes:
         candidates = set(writer.new_hashes)
     else:
         return
-    referenced = referenced_chunks(mgr)
+    referenced = referenced_chunks(ctx)
     if referenced is not None:
-        freed = mgr.store.collect(candidates, referenced)
+        freed = ctx.store.collect(candidates, referenced)
         if freed:
-            mgr._event("failed_save_chunks_freed", step=writer.step, bytes=freed)
+            ctx.event("failed_save_chunks_freed", step=writer.step, bytes=freed)
 
 
 @contextlib.contextmanager

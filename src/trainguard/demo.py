@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .recovery.events import read_events
+from .eventlog import read_events
 
 FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest")
 KIND_LABELS = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -23,32 +22,32 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from . import _persist, _restore, _statefn, _worker, lineage
+from . import _persist, _restore, _statefn, lineage
+from ._context import RootContext
 from ._lock import RootLock
-from .catalog import CheckpointInfo, inspect_step, scan
-from .commit import publish
+from .catalog import CheckpointInfo, inspect_step, is_committed, scan
 from .distributed.context import DistContext
 from .distributed.writer import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
-    CorruptCheckpointError,
+    ManagerClosedError,
+    ReadOnlyManagerError,
     RootLockedError,
     SaveError,
     TrainguardError,
     UnsafeFileError,
 )
-from .format import Manifest, step_dir_name
-from .format.layout import MANIFEST_NAME
+from .eventlog import OWN_EVENTS, EventLog
+from .format import step_dir_name
 from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
-from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
-from .retention.refs import ManifestCache
 from .staging import PendingSave, Stager
+from .staging.persister import AsyncPersister, SaveRequest, register_exit_flush
 from .state import per_rank
 from .storage.base import Storage
 from .storage.local import LocalStorage
@@ -187,8 +186,23 @@ class CheckpointManager:
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
-        self.run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
-        self._resumed = False
+        run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
+        self.ctx = RootContext(
+            root=self.root,
+            storage=self.storage,
+            store=self.store,
+            dist=self.dist,
+            options=self.options,
+            retention=self.retention,
+            run=run,
+            fsync=fsync,
+            read_only=read_only,
+            new_run=self.new_run,
+            event=self._event,
+            in_flight_since=lambda: self._persister.in_flight_since() if self._persister else time.time(),
+            staging_bytes=lambda: self.staging_bytes,
+            saves=deque(maxlen=SAVES_KEPT),  # the most recent committed saves of this manager, in order
+        )
         self._run_checked = read_only
         if self.dist.enabled and when_busy == "skip":
             raise ConfigError(
@@ -214,24 +228,28 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.when_busy = when_busy
         self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._pending: list[PendingSave] = []
-        self._in_flight: set[int] = set()
-        self._in_flight_t: dict[int, float] = {}  # step -> wall time its save began
-        self._job_lock = threading.Lock()
-        self._current: _worker.Job | None = None  # the job the worker is persisting
-        self._abandoned: list[_worker.Job] = []  # abandoned jobs (their threads may still be stuck)
-        self.last_restore = RestoreTimings()
-        # the most recent SAVES_KEPT committed saves of this manager, in commit order
-        self.saves: deque[SaveResult] = deque(maxlen=SAVES_KEPT)
+        self._persister: AsyncPersister | None = None
+        if (
+            self._stager is not None
+        ):  # the async engine: queue, worker thread, in-flight saves, stall watchdog
+            self._persister = AsyncPersister(
+                self._persist_request,
+                self._stager,
+                save_timeout_s=self.save_timeout_s,
+                last_progress=lambda: self.store.last_progress,
+                event=self._event,
+                on_persisted=lambda step, staging_s, result: self.save_policy.record_save(
+                    step, now_s=time.monotonic(), block_s=staging_s, persist_s=result.persist_s
+                ),
+                rank=self.dist.rank,
+                where=str(self.root),
+            )
         self._exit_flush: Any = None
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
         self._first_step_logged = False
         self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
-        self.refs = ManifestCache()  # chunks, run and metrics of each committed step (retention's cache)
         self._metrics: Any = None
         if read_only:
             if not self.root.is_dir():
@@ -252,7 +270,7 @@ class CheckpointManager:
             try:
                 self._lock = RootLock(self.root)
                 self._lock.acquire()
-                self._cleanup_after_crash()
+                cleanup_after_crash(self.ctx)
             except RootLockedError as e:
                 locked = str(e)
             except BaseException:
@@ -273,7 +291,7 @@ class CheckpointManager:
             install_preemption_handler()
             self._preemption = True
         self._events.set_context(checkpoint_run_id=self.run.run_id)
-        self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
+        self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
 
     # -- context manager ----------------------------------------------------------------------------------
@@ -296,7 +314,7 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
-        abandoned = sorted(_abandoned(self))
+        abandoned = sorted(self._persister.abandoned_steps()) if self._persister else []
         if abandoned:
             log.error(
                 "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
@@ -307,9 +325,8 @@ class CheckpointManager:
             import atexit
 
             atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        if self._persister is not None:
+            self._persister.stop()
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
@@ -319,9 +336,11 @@ class CheckpointManager:
 
     def _check_writable(self) -> None:
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         if self.read_only:
-            raise TrainguardError("this CheckpointManager was opened with read_only=True; it cannot save")
+            raise ReadOnlyManagerError(
+                "this CheckpointManager was opened with read_only=True; it cannot save"
+            )
 
     def _event(self, name: str, **fields: Any) -> None:
         if self._events is not None:
@@ -337,12 +356,12 @@ class CheckpointManager:
 
         Args:
             event: the event name (not one of trainguard's own:
-                :data:`trainguard.recovery.events.OWN_EVENTS`).
+                :data:`trainguard.eventlog.OWN_EVENTS`).
             **fields: JSON-serializable fields.
 
         Raises:
             ConfigError: an empty name or one of trainguard's own event names.
-            TrainguardError: the manager is read-only or closed (it has no event log then).
+            ReadOnlyManagerError, ManagerClosedError: the manager is read-only or closed (no event log then).
         """
         if not isinstance(event, str) or not event.strip():
             raise ConfigError(f"event must be a non-empty string, got {event!r}")
@@ -352,7 +371,7 @@ class CheckpointManager:
                 "(e.g. 'fault_injected' or 'user_note')"
             )
         if self._events is None or self._closed:
-            raise TrainguardError(
+            raise (ManagerClosedError if self._closed else ReadOnlyManagerError)(
                 "this CheckpointManager has no event log (read_only=True or closed); log from the writer"
             )
         self._events.write(event, **fields)
@@ -402,13 +421,13 @@ class CheckpointManager:
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
 
-            if step not in self._in_flight and not (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+            if not self._in_flight(step) and not is_committed(self.storage, step):
                 self.save(step, state, metrics=metrics)
             self.close()
             exit_after_preemption_save()
         self._raise_background_error()
         if force:
-            if step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+            if self._in_flight(step) or is_committed(self.storage, step):
                 return None  # the policy already saved this step
             return self._save(step, state, metrics=metrics, metadata=None, overwrite=False, block=True)
         if self._should_save(step):
@@ -479,17 +498,15 @@ class CheckpointManager:
                 raise ConfigError(bad_layout)
             self._layout_ok = True
         if not self._run_checked:
-            lineage.check_before_first_save(self, step)
+            lineage.check_before_first_save(self.ctx, step)
             self._run_checked = True
             if self.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
-                apply_retention(self, at_open=True)
-        if not overwrite and (
-            step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
-        ):
+                apply_retention(self.ctx, at_open=True)
+        if not overwrite and (self._in_flight(step) or is_committed(self.storage, step)):
             d = self.root / step_dir_name(step)
-            info = None if step in self._in_flight else inspect_step(self.storage, step, d, self.store)[0]
+            info = None if self._in_flight(step) else inspect_step(self.storage, step, d, self.store)[0]
             if info is not None and info.usable:
-                lineage.check_step_owner(self, step)
+                lineage.check_step_owner(self.ctx, step)
             if info is None or info.usable:
                 raise CheckpointExistsError(
                     f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
@@ -506,20 +523,21 @@ class CheckpointManager:
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
             try:
-                result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
+                result = _persist.persist(
+                    self.ctx, step, flat, paths, top, metrics, metadata, t0, blocking=True
+                )
             except SaveError as e:
-                handle._set_error(e)
-                handle._error_seen = True
+                handle.fail(e, seen=True)
                 raise
             handle.staging_s = result.block_s
-            handle._set_result(result)
+            handle.resolve(result)
             self.save_policy.record_save(step, now_s=now0, block_s=result.block_s, persist_s=None)
             self.save_policy.record_save(
                 step, now_s=time.monotonic(), block_s=result.block_s, persist_s=result.persist_s
             )
             return handle
-        assert self._stager is not None
-        bufset = _worker.acquire(self, block=block)
+        assert self._stager is not None and self._persister is not None
+        bufset = self._persister.acquire(block=block)
         try:
             self._raise_background_error()  # a save abandoned while this one waited for its buffers
         except BaseException:
@@ -549,48 +567,36 @@ class CheckpointManager:
             ) from e
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
-        self._in_flight.add(step)
-        self._in_flight_t[step] = time.time()
-        self._pending.append(handle)
         self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
-        self._ensure_worker()
-        self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
+        self._persister.submit(SaveRequest(step, staged, paths, top, metrics, metadata, t0), handle, bufset)
         return handle
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(
-                target=_worker.work, args=(self, self._queue), name="trainguard-persist", daemon=True
-            )
-            self._worker.start()
+    def _persist_request(self, req: SaveRequest, staging_s: float, cancel: threading.Event) -> SaveResult:
+        """The save path of a background save (run by the AsyncPersister's worker thread)."""
+        return _persist.persist(
+            self.ctx,
+            req.step,
+            dict(req.staged),
+            req.paths,
+            req.top,
+            req.metrics,
+            req.metadata,
+            req.t0,
+            blocking=False,
+            staging_s=staging_s,
+            cancel=cancel,
+        )
 
-    def _load(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
-        _restore.load(self, step, state, strict=strict)
+    def _in_flight(self, step: int) -> bool:
+        return self._persister is not None and self._persister.in_flight(step)
 
-    def _restored(self, m: Manifest) -> None:
-        lineage.record_resume(self, m)
-
-    def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
-        _restore.mark_corrupt(self, step, err)
-
-    def _publish(self, m: Manifest) -> None:
-        publish(self.storage, m, fsync=self.fsync)
+    def _pending_steps(self) -> list[int]:
+        return self._persister.pending_steps() if self._persister is not None else []
 
     def _raise_background_error(self) -> None:
-        """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
-        err = None
-        keep = []
-        for h in self._pending:
-            if not h.done():
-                keep.append(h)
-            elif h.error is not None and not h._error_seen and err is None:
-                h._error_seen = True
-                err = h.error
-            elif h.error is not None and not h._error_seen:
-                keep.append(h)
-        self._pending = keep
-        if err is not None:
-            raise err
+        """Raise (once) the error of a background save nobody has seen yet."""
+        if self._persister is not None:
+            self._persister.raise_background_error()
 
     @property
     def metrics_registry(self) -> Any:
@@ -613,22 +619,28 @@ class CheckpointManager:
             SaveError: a background save failed (raised once).
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in list(self._pending):
-            if not _worker.wait_handle(self, h, deadline):
-                raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
-        self._raise_background_error()
+        if self._persister is not None:
+            self._persister.wait(timeout)
 
-    # -- retention (rank 0) -------------------------------------------------------------------------------
-    def _apply_retention(self) -> None:
-        apply_retention(self)
+    # -- state shared with the collaborators (RootContext) ------------------------------------------------
+    @property
+    def run(self) -> RunInfo:
+        """This manager's run identity (its lineage once a restore resumed one)."""
+        return self.ctx.run
 
-    def _cleanup_after_crash(self) -> None:
-        cleanup_after_crash(self)
+    @property
+    def saves(self) -> deque[SaveResult]:
+        """The most recent committed saves of this manager (at most 1000), in commit order."""
+        return self.ctx.saves
 
-    def _oldest_in_flight_t(self) -> float:
-        """Wall time the oldest save still in flight began (now when none)."""
-        return min([t for t in self._in_flight_t.values()] or [time.time()])
+    @property
+    def last_restore(self) -> RestoreTimings:
+        """Timings and bytes of the last restore."""
+        return self.ctx.last_restore
+
+    @last_restore.setter
+    def last_restore(self, value: RestoreTimings) -> None:
+        self.ctx.last_restore = value
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -669,10 +681,10 @@ class CheckpointManager:
                 or missing optimizer state); the message lists the checkpoint's and the target's side.
         """
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        self._load(step, state, strict=strict)
+        _restore.load(self.ctx, step, state, strict=strict)
         self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
         return step
 
@@ -685,18 +697,23 @@ class CheckpointManager:
         passed over). A checkpoint that a writer in another process deletes meanwhile is not an error: the root
         is listed again. A writing manager records the restored checkpoint's run as its parent (its lineage).
 
+        Args:
+            state: name -> object, as given to ``save``; loaded in place.
+            strict: as in :meth:`restore`.
+
         Returns:
             The restored step, or None when the root holds no committed checkpoint at all.
 
         Raises:
             NoValidCheckpointError: checkpoints exist but none is valid (never silently starts from scratch).
             StateMismatchError: the state does not match the checkpoint (not a reason to fall back).
+            ManagerClosedError: the manager is closed.
         """
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        step = _restore.restore_latest(self, state, timings, strict=strict)
+        step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
         return step
@@ -752,7 +769,3 @@ def _open_root(root: Path) -> EventLog:
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"
         ) from None
-
-
-def _abandoned(mgr: CheckpointManager) -> set[int]:
-    return {j.handle.step for j in mgr._abandoned}

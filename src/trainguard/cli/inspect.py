@@ -22,8 +22,8 @@ from ..catalog import (
     step_dirs,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
-from ..recovery.events import read_events
 from .main import main
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
