@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _persist, _restore, _statefn, lineage
+from ._config import check_distributed_options, check_options, open_root, open_storage, root_problem
 from ._context import RootContext
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, is_committed, scan
@@ -36,7 +37,6 @@ from .errors import (
     RootLockedError,
     SaveError,
     TrainguardError,
-    UnsafeFileError,
 )
 from .eventlog import OWN_EVENTS, EventLog
 from .format import step_dir_name
@@ -50,7 +50,6 @@ from .staging import PendingSave, Stager
 from .staging.persister import AsyncPersister, SaveRequest, register_exit_flush
 from .state import per_rank
 from .storage.base import Storage
-from .storage.local import LocalStorage
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -140,49 +139,25 @@ class CheckpointManager:
     ) -> None:
         from .policies import EveryNSteps
 
-        if isinstance(root, str) and "://" in root:
-            raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
-        if isinstance(root, (str, os.PathLike)):
-            try:
-                self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
-            except ValueError as e:  # the storage checks its own options
-                raise ConfigError(str(e)) from None
-        elif isinstance(root, Storage) and root.local_path is not None:
-            self.storage = root
-        else:
-            raise ConfigError(
-                f"root must be a directory path or a trainguard.storage.Storage with a local directory, got "
-                f"{root!r}"
-            )
-        self.root: Path = self.storage.local_path  # type: ignore[assignment]  # checked just above
+        self.storage = open_storage(root, fsync=fsync, durability=durability)
+        self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
         self.read_only = read_only
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
-        if not isinstance(self.save_policy, SavePolicy):
-            raise ConfigError(
-                f"save_policy must have should_save()/record_save() (e.g. tg.EveryNSteps(100)), got "
-                f"{type(save_policy).__name__}"
-            )
+        collective = check_options(
+            save_policy=self.save_policy,
+            when_busy=when_busy,
+            dist_timeout_s=dist_timeout_s,
+            collective=collective,
+            read_only=read_only,
+            staging_buffers=staging_buffers,
+            save_timeout_s=save_timeout_s,
+        )
         self.retention = as_retention(keep)
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
-        if when_busy not in ("wait", "skip"):
-            raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if dist_timeout_s is not None and (
-            isinstance(dist_timeout_s, bool)
-            or not isinstance(dist_timeout_s, (int, float))
-            or not 0 < dist_timeout_s < float("inf")
-        ):
-            raise ConfigError(f"dist_timeout_s must be a number of seconds > 0, got {dist_timeout_s!r}")
-        if collective is None:
-            collective = not read_only
-        if not collective and not read_only:
-            raise ConfigError(
-                "a writing manager must be collective under torch.distributed (every rank writes its shards); "
-                "collective=False is for read_only=True"
-            )
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
@@ -204,26 +179,9 @@ class CheckpointManager:
             saves=deque(maxlen=SAVES_KEPT),  # the most recent committed saves of this manager, in order
         )
         self._run_checked = read_only
-        if self.dist.enabled and when_busy == "skip":
-            raise ConfigError(
-                "when_busy='skip' is not supported under torch.distributed (ranks could skip "
-                "different saves); use 'wait'"
-            )
-        if staging_buffers < 1:
-            raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
-        if save_timeout_s is not None and not (
-            isinstance(save_timeout_s, (int, float))
-            and not isinstance(save_timeout_s, bool)
-            and save_timeout_s > 0
-        ):
-            raise ConfigError(
-                f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}"
-            )
-        if save_timeout_s is not None and self.dist.enabled:
-            raise ConfigError(
-                "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
-                "ranks' collectives out of step); rely on the supervisor's heartbeat timeout"
-            )
+        check_distributed_options(
+            dist_enabled=self.dist.enabled, when_busy=when_busy, save_timeout_s=save_timeout_s
+        )
         self.save_timeout_s = None if save_timeout_s is None else float(save_timeout_s)
         self.async_save = bool(async_save)
         self.when_busy = when_busy
@@ -253,10 +211,10 @@ class CheckpointManager:
         self._metrics: Any = None
         if read_only:
             if not self.root.is_dir():
-                raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
+                raise ConfigError(root_problem(self.root) or f"run root {self.root} is not a directory")
             return
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
-        self._events = _open_root(self.root)
+        self._events = open_root(self.root)
         from .observe.metrics import SaveMetrics
 
         self._metrics = SaveMetrics(metrics_registry)
@@ -717,55 +675,3 @@ class CheckpointManager:
         if step is not None:
             self.last_restore = timings
         return step
-
-
-def _root_problem(root: Path) -> str | None:
-    """Why ``root`` cannot be a run root (it exists but is not a directory), or None.
-
-    One ``stat`` decides, so a root another rank creates meanwhile is never taken for a file."""
-    import stat as _stat
-
-    try:
-        st = os.stat(root)  # follows a symlink to its target
-    except FileNotFoundError:
-        if os.path.islink(root):
-            return (
-                f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist: fix the link "
-                "or choose another root"
-            )
-        return None
-    except OSError:
-        return None  # the mkdir or the event log that follows reports it
-    if _stat.S_ISDIR(st.st_mode):
-        return None
-    if os.path.islink(root):
-        return (
-            f"run root {root} is a symlink to {os.readlink(root)!r}, which is not a directory: fix the link or "
-            "choose another root"
-        )
-    return f"run root {root} is a file, not a directory: choose another root"
-
-
-def _open_root(root: Path) -> EventLog:
-    """Create the run root of a writer (if missing) and its event log, with clear errors for odd roots."""
-    problem = _root_problem(root)
-    if problem is not None:
-        raise ConfigError(problem)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        return EventLog(root, "manager")
-    except UnsafeFileError:
-        raise
-    except OSError as e:
-        import errno
-
-        if e.errno == errno.EROFS:
-            why = "is on a read-only filesystem"
-        elif e.errno in (errno.EACCES, errno.EPERM):
-            why = "is not writable by this user"
-        else:
-            why = f"cannot be written ({e.strerror or e})"
-        raise ConfigError(
-            f"run root {root} {why}: choose a writable root, or open it with "
-            "CheckpointManager(root, read_only=True) to list and restore only"
-        ) from None
