@@ -32,7 +32,13 @@ Methods (every one writes durably, with fsync):
 
 - ``trainguard sync``: ``CheckpointManager(root, async_save=False, save_policy=EveryNSteps(K), keep=2)``.
 - ``trainguard async``: the same with ``async_save=True`` (the default): copy into reused staging buffers, then
-  CRC32C, chunking, writing and the commit in a background thread.
+  CRC32C, chunking, writing and the commit in a background thread. Measured with ``check_finite="off"`` and
+  no probe, so that the next row isolates the cost of validation.
+- ``trainguard async + validation``: the same with ``check_finite="error"`` (the NaN/Inf scan of the staged
+  copy, in the background thread) and ``probe=fn`` (the model's loss on a fixed batch of 2 x block_size tokens
+  in eval mode under no_grad, run in the training thread at each save). Target: the stall grows by no more
+  than the probe's own forward pass (measured alone, median of 5 per round: ``probe s``); the overhead stays
+  within noise of ``trainguard async``.
 - ``dcp.async_save``: ``FileSystemWriter(dir)`` with its own staging (``cache_staged_state_dict=False``: a
   fresh CPU copy per save; the cached variant pins memory and fails on a CPU-only build), thread executor, a
   gloo process group of world size 1, waiting on the previous future before the next save as DCP documents.
@@ -72,11 +78,12 @@ import trainguard as tg
 REPO = Path(__file__).resolve().parent.parent
 TARGET_OVERHEAD = 0.01  # async overhead under 1% at one checkpoint per 100 steps
 TARGET_STALL_X = 2.0  # blocking stall within 2x of the memcpy floor
-MODES = ("none", "tg_sync", "tg_async", "dcp_async", "dcp_async_stager")
+MODES = ("none", "tg_sync", "tg_async", "tg_async_checked", "dcp_async", "dcp_async_stager")
 LABELS = {
     "none": "no checkpointing",
     "tg_sync": "trainguard sync",
     "tg_async": "trainguard async",
+    "tg_async_checked": "trainguard async + valid.",
     "dcp_async": "dcp.async_save",
     "dcp_async_stager": "dcp.async_save + stager",
 }
@@ -202,6 +209,18 @@ class Trainer:
 
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: lr_at(s) / c.lr)
         self.state = {"model": self.model, "optim": self.optim}
+        g = torch.Generator().manual_seed(0)  # the probe batch: fixed, drawn once from its own generator
+        ix = torch.randint(len(self.data) - c.block_size - 1, (2,), generator=g)
+        self.probe_x = torch.stack([self.data[i : i + c.block_size] for i in ix])
+        self.probe_y = torch.stack([self.data[i + 1 : i + 1 + c.block_size] for i in ix])
+
+    def probe(self) -> torch.Tensor:
+        """The model's loss on the fixed probe batch, eval mode, no grad (changes no state)."""
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model(self.probe_x, self.probe_y)
+        self.model.train()
+        return out
 
     def step(self) -> float:
         c = self.c
@@ -278,11 +297,18 @@ class Method:
 
 
 class TrainguardMethod(Method):
-    def __init__(self, name: str, every: int, root: Path, state: dict[str, Any], *, async_save: bool) -> None:
+    def __init__(
+        self, name: str, every: int, root: Path, state: dict[str, Any], *, async_save: bool, probe: Any = None
+    ) -> None:
         super().__init__(name, every)
         self.state = state
         self.mgr = tg.CheckpointManager(
-            root, save_policy=tg.EveryNSteps(every), keep=2, async_save=async_save
+            root,
+            save_policy=tg.EveryNSteps(every),
+            keep=2,
+            async_save=async_save,
+            check_finite="error" if probe is not None else "off",
+            probe=probe,
         )
         self._open: list[tuple[Any, dict[str, Any]]] = []
 
@@ -365,11 +391,18 @@ class DcpMethod(Method):
             self.stager.close()
 
 
-def make_method(mode: str, every: int, root: Path, state: dict[str, Any]) -> Method:
+def make_method(mode: str, every: int, root: Path, state: dict[str, Any], probe: Any = None) -> Method:
     if mode == "none":
         return Method(mode, every)
-    if mode in ("tg_sync", "tg_async"):
-        return TrainguardMethod(mode, every, root / mode, state, async_save=mode == "tg_async")
+    if mode in ("tg_sync", "tg_async", "tg_async_checked"):
+        return TrainguardMethod(
+            mode,
+            every,
+            root / mode,
+            state,
+            async_save=mode != "tg_sync",
+            probe=probe if mode == "tg_async_checked" else None,
+        )
     return DcpMethod(mode, every, root / mode, state, reuse_stager=mode == "dcp_async_stager")
 
 
@@ -430,7 +463,8 @@ def run_phase(
     step0: int,
 ) -> tuple[dict[str, Any], int]:
     """Warm-up round + ``rounds`` measured rounds of one segment per method. Returns (results, next step)."""
-    methods = {m: make_method(m, every, root / f"every-{every}", trainer.state) for m in modes}
+    methods = {m: make_method(m, every, root / f"every-{every}", trainer.state, trainer.probe) for m in modes}
+    probe_times: list[float] = []
     segments: list[Segment] = []
     floors: list[float] = []
     step = step0
@@ -463,9 +497,18 @@ def run_phase(
             meth.housekeeping()
             log(f"  every {every}, round {r}, {LABELS[mode]:<24} {t_end - t_seg:7.2f} s")
         floors.append(floor.measure(trainer.tensors()))
+        probe_times.append(statistics.median(_timed(trainer.probe) for _ in range(5)))
     for m in methods.values():
         m.close()
-    return analyse(methods, segments, floors, floor.nbytes, every, rounds), step
+    res = analyse(methods, segments, floors, floor.nbytes, every, rounds)
+    res["probe_s"] = statistics.median(probe_times[1:] or probe_times)
+    return res, step
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -628,6 +671,30 @@ def report(phase: dict[str, Any]) -> str:
 
 
 def verdicts(phase: dict[str, Any]) -> list[str]:
+    out = _async_verdicts(phase)
+    rows = {r["mode"]: r for r in phase["rows"]}
+    if "tg_async" in rows and "tg_async_checked" in rows:
+        base, chk = rows["tg_async"], rows["tg_async_checked"]
+        added = chk["stall_s"] - base["stall_s"]
+        probe_s = phase["probe_s"]
+        ok_stall = added <= probe_s + 0.25 * base["stall_s"]
+        spread = max(base["overhead_max"] - base["overhead_min"], chk["overhead_max"] - chk["overhead_min"])
+        d_att = chk["attributed"] - base["attributed"]
+        ok_ovh = abs(d_att) <= max(0.005, spread)
+        out.append(
+            f"validation (check_finite='error' + probe): stall {chk['stall_s']:.3f} s vs {base['stall_s']:.3f} s "
+            f"without, +{added:.3f} s; the probe's own forward {probe_s:.3f} s; target: no added stall beyond "
+            f"the probe (+25% of the stall for noise): {'PASS' if ok_stall else 'MISS'}"
+        )
+        out.append(
+            f"validation overhead: attributed {chk['attributed']:+.2%} vs {base['attributed']:+.2%} without "
+            f"({d_att:+.2%}); throughput {chk['overhead']:+.2%} vs {base['overhead']:+.2%}; target: within "
+            f"noise (max(0.5%, round spread {spread:.1%})): {'PASS' if ok_ovh else 'MISS'}"
+        )
+    return out
+
+
+def _async_verdicts(phase: dict[str, Any]) -> list[str]:
     row = next(r for r in phase["rows"] if r["mode"] == "tg_async")
     noisy = row["overhead_max"] - row["overhead_min"] > 0.05
     ok_ovh = row["attributed"] < TARGET_OVERHEAD

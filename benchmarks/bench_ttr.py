@@ -143,7 +143,8 @@ def read_files(files: list[Path], *, fresh: bool) -> float:
 
 
 def run_once(size_mb: float, cache: str, scratch: Path, save_step: int) -> dict[str, Any]:
-    from trainguard.recovery.supervisor import Backoff, Supervisor, SupervisorConfig
+    from trainguard.recovery.config import Backoff, SupervisorConfig
+    from trainguard.recovery.supervisor import Supervisor
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"ttr-{int(size_mb)}mb-{cache}-", dir=scratch))
     root, ctl = run_dir / "root", run_dir / "ctl"

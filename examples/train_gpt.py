@@ -22,9 +22,12 @@ and output embeddings, AdamW with weight decay on matrices only, linear warmup +
 gradient clipping. Deterministic on CPU: a run killed at any step and resumed continues bit for bit.
 
 ``--fault-plan FILE`` (used by ``trainguard demo``) injects failures: a JSON list of
-``{"attempt": k, "step": s, "kind": "kill_step" | "kill_during_save" | "hang" | "corrupt_newest"}``; the fault
+``{"attempt": k, "step": s, "kind": "kill_step" | "kill_during_save" | "hang" | "corrupt_newest" |
+"silent_corruption"}``; the fault
 of attempt k (``TRAINGUARD_RESTART_COUNT``) fires at step s. Under torchrun an optional ``"rank": r`` (default 0)
-picks the rank that is killed, hangs or corrupts (``corrupt_newest`` needs rank 0); every rank takes part in
+picks the rank that is killed, hangs or corrupts (``corrupt_newest`` and ``silent_corruption`` need rank 0;
+``silent_corruption`` flips a mantissa bit of a weight in the newest checkpoint and rewrites its CRC32C, as
+memory corrupted before checksumming would: only the probe fingerprint catches it at resume); every rank takes part in
 the ``kill_during_save`` save and rank r dies in the middle of writing it. ``"after_commit": true`` on a
 ``kill_step`` fault first waits for the save in flight to commit, so the newest checkpoint at the kill is the
 last one the policy asked for (tests use it; an asynchronous save may otherwise still be persisting).
@@ -290,11 +293,42 @@ def fire(kind: str, step: int, mgr: tg.CheckpointManager, pending) -> None:
         path.write_bytes(bytes(data))
         print(f"[fault] flipped a bit in {chunk.path} of step {newest}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "silent_corruption":  # a bit flipped before checksumming: bytes and CRC32C both rewritten
+        from trainguard.validation.faults import corrupt_silently
+
+        if pending is not None:
+            pending.wait()
+        newest = mgr.latest_step()
+        fqn, chunk_path = corrupt_silently(args.root, newest)
+        print(
+            f"[fault] silently corrupted {fqn} in {chunk_path} of step {newest} (CRC32C rewritten)",
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- checkpointing: the four lines (every rank constructs the manager; saves and restores are collective) ------
+_probe_windows = Windows(val_data, args.block_size)
+probe_x = torch.stack([_probe_windows[i][0] for i in range(2)])  # a fixed probe batch: 2 validation windows
+probe_y = torch.stack([_probe_windows[i][1] for i in range(2)])
+
+
+def probe() -> torch.Tensor:
+    """The model's loss on the fixed probe batch (eval mode, no grad: it changes no state)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(probe_x, probe_y)
+    model.train(was_training)
+    return out
+
+
 mgr = tg.CheckpointManager(
-    args.root, save_policy=tg.EveryNSteps(args.save_every), keep=args.keep, async_save=not args.sync
+    args.root,
+    save_policy=tg.EveryNSteps(args.save_every),
+    keep=args.keep,
+    async_save=not args.sync,
+    probe=probe,
 )
 if distributed:  # sharded model + optimizer state by parameter name: reloads at any world size
     state = {

@@ -28,17 +28,32 @@ import trainguard as tg
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, losses: str | None) -> None:
+    def __init__(self, losses: str | None, data: TensorDataset) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
         self.losses = losses
+        self.data = data
+
+    def train_dataloader(self) -> tg.lightning.LightningLoader:
+        # each rank takes its share of every epoch; the position is saved in `loops` and restored mid-epoch
+        return tg.lightning.LightningLoader(
+            self.data,
+            batch_size=4,
+            shuffle=True,
+            seed=0,
+            rank=self.global_rank,
+            world_size=self.trainer.world_size,
+        )
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
-        if self.losses:  # one line per step done; a resumed run appends the steps it redoes
+        if self.losses:  # one line per step done and rank; a resumed run appends the steps it redoes
             with open(self.losses, "a") as f:
-                f.write(json.dumps({"step": self.global_step + 1, "loss": loss.item().hex()}) + "\n")
+                row = {"step": self.global_step + 1, "loss": loss.item().hex()}
+                if self.trainer.world_size > 1:
+                    row["rank"] = self.global_rank
+                f.write(json.dumps(row) + "\n")
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -57,6 +72,7 @@ class KillAt(Callback):
     def on_train_batch_end(self, trainer, *args) -> None:  # type: ignore[no-untyped-def]
         if trainer.global_step == self.step:
             trainer.strategy.checkpoint_io.wait()
+            trainer.strategy.barrier()  # under DDP: every rank's part is written and rank 0 has committed
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -68,15 +84,13 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL after this step (fault injection)")
     ap.add_argument("--losses", default=None, help="append each step's loss (float.hex) to this JSONL file")
     ap.add_argument("--final", default=None, help="write the final model state_dict here (torch.save)")
+    ap.add_argument("--devices", type=int, default=1, help="CPU processes (> 1: DDP on gloo)")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1234)
     data = TensorDataset(torch.randn(40, 16, generator=g), torch.randint(0, 4, (40,), generator=g))
-    loader = tg.lightning.LightningLoader(
-        data, batch_size=4, shuffle=True, seed=0
-    )  # position saved in `loops`
-    model = MLP(args.losses)
+    model = MLP(args.losses, data)
     callbacks: list[Callback] = [
         ModelCheckpoint(
             dirpath=Path(args.root) / "lightning",
@@ -90,7 +104,10 @@ def main() -> None:
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
+        strategy=tg.lightning.TrainguardDDPStrategy(process_group_backend="gloo")
+        if args.devices > 1
+        else "auto",
         deterministic=True,
         logger=False,
         enable_progress_bar=False,
@@ -99,8 +116,8 @@ def main() -> None:
         plugins=[tg.lightning.TrainguardCheckpointIO(args.root, keep=3)],
         callbacks=callbacks,
     )
-    trainer.fit(model, train_dataloaders=loader, ckpt_path="last")
-    if args.final:
+    trainer.fit(model, ckpt_path="last")
+    if args.final and trainer.is_global_zero:
         torch.save(model.state_dict(), args.final)
     print(f"done: step {trainer.global_step}, checkpoints in {args.root}")
 

@@ -26,11 +26,17 @@ TINY = (
 
 
 def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress():
-    cfg = DemoConfig(steps=200, failures=4, seed=3)
+    cfg = DemoConfig(steps=200, failures=5, seed=3)
     plan = fault_plan(cfg)
-    assert plan == fault_plan(DemoConfig(steps=200, failures=4, seed=3))
-    assert plan != fault_plan(DemoConfig(steps=200, failures=4, seed=4))
-    assert sorted(f["kind"] for f in plan) == ["corrupt_newest", "hang", "kill_during_save", "kill_step"]
+    assert plan == fault_plan(DemoConfig(steps=200, failures=5, seed=3))
+    assert plan != fault_plan(DemoConfig(steps=200, failures=5, seed=4))
+    assert sorted(f["kind"] for f in plan) == [
+        "corrupt_newest",
+        "hang",
+        "kill_during_save",
+        "kill_step",
+        "silent_corruption",
+    ]
     steps = [f["step"] for f in plan]
     assert (
         all(b > a + cfg.save_every for a, b in zip(steps, steps[1:], strict=False)) and steps[-1] < cfg.steps
@@ -39,15 +45,21 @@ def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress(
 
 
 @pytest.mark.slow
-def test_a_demo_with_four_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(tmp_path):
+def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(tmp_path):
     cfg = DemoConfig(
-        steps=100, failures=4, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=4.0, train_args=TINY
+        steps=100, failures=5, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=4.0, train_args=TINY
     )
     s = run_demo(cfg, echo=lambda m: None, progress=False)
     assert s["supervisor_exit_code"] == 0, s
     assert s["identical"] is True and s["tensors_compared"] > 10, s["differences"]
     assert s["ok"] is True
-    assert {f["kind"] for f in s["failures"]} == {"kill_step", "kill_during_save", "hang", "corrupt_newest"}
+    assert {f["kind"] for f in s["failures"]} == {
+        "kill_step",
+        "kill_during_save",
+        "hang",
+        "corrupt_newest",
+        "silent_corruption",
+    }
     for f in s["failures"]:
         assert f["recovered"] and f["resumed_from_newest_valid"], f
         assert f["ttr_s"] > 0 and f["phases"]["load_s"] is not None and f["steps_lost"] >= 0
@@ -58,8 +70,14 @@ def test_a_demo_with_four_kinds_of_failure_ends_identical_and_each_recovery_used
     corrupt = next(f for f in s["failures"] if f["kind"] == "corrupt_newest")
     # the corrupt newest checkpoint was skipped: resumed from an older one, and the event log names the chunk
     skipped = read_events(tmp_path / "faulted", event="restore_skipped")
-    assert skipped and skipped[0]["chunk"].startswith("chunks/") and corrupt["corrupt_chunk_reported"]
-    assert corrupt["resumed_from"] < skipped[0]["step"]
+    by_chunk = [e for e in skipped if e.get("chunk")]
+    assert by_chunk and by_chunk[0]["chunk"].startswith("chunks/") and corrupt["corrupt_chunk_reported"]
+    assert corrupt["resumed_from"] < by_chunk[0]["step"]
+    # silent corruption passed every CRC32C; the probe caught it: suspect, resumed from an older checkpoint
+    silent = next(f for f in s["failures"] if f["kind"] == "silent_corruption")
+    suspect = [e for e in skipped if "suspect" in e["problem"] and "probe" in e["problem"]]
+    assert suspect and silent["resumed_from"] < suspect[0]["step"]
+    assert silent["phases"]["validation_s"] > 0
     assert 0 < s["goodput"] <= 1 and s["checkpoints"]["count"] >= 8
 
 

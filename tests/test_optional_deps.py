@@ -119,3 +119,22 @@ def test_every_extra_named_in_the_registry_exists_in_pyproject():
 
     used = {m.name for m in pkgutil.walk_packages(tg.__path__, "trainguard.")}
     assert not [e for e in missing if f"trainguard.{e}" in used], missing
+
+
+def test_tg_hf_without_transformers_names_the_extra(tmp_path):
+    out = run_blocked(
+        """
+        import json
+        import trainguard as tg
+        try:
+            tg.hf.TrainguardTrainer
+            res = ["imported"]
+        except tg.MissingDependencyError as e:
+            res = [type(e).__name__, e.name, str(e)]
+        print(json.dumps(res))
+        """,
+        tmp_path,
+    )
+    kind, name, msg = out
+    assert kind == "MissingDependencyError" and name == "transformers"
+    assert "trainguard.hf" in msg and "pip install 'trainguard[hf]'" in msg

@@ -18,14 +18,20 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     MissingDependencyError,
+    NonFiniteStateError,
     NoValidCheckpointError,
+    ResumeDivergedError,
     RootLockedError,
     RunConflictError,
     SaveError,
     StateMismatchError,
     StorageFullError,
+    SuspectCheckpointError,
     TrainguardError,
+    UnsafeCheckpointError,
+    UnsafeFileError,
 )
 
 __version__ = "0.1.0"
@@ -52,7 +58,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("lightning",)  # integrations; each needs its extra (trainguard[lightning])
+_SUBMODULES = ("lightning", "hf")  # integrations; each needs its extra (trainguard[lightning], [hf])
 
 
 def __getattr__(name: str) -> Any:
@@ -81,12 +87,15 @@ __all__ = [
     "CorruptCheckpointError",
     "EveryNSteps",
     "EveryTSeconds",
+    "InsufficientMemoryError",
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
     "MissingDependencyError",
     "ModelOptimizerState",
     "NoValidCheckpointError",
+    "NonFiniteStateError",
+    "ResumeDivergedError",
     "PendingSave",
     "PerRank",
     "RNGState",
@@ -98,7 +107,10 @@ __all__ = [
     "SaveResult",
     "StateMismatchError",
     "StorageFullError",
+    "SuspectCheckpointError",
     "TrainguardError",
+    "UnsafeCheckpointError",
+    "UnsafeFileError",
     "dcp_reader",
     "heartbeat",
 ]

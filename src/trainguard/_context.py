@@ -48,6 +48,8 @@ class RootContext:
         staging_bytes: host memory held by staging buffers, in bytes.
         saves: the most recent committed saves, in commit order.
         last_restore: timings of the last restore.
+        host: the manager's validation settings and state (``check_finite``, ``probe``, ``_probes``,
+            ``_validate_s``), which :mod:`trainguard.validation.hooks` still reads from the manager object.
     """
 
     root: Path
@@ -67,3 +69,4 @@ class RootContext:
     staging_bytes: Callable[[], int] = lambda: 0
     saves: deque[SaveResult] = field(default_factory=lambda: deque(maxlen=1000))
     last_restore: RestoreTimings = field(default_factory=RestoreTimings)
+    host: Any = None

@@ -19,6 +19,7 @@ EXTRAS: dict[str, str] = {
     "lightning": "lightning",
     "pytorch_lightning": "lightning",
     "transformers": "hf",
+    "accelerate": "hf",
     "ray": "ray",
     "s3fs": "s3",
     "fsspec": "s3",

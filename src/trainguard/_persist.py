@@ -5,27 +5,28 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import WriteResult
-
 from .commit import build_manifest, publish
-from .distributed import TrainguardSavePlanner, TrainguardWriter
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .results import SaveResult
 from .retention.apply import apply_retention, referenced_chunks, space_hint
+from .validation.hooks import check_before_persist
+from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
     from ._context import RootContext
+    from .distributed import TrainguardWriter
 
 
 def persist(
@@ -44,7 +45,14 @@ def persist(
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
-    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing."""
+    Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
+
+    ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
+
+    Raises:
+        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
+    probe = ctx.host._probes.pop(step, None)
+    check_before_persist(ctx.host, step, flat)
     partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
     ctx.storage.make_dir(partial)
     ctx.store.last_progress = time.monotonic()
@@ -56,8 +64,13 @@ def persist(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
-        publish(ctx.storage, m, fsync=ctx.fsync)
+        extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
+        publish(ctx.storage, m, fsync=ctx.fsync, extra=extra)
         manifest_box.append(m)
+
+    import torch.distributed.checkpoint as dcp
+
+    from .distributed import TrainguardSavePlanner, TrainguardWriter
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
     writer = TrainguardWriter(ctx.store, staging, commit, ctx.options, step, paths=dict(paths))
@@ -66,7 +79,7 @@ def persist(
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        ranks = sorted(int(r) for r in e.failures) if isinstance(e, CheckpointException) else [ctx.dist.rank]
+        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]
         ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):
@@ -126,6 +139,7 @@ def persist(
         chunks=len(m.chunks),
         staging_bytes=ctx.staging_bytes(),
         async_save=not blocking,
+        **({"probe_s": probe[1]} if probe is not None else {}),
     )
     apply_retention(ctx)
     return result
@@ -164,6 +178,12 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
+def is_checkpoint_exception(e: BaseException) -> bool:
+    """Whether ``e`` is DCP's CheckpointException (never imports DCP: none is raised before it is imported)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(e, api.CheckpointException)
+
+
 def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None) -> BaseException:
     """The original exception(s) inside DCP's CheckpointException.
 
@@ -171,8 +191,9 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
     ``rank_errors`` (unless one of them is a ``prefer`` instance, e.g. a CorruptCheckpointError on load, which
     every rank then raises so that all fall back together).
     """
-    if not isinstance(e, CheckpointException):
+    if not is_checkpoint_exception(e):
         return e
+    assert hasattr(e, "failures")
     errors: dict[int, BaseException] = {}
     for rank, failure in e.failures.items():
         inner = failure[0] if isinstance(failure, tuple) else failure

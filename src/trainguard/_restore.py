@@ -18,8 +18,6 @@ import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
@@ -33,17 +31,20 @@ from .catalog import (
     record_corrupt,
     step_keys,
 )
-from .distributed import TrainguardLoadPlanner, TrainguardReader
+from .distributed.chunkread import ShardReader, load_local, local_loadable
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InsufficientMemoryError,
     NoValidCheckpointError,
+    SuspectCheckpointError,
 )
 from .format import Manifest, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head, record_resume
 from .state.dtypes import check_shard_bytes
+from .validation.hooks import check_probe, scan_loaded
+from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
     from ._context import RootContext
@@ -118,6 +119,8 @@ def restore_latest(
                             )
                         foreign[step] = rid
                 problem, chunk = info.problem or info.status, info.chunk
+                if info.status == "suspect":
+                    problem = f"suspect: {problem}"
             verdict = ctx.dist.broadcast_ints([verdict])[0]
             if verdict == GONE:
                 raced = True
@@ -136,6 +139,11 @@ def restore_latest(
             t_chosen = time.perf_counter()
             try:
                 load(ctx, step, state, strict=strict, manifest=m)
+                probe_s = check_probe(ctx.host, step)
+            except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
+                skip(ctx, step, f"suspect: {e.reason}", None, timings, problems)
+                judged.add(step)
+                continue
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 if gone(ctx, step):
                     raced = True
@@ -153,8 +161,8 @@ def restore_latest(
                 continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
-            timings.load_s = t_loaded - t_chosen
-            timings.validate_s = 0.0
+            timings.validate_s = ctx.host._validate_s + probe_s
+            timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
             timings.bytes = ctx.last_restore.bytes
             ctx.event(
                 "restore",
@@ -197,10 +205,18 @@ def restore_latest(
         else ""
     )
     which = "of the newest run's lineage is" if foreign else "is"
+    suspect = [s for s in sorted(judged) if suspect_reason(ctx.root, s) is not None]
+    cleared = (
+        f"\nSuspect checkpoints {suspect} failed validation after load (probe, NaN/Inf, or the loss diverged after "
+        f"resuming); after checking one, `trainguard mark {ctx.root} STEP --clear` makes it a candidate again."
+        if suspect
+        else ""
+    )
     raise NoValidCheckpointError(
         f"{ctx.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
         + "\n  ".join(problems)
         + other
+        + cleared
         + f"\nRun `trainguard verify {ctx.root} --all` for details; restore a replica or start a new run root "
         "deliberately."
     )
@@ -274,12 +290,21 @@ def load(
         )
     if memory_error is not None:
         raise memory_error
-    reader = TrainguardReader(ctx.store, m)
+    reader: ShardReader
     try:
-        with quiet_dcp():
-            dcp.load(
-                template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
-            )
+        if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
+            reader = ShardReader(ctx.store, m)
+            load_local(template, reader)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            from .distributed import TrainguardLoadPlanner, TrainguardReader
+
+            reader = TrainguardReader(ctx.store, m)
+            with quiet_dcp():
+                dcp.load(
+                    template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
+                )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if (
@@ -289,6 +314,9 @@ def load(
         ):
             mark_corrupt(ctx, step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
+    ctx.host._validate_s = scan_loaded(
+        ctx.host, step, template
+    )  # before the state's objects take the tensors
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     record_resume(ctx, m)
     ctx.last_restore.bytes = reader.bytes_read

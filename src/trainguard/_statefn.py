@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._lazy import is_dtensor
 from .errors import ConfigError, InsufficientMemoryError, StateMismatchError
 from .format import Manifest, TensorEntry
 from .state import optim
@@ -25,11 +27,6 @@ from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, fqn_of, unflatten
 from .state.matching import match_names, mismatch_message
 from .state.per_rank import PerRank, job_rank, plan_load, saved_by_rank
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger("trainguard")
 
@@ -113,7 +110,7 @@ def check_storable(t: torch.Tensor, fqn: str) -> None:
             "a meta tensor (it has no data)",
             "materialize it (e.g. module.to_empty() and initialize it)",
         )
-    elif is_traceable_wrapper_subclass(t) and not (DTensor is not None and isinstance(t, DTensor)):
+    elif is_traceable_wrapper_subclass(t) and not is_dtensor(t):
         what, fix = (
             f"a tensor subclass ({type(t).__qualname__}) whose data lives in inner tensors (e.g. torchao's quantized "
             "and float8 tensors)",
@@ -363,7 +360,8 @@ def apply(
 
 def _after_optimizer_load(k: str, obj: Any, new: Any, record: Any, step: int, strict: bool) -> None:
     """Saved dtypes back into a torch optimizer, then every parameter with state at save time must have it."""
-    from .distributed.state import ModelOptimizerState
+    mos = sys.modules.get("trainguard.distributed.state")  # no instance exists before it is imported
+    model_optimizer_state = mos.ModelOptimizerState if mos is not None else ()
 
     if (
         isinstance(obj, torch.optim.Optimizer)
@@ -373,7 +371,7 @@ def _after_optimizer_load(k: str, obj: Any, new: Any, record: Any, step: int, st
         params = optim.param_map_by_order(new["param_groups"], obj)
         optim.restore_saved_dtypes(obj, new, params)
         missing = optim.missing_after_load(obj, record, "", params)
-    elif isinstance(obj, ModelOptimizerState) and obj.optimizer is not None:
+    elif isinstance(obj, model_optimizer_state) and obj.optimizer is not None:
         missing = optim.missing_after_load(obj.optimizer, record, "optim", obj.params_by_name())
     else:
         return

@@ -8,6 +8,9 @@ Status (docs/FORMAT.md "Validity"), always in agreement with the last full read 
   corruption). Restore still uses it (and reads every byte it loads).
 - ``corrupt``: the manifest does not parse, a chunk is missing or has the wrong length, or a full read found a
   CRC32C or length mismatch, confirmed by a second read (recorded in ``step-N/corrupt.json``).
+- ``suspect``: the bytes are intact but the content failed validation after a load (NaN/Inf in a restored
+  tensor, a probe fingerprint that differs, a loss that diverged after resuming from it), or an operator
+  marked it (``step-N/suspect.json``, ``trainguard mark``). Restore skips it; a corrupt finding wins.
 - ``incomplete``: a step directory without a manifest, or a save still in progress / killed
   (``step-N.partial-*``) with no committed checkpoint of that step.
 
@@ -35,6 +38,7 @@ from .format.manifest import DTYPE_ITEMSIZE
 from .incremental.chunkstore import ChunkStore
 from .storage.base import Storage, as_storage
 from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
+from .validation.suspect import suspect_reason
 
 CORRUPT_MARKER = "corrupt.json"
 CHECK_RECORD = "verified.json"
@@ -49,7 +53,8 @@ class CheckpointInfo:
 
     Attributes:
         step: the training step.
-        status: ``"valid"``, ``"unverified"``, ``"corrupt"`` or ``"incomplete"`` (module docstring).
+        status: ``"valid"``, ``"unverified"``, ``"corrupt"``, ``"suspect"`` or ``"incomplete"`` (module
+            docstring).
         bytes: bytes of chunk data it references (for incomplete ones: bytes written so far).
         time: commit time, ISO 8601 UTC (for incomplete ones: directory mtime); None if unknown.
         t: the same as seconds since the epoch.
@@ -68,6 +73,11 @@ class CheckpointInfo:
     chunk: str | None = None
 
     @property
+    def reason(self) -> str | None:
+        """Why it is ``suspect`` or ``corrupt`` (None for every other status)."""
+        return self.problem if self.status in ("suspect", "corrupt") else None
+
+    @property
     def usable(self) -> bool:
         """True when restore may load it (``valid`` or ``unverified``)."""
         return self.status in USABLE
@@ -79,6 +89,7 @@ class CheckpointInfo:
             "bytes": self.bytes,
             "time": self.time,
             "problem": self.problem,
+            "reason": self.reason,
         }
 
 
@@ -325,6 +336,9 @@ def inspect_step(
             bad_chunk = chunk if isinstance(chunk, str) else None
         else:
             status, problem = _check_status(root, step)
+            reason = suspect_reason(root, step)
+            if reason is not None:
+                status, problem = "suspect", reason
     return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
 
 

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import WriteResult
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ._time import iso
 from .catalog import CHECK_RECORD, CORRUPT_MARKER, record_check
@@ -46,6 +43,12 @@ from .format.run import RunInfo
 from .state.dtypes import dtype_name
 from .state.per_rank import strip_rank
 from .storage.base import Storage, as_storage
+from .validation.probe import PROBE_FILE
+from .validation.suspect import SUSPECT_MARKER
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
 
 
 def build_manifest(
@@ -61,12 +64,17 @@ def build_manifest(
     """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
     (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
     (:mod:`trainguard.state.per_rank`)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
+    split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
+            if "split" in sd:
+                split_sizes.add(sd["split"])
             for h, info in sd.get("chunks", {}).items():
                 chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
     entries: dict[str, TensorEntry | ValueEntry] = {}
@@ -100,16 +108,27 @@ def build_manifest(
         metadata=dict(metadata or {}),
         top_level=top,
         run=run,
+        chunk_sizes=tuple(sorted(split_sizes)),
     )
 
 
-def publish(root: str | os.PathLike[str] | Storage, m: Manifest, *, fsync: bool = True) -> None:
+def publish(
+    root: str | os.PathLike[str] | Storage,
+    m: Manifest,
+    *,
+    fsync: bool = True,
+    extra: Callable[[bytes], dict[str, bytes]] | None = None,
+) -> None:
     """Step 3 of the protocol: create the step directory and publish the manifest last, atomically.
 
     Args:
         root: the run root (a directory or its :class:`~trainguard.storage.base.Storage`).
         m: the manifest to commit.
         fsync: make the step directory and the manifest durable.
+        extra: ``extra(manifest bytes)`` -> per-step side files (name -> bytes, e.g. ``probe.json``, which
+            records the CRC32C of the manifest it belongs to), published before the manifest so a committed
+            checkpoint always has them. A ``suspect.json`` of the checkpoint this one replaces is removed after
+            the manifest (a crash in between leaves a marker bound to the old manifest's CRC32C: ignored).
 
     Raises:
         StorageFullError: no space left for the manifest (nothing is committed; its ``step`` is set).
@@ -120,11 +139,15 @@ def publish(root: str | os.PathLike[str] | Storage, m: Manifest, *, fsync: bool 
     created = storage.make_dir(d)
     if created and fsync:
         storage.barrier("")
-    for stale in (CORRUPT_MARKER, CHECK_RECORD):  # records of a checkpoint this one replaces
+    for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
         storage.delete(f"{d}/{stale}")
     try:
+        data = manifest_to_json(m)
+        for name, side in (extra(data) if extra is not None else {}).items():
+            storage.publish(f"{d}/{name}", side, durable=fsync)
         record_check(storage, m.step, by="save")
-        storage.publish(f"{d}/{MANIFEST_NAME}", manifest_to_json(m), durable=fsync)
+        storage.publish(f"{d}/{MANIFEST_NAME}", data, durable=fsync)
+        storage.delete(f"{d}/{SUSPECT_MARKER}")
     except BaseException as e:
         if created:  # leave nothing behind that lists as a checkpoint of this step
             storage.delete_prefix(d)

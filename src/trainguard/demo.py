@@ -3,7 +3,9 @@
 1. Trains ``examples/train_gpt.py`` (a byte-level GPT on the Python standard library's source) under the
    supervisor, injecting failures of mixed kinds at seeded random steps: SIGKILL during a training step,
    SIGKILL in the middle of a checkpoint save, a hang (caught by the heartbeat timeout), and a corrupted
-   newest checkpoint (a flipped bit in a chunk) that the next restore must detect and skip.
+   newest checkpoint (a flipped bit in a chunk) that the next restore must detect and skip, and silent
+   corruption (a weight's bytes and their recorded CRC32C both rewritten, as memory corrupted before
+   checksumming would produce) that only the probe fingerprint catches at resume.
 2. Trains the same job uninterrupted as a reference (concurrently, one CPU thread each).
 3. Compares the final model and optimizer tensors bitwise and reports checkpoints, failures with their
    time-to-resume phases, and goodput, and writes the HTML report of the faulted run (``trainguard
@@ -27,12 +29,13 @@ from typing import Any
 from .errors import ConfigError
 from .eventlog import read_events
 
-FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest")
+FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption")
 KIND_LABELS = {
     "kill_step": "SIGKILL in a step",
     "kill_during_save": "SIGKILL mid-save",
     "hang": "hang",
     "corrupt_newest": "corrupt newest ckpt",
+    "silent_corruption": "silent corruption (valid CRC)",
 }
 
 
@@ -41,7 +44,7 @@ class DemoConfig:
     """Settings of ``trainguard demo``. Steps in training steps, times in seconds."""
 
     steps: int = 200
-    failures: int = 4
+    failures: int = 5
     out: Path = Path("trainguard-demo")
     seed: int = 0
     save_every: int = 20
@@ -106,19 +109,32 @@ def fault_plan(cfg: DemoConfig) -> list[dict[str, Any]]:
     while len(kinds) < cfg.failures:
         kinds.append(rng.choice(FAULT_KINDS))
     kinds = kinds[: cfg.failures]
+    se = cfg.save_every
+
+    def room(k: str) -> int:  # steps a fault needs after the previous one (a killed save: the next save step)
+        return 2 * se + 1 if k == "kill_during_save" else se + 2
+
     plan = []
     prev = 0
-    span = cfg.steps - cfg.save_every - prev
+    span = cfg.steps - se - prev
     for i, kind in enumerate(kinds):
         remaining = len(kinds) - i
-        lo = prev + cfg.save_every + 2
-        hi = max(lo, prev + span // max(1, remaining) + cfg.save_every)
-        hi = min(hi, cfg.steps - (remaining - 1) * (cfg.save_every + 2) - 1)
+        last = cfg.steps - sum(room(k) for k in kinds[i + 1 :]) - 1  # room for the faults after this one
+        lo = prev + se + 2
+        hi = max(lo, prev + span // max(1, remaining) + se)
+        hi = min(hi, last)
         step = rng.randint(lo, max(lo, hi))
-        if kind == "kill_during_save":
-            step = max(cfg.save_every, (step // cfg.save_every) * cfg.save_every)
-            if step <= prev + 1:
-                step += cfg.save_every
+        if (
+            kind == "kill_during_save"
+        ):  # at a save step: the multiple of save_every nearest, keeping the spacing
+            first = (prev + se) // se * se + se
+            saves = range(first, last + 1, se)
+            if saves:
+                step = min(saves, key=lambda s: (abs(s - step), s))
+            else:
+                step = max(se, (step // se) * se)
+                if step <= prev + 1:
+                    step += se
         plan.append({"attempt": i, "step": step, "kind": kind})
         prev = step
         span = cfg.steps - prev
@@ -209,7 +225,8 @@ def compare_final(faulted: Path, reference: Path) -> tuple[bool, int, list[str]]
 
 def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str, Any]:
     """Run the demo and return its summary (see ``trainguard demo --json``)."""
-    from .recovery.supervisor import Backoff, Supervisor, SupervisorConfig
+    from .recovery.config import Backoff, SupervisorConfig
+    from .recovery.supervisor import Supervisor
 
     script = find_script(cfg.script)
     out = cfg.out.absolute()
@@ -316,7 +333,9 @@ def summarize(
     for _i, f in enumerate(plan):
         rec = next((r for r in recoveries if r.restart_count == f["attempt"] + 1), None)
         fev = next((e for e in failures_ev if e.get("restart_count") == f["attempt"]), None)
-        t_death = fev.get("t_death") if fev else None
+        # every save committed before the supervisor recorded the failure (the job was dead by then; a hung job
+        # commits its saves in flight after its last heartbeat, t_death, until it is killed)
+        t_death = fev.get("t", fev.get("t_death")) if fev else None
         committed_before = sorted(e["step"] for e in saves if t_death is not None and e["t"] <= t_death)
         corrupt = {s.get("step") for s in skipped if s.get("restart_count") == f["attempt"] + 1}
         newest_valid = max((s for s in committed_before if s not in corrupt), default=None)

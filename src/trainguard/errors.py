@@ -69,7 +69,8 @@ class CorruptCheckpointError(TrainguardError):
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
-    """A manifest points outside the run root or carries content that would execute code on load."""
+    """A manifest points outside the run root, or carries content that would execute code on load or expand
+    beyond its declared size (a pickle payload, a compressed value)."""
 
 
 class CheckpointExistsError(TrainguardError, FileExistsError):
@@ -163,3 +164,65 @@ class RunConflictError(TrainguardError):
     """The run root holds checkpoints of another run that this manager did not resume: saving would interleave
     two runs' checkpoints (and let retention delete one run's for the other's). Resume it
     (``restore_latest``), use a new run root, or pass ``new_run=True``."""
+
+
+class NonFiniteStateError(SaveError):
+    """A save was rejected because a floating tensor of the state holds NaN or Inf (``check_finite="error"``).
+    Nothing was committed, retention did not run and every earlier checkpoint is intact.
+
+    Attributes:
+        step: the step whose save was rejected.
+        tensors: fully qualified tensor name -> count of non-finite values (this rank's; empty on a rank that
+            found none while another rank did).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, tensors: dict[str, int] | None = None):
+        super().__init__(message, step=step)
+        self.tensors = dict(tensors or {})
+
+
+class SuspectCheckpointError(TrainguardError):
+    """A checkpoint's bytes are intact but its content failed validation after the load (NaN/Inf in a
+    restored tensor, or the probe fingerprint differs). It is marked ``suspect`` (``step-N/suspect.json``);
+    ``restore_latest`` falls back to the next older checkpoint, ``restore(step)`` raises this.
+
+    Attributes:
+        step: the checkpoint's step.
+        reason: what failed (names the tensors or the probe outputs).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, reason: str = ""):
+        super().__init__(message)
+        self.step = step
+        self.reason = reason or message
+
+
+class ResumeDivergedError(TrainguardError):
+    """After a resume, the loss left the trajectory recorded before the failure (within ``trajectory_steps``
+    steps of the restore). The restored checkpoint, and every checkpoint this launch saved since, are marked
+    ``suspect``; the next launch's ``restore_latest`` resumes from an older one.
+
+    Attributes:
+        restored_step: the step this launch resumed from.
+        steps: the steps whose loss violated the check.
+        values: the losses logged at those steps.
+        expected: what each was compared with (the loss recorded for that step, or the band's upper bound).
+        suspect_steps: the checkpoints marked suspect.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        restored_step: int | None = None,
+        steps: list[int] | None = None,
+        values: list[float] | None = None,
+        expected: list[float] | None = None,
+        suspect_steps: list[int] | None = None,
+    ):
+        super().__init__(message)
+        self.restored_step = restored_step
+        self.steps = list(steps or [])
+        self.values = list(values or [])
+        self.expected = list(expected or [])
+        self.suspect_steps = list(suspect_steps or [])

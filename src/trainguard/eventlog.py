@@ -5,7 +5,8 @@ Every process that writes events (the manager in each rank, the supervisor) appe
 sort by ``t``. Each line is one JSON object with at least:
 
 - ``t`` (float, seconds since the epoch), ``time`` (ISO 8601 UTC), ``event`` (str), ``source`` (str),
-  ``pid`` (int), and where known ``rank``, ``run_id`` and ``restart_count``.
+  ``pid`` (int), and where known ``rank``, ``run_id``, ``restart_count`` and ``elastic_restart`` (torchrun's
+  ``TORCHELASTIC_RESTART_COUNT``).
 
 Event names and their fields are listed in docs/FORMAT.md ("Event log"). A torn last line (the writer was
 killed mid-write) is skipped by the reader, never an error.
@@ -59,6 +60,11 @@ OWN_EVENTS = frozenset(
         "give_up",
         "stop",
         "spawn_error",
+        "save_rejected",
+        "save_nonfinite",
+        "checkpoint_suspect",
+        "resume_diverged",
+        "scrub",
     }
 )
 """Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""
@@ -99,6 +105,11 @@ class EventLog:
         rc = os.environ.get("TRAINGUARD_RESTART_COUNT")
         if rc is not None and rc.isdigit():
             self._context["restart_count"] = int(rc)
+        # torchrun's agent restarts its workers by itself (--max-restarts): the supervisor sees no failure, so
+        # these restarts are told apart by the agent's count in the workers' environment
+        erc = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if erc is not None and erc.isdigit():
+            self._context["elastic_restart"] = int(erc)
 
     def set_context(self, **fields: Any) -> None:
         """Add fields (e.g. ``rank``) written into every later event."""

@@ -34,9 +34,11 @@ from .errors import MissingDependencyError
 
 try:  # the standalone package first (what the extra installs), then the unified ``lightning`` package
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+    from pytorch_lightning.strategies import DDPStrategy as _DDPStrategy
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
         from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+        from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy  # type: ignore[no-redef]
     except ImportError:
         raise MissingDependencyError(
             "trainguard.lightning needs the optional package 'pytorch_lightning', which is not installed; "
@@ -129,8 +131,9 @@ class TrainguardCheckpointIO(CheckpointIO):
             ``chunk_size_bytes``, ...).
 
     Raises:
-        ConfigError: used under a multi-process strategy (DDP/FSDP): Lightning saves from rank 0 alone, while
-            trainguard's distributed save is collective; not supported yet.
+        ConfigError: (at the first save or load) used under a multi-process strategy other than
+            :class:`TrainguardDDPStrategy`: Lightning's strategies save from rank 0 alone, while trainguard's
+            distributed save is collective. FSDP/DeepSpeed are not supported yet.
 
     The manager (and its write lock on ``root``) is created at the first save or load and closed by Lightning's
     ``teardown`` at the end of ``fit``, which waits for pending asynchronous saves.
@@ -157,17 +160,19 @@ class TrainguardCheckpointIO(CheckpointIO):
         self._pointer_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._cancelled: set[Path] = set()  # removed by Lightning before their save committed
+        self.all_ranks = False  # set by TrainguardDDPStrategy: every rank calls save/load (collective)
 
     @property
     def manager(self) -> Any:
         """The :class:`~trainguard.CheckpointManager` of ``root`` (created on first use)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not self.all_ranks:
             raise ConfigError(
-                "TrainguardCheckpointIO supports single-process Lightning runs so far: under a multi-process "
-                "strategy Lightning saves from rank 0 only, while trainguard's distributed save is collective; "
-                "use tg.CheckpointManager with tg.ModelOptimizerState in a plain loop for DDP/FSDP"
+                "TrainguardCheckpointIO under a multi-process strategy needs "
+                "strategy=tg.lightning.TrainguardDDPStrategy(): Lightning's own strategies save from rank 0 only, "
+                "while trainguard's distributed save is collective (every rank takes part); FSDP/DeepSpeed are "
+                "not supported yet (use tg.CheckpointManager with tg.ModelOptimizerState in a plain loop)"
             )
         if self._mgr is None:
             from .manager import CheckpointManager
@@ -227,6 +232,8 @@ class TrainguardCheckpointIO(CheckpointIO):
             self._saved[step] = (key, handle)
         else:
             handle = previous[1]
+        if _rank() != 0:
+            return  # the pointers are rank 0's (one file per checkpoint on a shared filesystem)
         ptr = {"format": POINTER_FORMAT, "version": 1, "root": str(self.root.resolve()), "step": step}
         data = json.dumps(ptr).encode() + b"\n"
         if _LAST.match(Path(path).stem) and (
@@ -358,6 +365,53 @@ class TrainguardCheckpointIO(CheckpointIO):
                 self._pointer_thread = None
 
 
+class TrainguardDDPStrategy(_DDPStrategy):  # type: ignore[misc]
+    """Lightning's ``DDPStrategy`` with checkpoint saves on every rank, for :class:`TrainguardCheckpointIO`.
+
+    Lightning's strategies call ``CheckpointIO.save_checkpoint`` on global rank 0 only; trainguard's save under
+    torch.distributed is collective (every rank writes its part and the commit is one for all ranks), so this
+    strategy hands every save to the plugin on every rank. Each rank saves its own RNG states
+    (``tg.RNGState`` keys them by rank) and its own data position; the replicated model and optimizer states
+    are written once. Pointer files are written by rank 0, and ``ckpt_path="last"`` restores the newest valid
+    checkpoint on every rank (each rank gets its own RNG states back)::
+
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=tg.lightning.TrainguardDDPStrategy(),
+                             plugins=[tg.lightning.TrainguardCheckpointIO("ckpts/run1")], ...)
+
+    Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ...).
+
+    Raises:
+        ConfigError: (at the first save or load) the strategy's ``checkpoint_io`` is not a
+            ``TrainguardCheckpointIO``.
+    """
+
+    def _trainguard_io(self) -> TrainguardCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, TrainguardCheckpointIO):
+            raise ConfigError(
+                "TrainguardDDPStrategy saves through tg.lightning.TrainguardCheckpointIO; pass it as "
+                f"plugins=[tg.lightning.TrainguardCheckpointIO(root)] (got {type(io).__name__})"
+            )
+        io.all_ranks = True
+        return io
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save on every rank (collective); see :meth:`TrainguardCheckpointIO.save_checkpoint`."""
+        self._trainguard_io().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load on every rank (collective); see :meth:`TrainguardCheckpointIO.load_checkpoint`."""
+        return self._trainguard_io().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class LightningLoader(_ResumableLoader):
     """``tg.ResumableLoader`` for Lightning's ``train_dataloader``: the same arguments and saved position.
 
@@ -400,4 +454,4 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
-__all__ = ["LightningLoader", "TrainguardCheckpointIO", "read_pointer"]
+__all__ = ["LightningLoader", "TrainguardCheckpointIO", "TrainguardDDPStrategy", "read_pointer"]

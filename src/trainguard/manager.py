@@ -18,9 +18,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _persist, _restore, _statefn, lineage
 from ._config import check_distributed_options, check_options, open_root, open_storage, root_problem
@@ -28,7 +28,7 @@ from ._context import RootContext
 from ._lock import RootLock
 from .catalog import CheckpointInfo, inspect_step, is_committed, scan
 from .distributed.context import DistContext
-from .distributed.writer import WriterOptions
+from .distributed.options import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
@@ -50,6 +50,10 @@ from .staging import PendingSave, Stager
 from .staging.persister import AsyncPersister, SaveRequest, register_exit_flush
 from .state import per_rank
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .validation.scrub import Scrubber
+    from .validation.trajectory import Recorder
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -103,6 +107,21 @@ class CheckpointManager:
             (``trainguard_save_block_seconds``, ``trainguard_save_persist_seconds``,
             ``trainguard_checkpoint_bytes``, ``trainguard_save_failures_total``); None: a private one, see
             :attr:`metrics_registry`. Pass ``prometheus_client.REGISTRY`` to export through the default one.
+        check_finite: ``"error"`` (default): a save whose floating tensors hold NaN/Inf is rejected in the persist
+            path (NonFiniteStateError, nothing committed, retention not run) and a restored checkpoint holding
+            NaN/Inf is suspect (``restore_latest`` falls back); ``"warn"``: log and go on; ``"off"``.
+        probe: ``fn() -> tensor | dict[str, tensor]`` computed from the live training objects on a fixed probe
+            batch (model in eval mode, under no_grad; it must not change any state). Run in the caller at each
+            save and stored with the checkpoint; after a restore it runs again and must match, else the
+            checkpoint is suspect and ``restore_latest`` falls back to an older one.
+        probe_rtol: relative tolerance of the probe comparison (0 with ``probe_atol`` 0: bitwise, the
+            default; set both for another device, dtype or world size).
+        probe_atol: absolute tolerance of the probe comparison.
+        trajectory_steps: after a restore, the losses given to ``maybe_save(metrics={"loss": ...})`` for this
+            many steps are compared with those logged before the failure; a divergence raises
+            ResumeDivergedError and marks the checkpoints suspect (0: off).
+        scrub_interval_s: re-verify the committed checkpoints in a background thread every this many seconds
+            (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -136,6 +155,12 @@ class CheckpointManager:
         collective: bool | None = None,
         dist_timeout_s: float | None = None,
         metrics_registry: Any = None,
+        check_finite: str = "error",
+        probe: Any = None,
+        probe_rtol: float = 0.0,
+        probe_atol: float = 0.0,
+        trajectory_steps: int = 50,
+        scrub_interval_s: float | None = None,
     ) -> None:
         from .policies import EveryNSteps
 
@@ -153,6 +178,25 @@ class CheckpointManager:
             save_timeout_s=save_timeout_s,
         )
         self.retention = as_retention(keep)
+        validation_options(
+            check_finite=check_finite,
+            probe=probe,
+            probe_rtol=probe_rtol,
+            probe_atol=probe_atol,
+            trajectory_steps=trajectory_steps,
+            scrub_interval_s=scrub_interval_s,
+        )
+        self.check_finite: str = check_finite
+        self.probe: Callable[[], Any] | None = probe
+        self.probe_rtol = float(probe_rtol)
+        self.probe_atol = float(probe_atol)
+        self.trajectory_steps: int = trajectory_steps
+        self.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
+        # step -> (probe outputs, seconds the probe took), until the save of that step commits or fails
+        self._probes: dict[int, tuple[dict[str, Any], float]] = {}
+        self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
+        self._trajectory: Recorder | None = None  # set for a writer (below)
+        self._scrubber: Scrubber | None = None
         self.options = WriterOptions(
             chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
         )
@@ -177,6 +221,7 @@ class CheckpointManager:
             in_flight_since=lambda: self._persister.in_flight_since() if self._persister else time.time(),
             staging_bytes=lambda: self.staging_bytes,
             saves=deque(maxlen=SAVES_KEPT),  # the most recent committed saves of this manager, in order
+            host=self,  # validation (issue 11) reads its settings and state from the manager
         )
         self._run_checked = read_only
         check_distributed_options(
@@ -251,6 +296,16 @@ class CheckpointManager:
         self._events.set_context(checkpoint_run_id=self.run.run_id)
         self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
+        from .validation.trajectory import Recorder
+
+        self._trajectory = Recorder(
+            self.root, self.run.run_id, self.trajectory_steps, coordinator=self.dist.is_coordinator
+        )
+        if self.scrub_interval_s is not None and self.dist.is_coordinator:
+            from .validation.scrub import Scrubber
+
+            self._scrubber = Scrubber(self, self.scrub_interval_s)
+            self._scrubber.start()
 
     # -- context manager ----------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -279,6 +334,10 @@ class CheckpointManager:
                 abandoned,
             )
         self._closed = True
+        if self._scrubber is not None:
+            self._scrubber.stop()
+        if self._trajectory is not None:
+            self._trajectory.close()
         if self._exit_flush is not None:
             import atexit
 
@@ -365,6 +424,7 @@ class CheckpointManager:
         from .recovery.heartbeat import heartbeat, preemption_requested
 
         heartbeat(step)
+        self._record_loss(step, metrics)
         if not self._first_step_logged:
             self._first_step_logged = True
             self._event("first_step", step=step)
@@ -393,6 +453,28 @@ class CheckpointManager:
                 step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
             )
         return None
+
+    def _record_loss(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Append the step's loss to the run's trajectory log; after a restore, check it (collective while the
+        check is armed: every rank calls ``maybe_save`` each step, with or without a loss)."""
+        tr = self._trajectory
+        if tr is None:
+            return
+        armed = tr.check is not None
+        bad = tr.record(step, metrics)
+        if not armed:
+            return
+        if self.dist.enabled:
+            bad = self.dist.any(bad)
+        if bad:
+            from .validation.hooks import diverged
+
+            raise diverged(self, step)
+        tr.passed(step)
+
+    def _arm_trajectory(self, step: int) -> None:
+        if self._trajectory is not None:
+            self._trajectory.arm(step)
 
     def _should_save(self, step: int) -> bool:
         decision = self.save_policy.should_save(step, now_s=time.monotonic())
@@ -472,11 +554,12 @@ class CheckpointManager:
                 )
             # A corrupt checkpoint of this step (typically the one restore_latest just skipped) holds nothing
             # usable: replace it rather than stop the training loop.
-            log.warning("replacing the corrupt checkpoint of step %d (%s)", step, info.problem)
+            log.warning("replacing the %s checkpoint of step %d (%s)", info.status, step, info.problem)
             self._event("replace_corrupt", step=step, problem=info.problem)
         t0 = time.perf_counter()
         now0 = time.monotonic()
         if not self.async_save:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
@@ -509,6 +592,7 @@ class CheckpointManager:
             log.warning("skipping the save of step %d: earlier saves are still persisting", step)
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
+            self._run_probe(step)
             flat, paths, top = _statefn.collect(state)
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             staged = bufset.stage(flat)
@@ -544,6 +628,16 @@ class CheckpointManager:
             staging_s=staging_s,
             cancel=cancel,
         )
+
+    def _run_probe(self, step: int) -> None:
+        """Compute the probe in the caller's thread; its record goes with this step's save."""
+        if self.probe is None:
+            return
+        from .validation.probe import compute
+
+        t = time.perf_counter()
+        outputs = compute(self.probe)
+        self._probes[step] = (outputs, time.perf_counter() - t)
 
     def _in_flight(self, step: int) -> bool:
         return self._persister is not None and self._persister.in_flight(step)
@@ -643,7 +737,14 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         _restore.load(self.ctx, step, state, strict=strict)
-        self.last_restore = RestoreTimings(load_s=time.perf_counter() - t0, bytes=self.last_restore.bytes)
+        load_s = time.perf_counter() - t0
+        from .validation.hooks import check_probe
+
+        validate_s = self._validate_s + check_probe(self, step)
+        self.last_restore = RestoreTimings(
+            load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes
+        )
+        self._arm_trajectory(step)
         return step
 
     def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
@@ -674,4 +775,40 @@ class CheckpointManager:
         step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
+            self._arm_trajectory(step)
         return step
+
+
+def validation_options(
+    *,
+    check_finite: str,
+    probe: Any,
+    probe_rtol: float,
+    probe_atol: float,
+    trajectory_steps: int,
+    scrub_interval_s: float | None,
+) -> None:
+    """Check the validation options (issue 11).
+
+    Raises:
+        ConfigError: naming the option and what it accepts.
+    """
+    from .validation import CHECK_FINITE_MODES
+
+    if check_finite not in CHECK_FINITE_MODES:
+        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
+    if probe is not None and not callable(probe):
+        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
+    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
+        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
+    if scrub_interval_s is not None and (
+        isinstance(scrub_interval_s, bool)
+        or not isinstance(scrub_interval_s, (int, float))
+        or not 0 < scrub_interval_s < float("inf")
+    ):
+        raise ConfigError(
+            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
+        )

@@ -600,7 +600,45 @@ def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) ->
     return res
 
 
+def scenario_validation(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """check_finite and the probe under FSDP2 (issue 11): a NaN in one rank's shard rejects the save on every
+    rank; the probe (a collective forward) is stored at save and matches after restore."""
+    root = Path(spec["root"])
+    job = build(rank, ws)
+    probe_x = FEATURES[:4]
+
+    def probe() -> torch.Tensor:
+        with torch.no_grad():
+            return job["model"](probe_x)
+
+    mgr = tg.CheckpointManager(root, async_save=spec["async"], save_policy=tg.EveryNSteps(10**9), probe=probe)
+    train_step(job)
+    mgr.save(1, job["state"]).wait()
+    res: dict[str, Any] = {"failure": None}
+    local = job["model"].l2.weight.to_local()
+    saved = local.detach().clone()
+    if rank == ws - 1:
+        with torch.no_grad():
+            local.view(-1)[3] = float("nan")
+    try:
+        mgr.save(2, job["state"]).wait()
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res["failure"] = {"type": type(e).__name__, "tensors": getattr(e, "tensors", None), "message": str(e)}
+    with torch.no_grad():
+        local.copy_(saved)
+    mgr.save(3, job["state"]).wait()
+    mgr.close()
+    res["listed"] = [[i.step, i.status] for i in scan(root)] if rank == 0 else None
+    job2 = build(rank, ws, seed=7)
+    mgr2 = tg.CheckpointManager(root, probe=lambda: job2["model"](probe_x).detach())
+    res["restored"] = mgr2.restore_latest(job2["state"])
+    res["validate_s"] = mgr2.last_restore.validate_s
+    mgr2.close()
+    return res
+
+
 SCENARIOS = {
+    "validation": scenario_validation,
     "perrank": scenario_perrank,
     "perrank_load": scenario_perrank_load,
     "collectives": scenario_collectives,

@@ -67,6 +67,28 @@ def test_a_shard_listing_part_of_a_chunk_twice_is_refused(root, tmp_path, guard_
     assert_refused(root, tmp_path, CorruptCheckpointError, ["more than once"])
 
 
+def test_a_whole_chunk_listed_2000_times_is_refused_before_allocating(root, tmp_path, guard_allocations):
+    """The issue's input: a 95 KB manifest whose new shard lists one 1.28 MB chunk 2,000 times (2.56 GB). A
+    save repeats only whole chunks of its split size (``chunk_sizes``, 64 MiB here), so it is refused by the
+    manifest check, on any machine, before anything is allocated."""
+    body = read_manifest_json(root, 2)
+    assert body["chunk_sizes"] == [64 << 20]  # recorded by the save: model.big was cut with chunk_size_bytes
+    h = own_chunk_of(body, "model.big")  # 1.28 MB: the shard declares 2.56 GB
+    n = body["chunks"][h]["length"]
+    new_entry(body, "evil", "float32", n // 4 * 2000, [[h, 0, n]] * 2000)
+    write_manifest(root, 2, body)
+    assert len(json.dumps(body)) < 200_000
+    msg = assert_refused(
+        root, tmp_path, CorruptCheckpointError, ["model.evil", "more than once", "split size"]
+    )
+    assert max(guard_allocations, default=0) <= GUARD_BYTES
+    # a manifest that records no split sizes (written before they were recorded) is read with the default
+    del body["chunk_sizes"]
+    write_manifest(root, 2, body)
+    assert msg == assert_refused(root, tmp_path, CorruptCheckpointError, ["more than once"])
+    assert max(guard_allocations, default=0) <= GUARD_BYTES
+
+
 REPEAT = """
 import json, resource, sys
 sys.path.insert(0, {tests!r})
@@ -83,13 +105,16 @@ with tg.CheckpointManager({root!r}, read_only=True) as mgr:
 
 
 @pytest.mark.timeout(180)
-def test_a_whole_chunk_listed_2000_times_is_not_allocated_beyond_the_memory_available(root):
+def test_a_repeated_chunk_with_a_forged_split_size_is_not_allocated_beyond_the_memory_available(root):
+    """The same input made self-consistent (``chunk_sizes`` forged to the chunk's length, as an honest save
+    of a 2.56 GB constant tensor with ``chunk_size_bytes=1.28 MB`` would record): the declared bytes are then
+    checked against the memory available before they are allocated."""
     body = read_manifest_json(root, 2)
-    h = own_chunk_of(body, "model.big")  # 1.28 MB: the shard declares 2.56 GB
+    h = own_chunk_of(body, "model.big")
     n = body["chunks"][h]["length"]
+    body["chunk_sizes"] = [n]
     new_entry(body, "evil", "float32", n // 4 * 2000, [[h, 0, n]] * 2000)
     write_manifest(root, 2, body)
-    assert len(json.dumps(body)) < 200_000
     rc, out, err = run_limited(
         ["-c", REPEAT.format(tests=str(Path(__file__).parent), root=str(root))], address_space_bytes=1 << 40
     )
@@ -190,3 +215,47 @@ def test_the_same_half_shard_listed_twice_is_refused(root, tmp_path):
     e["shards"] = [shard, json.loads(json.dumps(shard))]
     write_manifest(root, 2, body)
     assert_refused(root, tmp_path, CorruptCheckpointError, ["overlap", "exactly once"])
+
+
+def test_an_honest_save_repeating_pieces_of_a_constant_tensor_records_its_split_size_and_restores(tmp_path):
+    """The rule honest saves never break: a constant tensor cut into identical pieces lists one chunk once per
+    piece, of the split size the manifest records."""
+    w = torch.zeros(5 * 1024 + 7)  # five identical 4 KiB pieces and a short last one
+    with tg.CheckpointManager(tmp_path / "r", chunk_size_bytes=4096, async_save=False) as mgr:
+        mgr.save(1, {"w": w, "v": torch.full((3000,), 2.5)})
+    body = read_manifest_json(tmp_path / "r", 1)
+    assert body["chunk_sizes"] == [4096]
+    segs = body["entries"]["w"]["shards"][0]["segments"]
+    assert len(segs) == 6 and len({s[0] for s in segs[:5]}) == 1 and segs[5][2] == 28
+    state = {"w": torch.ones_like(w), "v": torch.zeros(3000)}
+    with tg.CheckpointManager(tmp_path / "r", read_only=True) as mgr:
+        assert mgr.restore_latest(state) == 1
+    assert torch.equal(state["w"], w) and torch.equal(state["v"], torch.full((3000,), 2.5))
+
+
+def legacy_manifest(piece: int, repeats: int) -> bytes:
+    """A manifest without ``chunk_sizes`` (as written before they were recorded) whose tensor lists one whole
+    chunk of ``piece`` bytes ``repeats`` times (the chunk file need not exist to parse it)."""
+    from trainguard.format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, manifest_to_json
+
+    h = "ab" * 16
+    shard = ShardRecord((0,), (piece * repeats,), (Segment(h, 0, piece),) * repeats)
+    m = Manifest(
+        step=1,
+        t=1.0,
+        time="t",
+        world_size=1,
+        entries={"w": TensorEntry("w", (("s", "w"),), "uint8", (piece * repeats,), (shard,))},
+        chunks={h: ChunkRecord(h, f"chunks/ab/{h}", piece, 0)},
+    )
+    return manifest_to_json(m)
+
+
+def test_a_manifest_recording_no_split_size_repeats_only_whole_chunks_of_the_default_64_mib():
+    from trainguard.format import manifest_from_json
+
+    assert b"chunk_sizes" not in legacy_manifest(64 << 20, 3)
+    m = manifest_from_json(legacy_manifest(64 << 20, 3), expect_step=1)
+    assert m.chunk_sizes is None and len(m.entries["w"].shards[0].segments) == 3  # type: ignore[union-attr]
+    with pytest.raises(CorruptCheckpointError, match="more than once.*67108864 bytes"):
+        manifest_from_json(legacy_manifest(1 << 20, 3), expect_step=1)

@@ -1,5 +1,6 @@
 """A hypothesis fuzzer over the manifest fields that size what verify and restore allocate: dtypes, shapes,
-shard lists, chunk ranges, value encodings and path depth. Each re-signed manifest must either restore
+shard lists, chunk ranges (repeated ranges too, with the recorded split sizes forged), value encodings and path
+depth. Each re-signed manifest must either restore
 bit-exactly (every tensor equals the bytes its shards name) or be refused with a trainguard error, while the
 process runs under ``RLIMIT_AS`` = its size + the bytes the manifest declares + a fixed margin
 (``bounds_worker.py``, one long-lived subprocess so that torch is imported once)."""
@@ -136,6 +137,7 @@ def mutations(draw: st.DrawFn, body: dict[str, Any], extra: dict[str, Any]) -> d
                     "split-shard",
                     "range",
                     "repeat",
+                    "split-sizes",
                     "value-codec",
                     "bomb",
                     "depth",
@@ -185,6 +187,17 @@ def mutations(draw: st.DrawFn, body: dict[str, Any], extra: dict[str, Any]) -> d
             sh["segments"] = sh["segments"] * k
             sh["sizes"][0] *= k
             e["shape"][0] *= k
+        elif op == "split-sizes":
+            # what the manifest says large tensors were cut with: forged to a chunk's own length (so that a
+            # repeat of it passes the manifest check and the memory bound must hold), dropped, or malformed
+            lengths = [c["length"] for c in body["chunks"].values()]
+            body["chunk_sizes"] = draw(
+                st.sampled_from(
+                    [[], [draw(st.sampled_from(lengths))], lengths, [0], [-1], "64", [1 << 41], None]
+                )
+            )
+            if body["chunk_sizes"] is None:
+                del body["chunk_sizes"]
         elif op == "value-codec":
             v = body["entries"][draw(st.sampled_from(["optim", "trainer"]))]
             v["codec"] = draw(st.sampled_from(["json", "torch", "pickle"]))

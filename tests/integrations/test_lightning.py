@@ -165,3 +165,75 @@ def test_trainguard_imports_without_lightning_and_the_plugin_names_the_extra() -
     )
     assert out.returncode == 0, out.stderr
     assert "ERR True" in out.stdout and "pip install 'trainguard[lightning]'" in out.stdout
+
+
+DDP_STEPS = (
+    13  # 2 ranks x 4 samples a step: 5 steps per epoch; the kill after step 7 resumes from 4, mid-epoch
+)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("lightning-ddp")
+    ref, faulted = d / "reference", d / "faulted"
+    ref.mkdir()
+    faulted.mkdir()
+
+    def ddp(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(SCRIPT), "--root", str(out / "root"), "--steps", str(DDP_STEPS), "--save-every",
+               str(SAVE_EVERY), "--losses", str(out / "losses.jsonl"), "--final", str(out / "final.pt"),
+               "--devices", "2", *extra]  # fmt: skip
+        env = run_env() | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out)
+
+    r = ddp(ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+    killed = ddp(faulted, "--kill-at", "7")
+    final = ddp(faulted)
+    assert final.returncode == 0, final.stderr[-3000:]
+    return {"ref": ref, "faulted": faulted, "killed": killed.returncode}
+
+
+def ddp_losses(out: Path) -> tuple[dict[tuple[int, int], str], list[tuple[int, int]]]:
+    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    return {(r["step"], r["rank"]): r["loss"] for r in rows}, [(r["step"], r["rank"]) for r in rows]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 3 two-process Lightning runs (~30 s each on a loaded 2-core machine: imports dominate)
+def test_a_killed_ddp_run_resumes_bit_exactly_on_every_rank(ddp_runs: dict[str, Any]) -> None:
+    assert ddp_runs["killed"] == -signal.SIGKILL
+    ref, _ = ddp_losses(ddp_runs["ref"])
+    got, order = ddp_losses(ddp_runs["faulted"])
+    assert sorted(ref) == [(s, r) for s in range(1, DDP_STEPS + 1) for r in (0, 1)]
+    assert got == ref  # both ranks: their own data shard and dropout RNG continue bit for bit
+    assert any(
+        ref[(s, 0)] != ref[(s, 1)] for s in range(1, DDP_STEPS + 1)
+    )  # the ranks train on other samples
+    rank0 = [s for s, r in order if r == 0]
+    assert rank0 == [*range(1, 8), *range(5, DDP_STEPS + 1)]  # killed after 7, resumed from the save of 4
+    a = torch.load(ddp_runs["ref"] / "final.pt", weights_only=True)
+    b = torch.load(ddp_runs["faulted"] / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_ddp_checkpoint_is_one_commit_with_each_rank_s_rng_state(ddp_runs: dict[str, Any]) -> None:
+    root = ddp_runs["faulted"] / "root"
+    m = read_manifest(root, 12)
+    assert m.world_size == 2
+    state: dict[str, Any] = {"lightning": {}, "rng": {}}
+    tg.CheckpointManager(root, read_only=True).restore(12, state)
+    assert set(state["rng"]) == {"rank_0", "rank_1"}
+    # (seed_everything seeds both ranks alike, so their RNG states may be equal; each is saved and restored)
+    assert state["lightning"]["global_step"] == 12
+
+
+def test_the_ddp_strategy_needs_the_trainguard_plugin(tmp_path: Path) -> None:
+    from lightning_fabric.plugins import TorchCheckpointIO
+
+    strategy = tg.lightning.TrainguardDDPStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(tg.ConfigError, match="TrainguardCheckpointIO"):
+        strategy.save_checkpoint({"global_step": 1}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()

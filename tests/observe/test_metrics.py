@@ -22,8 +22,9 @@ import trainguard as tg
 from trainguard.observe.figures import goodput, report_figures
 from trainguard.observe.metrics import GOODPUT_EVERY_S
 from trainguard.observe.status import run_status
+from trainguard.recovery.config import TAIL_INTERVAL_S, Backoff, SupervisorConfig
 from trainguard.recovery.events import read_events
-from trainguard.recovery.supervisor import TAIL_INTERVAL_S, Backoff, Supervisor, SupervisorConfig
+from trainguard.recovery.supervisor import Supervisor
 from trainguard.recovery.ttr import PHASES
 
 JOB = r"""

@@ -1,4 +1,4 @@
-"""The report of a real demo run (a small GPT, four injected failures of every kind): rendered in headless
+"""The report of a real demo run (a small GPT, five injected failures of every kind): rendered in headless
 Chromium (Debian's `chromium` package; scripts/test installs it as root) and its figures re-derived from the
 event log here."""
 
@@ -31,7 +31,7 @@ TINY = (
     "--corpus-bytes",
     str(1 << 20),
 )
-KINDS = {"kill_step", "kill_during_save", "hang", "corrupt_newest"}
+KINDS = {"kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption"}
 CHROMIUM = shutil.which("chromium")
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     cfg = DemoConfig(
-        steps=60, failures=4, out=out, seed=1, save_every=5, heartbeat_timeout_s=6.0, train_args=TINY
+        steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=6.0, train_args=TINY
     )
     summary = run_demo(cfg, echo=lambda m: None, progress=False)
     assert summary["ok"], summary

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import ConfigError
+from trainguard.recovery.config import EXIT_MAX_RESTARTS, Backoff, SupervisorConfig
 from trainguard.recovery.events import read_events
 from trainguard.recovery.heartbeat import parse_signal
 from trainguard.recovery.job import RestartBudget, is_elastic_torchrun, run_id_from_command
-from trainguard.recovery.supervisor import EXIT_MAX_RESTARTS, Backoff, Supervisor, SupervisorConfig
+from trainguard.recovery.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--backoff", "0.01", "--max-backoff", "0.05", "--grace-period", "10", "--poll-interval", "0.05"]

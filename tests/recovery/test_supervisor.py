@@ -18,15 +18,15 @@ import pytest
 
 import trainguard
 from trainguard.errors import ConfigError
-from trainguard.recovery.events import read_events
-from trainguard.recovery.supervisor import (
+from trainguard.recovery.config import (
     EXIT_MAX_RESTARTS,
     EXIT_NO_PROGRESS,
     EXIT_SPAWN_FAILED,
     Backoff,
-    Supervisor,
     SupervisorConfig,
 )
+from trainguard.recovery.events import read_events
+from trainguard.recovery.supervisor import Supervisor
 from trainguard.recovery.ttr import PHASES
 
 # The fake job imports the recovery modules without running trainguard/__init__.py (which imports torch,
@@ -426,7 +426,8 @@ def test_a_real_manager_job_killed_mid_run_resumes_and_reports_every_phase(tmp_p
 
 
 def test_a_job_that_dies_before_its_first_heartbeat_gives_up_after_the_no_progress_limit(tmp_path):
-    from trainguard.recovery.supervisor import EXIT_NO_PROGRESS, Backoff, Supervisor, SupervisorConfig
+    from trainguard.recovery.config import EXIT_NO_PROGRESS, Backoff, SupervisorConfig
+    from trainguard.recovery.supervisor import Supervisor
 
     cfg = SupervisorConfig(
         max_restarts=10,

@@ -18,9 +18,9 @@ from .main import main
 @click.option(
     "--failures",
     type=int,
-    default=4,
+    default=5,
     show_default=True,
-    help="Failures to inject (the first four are one of each kind).",
+    help="Failures to inject (the first five are one of each kind).",
 )
 @click.option(
     "--out",

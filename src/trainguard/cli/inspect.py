@@ -62,9 +62,15 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 
 @main.command("ls")
 @click.argument("root")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of {step, status, bytes, time}.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON array of {step, status, bytes, time, problem, reason}.",
+)
 def ls_cmd(root: str, as_json: bool) -> None:
-    """List the checkpoints under ROOT with status (valid / unverified / corrupt / incomplete), size and time."""
+    """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size
+    and time. ``reason`` says why a checkpoint is suspect (its content failed validation) or corrupt."""
     p = _root(root)
     infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
@@ -92,7 +98,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
     problems = []
     for i in infos:
         ev = timings.get(i.step, {})
-        color = {"valid": "green", "unverified": "cyan", "corrupt": "red", "incomplete": "yellow"}[i.status]
+        color = STATUS_COLORS[i.status]
         table.add_row(
             str(i.step),
             f"[{color}]{i.status}[/]",
@@ -111,6 +117,15 @@ def ls_cmd(root: str, as_json: bool) -> None:
             c.print(line, highlight=False, overflow="fold")
     else:
         click.echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+
+
+STATUS_COLORS = {
+    "valid": "green",
+    "unverified": "cyan",
+    "corrupt": "red",
+    "suspect": "magenta",
+    "incomplete": "yellow",
+}
 
 
 def _runs_hint(p: Path, command: str) -> str:
@@ -191,7 +206,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         "run": _run_json(m),
         "entries": entries,
     }
-    bad = status.status in ("corrupt", "incomplete")  # a status that only lacks a full read is not a failure
+    bad = status.status in ("corrupt", "suspect", "incomplete")  # lacking only a full read is not a failure
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
         if bad:
@@ -351,16 +366,33 @@ def _print_info(summary: dict[str, Any]) -> None:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print {ok, checked, corrupt: [{step, chunk, tensors}]}."
 )
-def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> None:
+@click.option(
+    "--max-bandwidth",
+    default=None,
+    metavar="RATE",
+    help="Cap the re-read rate, e.g. 200MB/s (a scrub of a live job's storage); default: as fast as it reads.",
+)
+def verify_cmd(
+    root: str, step: int | None, all_steps: bool, as_json: bool, max_bandwidth: str | None
+) -> None:
     """Re-read every chunk of the checkpoints under ROOT and check CRC32C.
 
     Default: the newest committed checkpoint. Exit 1 if anything is corrupt, naming the chunk and the
     tensors it holds.
     """
     from ..catalog import step_dirs
+    from ..errors import ConfigError
     from ..integrity.verify import verify
+    from ..planning.units import parse_bandwidth_bytes_per_s
+    from ..validation.scrub import RateLimiter
 
     p = _root(root)
+    limiter = None
+    if max_bandwidth is not None:
+        try:
+            limiter = RateLimiter(parse_bandwidth_bytes_per_s(max_bandwidth, what="--max-bandwidth"))
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--max-bandwidth") from None
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
     dirs, partials = step_dirs(p)
@@ -399,9 +431,9 @@ def verify_cmd(root: str, step: int | None, all_steps: bool, as_json: bool) -> N
                     def progress(done: int, total: int, task: Any = task, prog: Any = prog) -> None:
                         prog.update(task, completed=done, total=total)
 
-                    report = verify(p, steps, progress=progress)
+                    report = verify(p, steps, progress=progress, limiter=limiter)
             else:
-                report = verify(p, steps)
+                report = verify(p, steps, limiter=limiter)
             break
         except CheckpointNotFoundError as e:
             if step is not None or attempt == RACE_RETRIES - 1:

@@ -18,4 +18,4 @@ def main() -> None:
 
 
 # Each command module registers itself on `main`.
-from . import demo, inspect, interop, observe, plan, run  # noqa: E402, F401
+from . import demo, inspect, interop, observe, plan, run, validate  # noqa: E402, F401

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError
+from ..recovery.config import EXIT_CODES, ROOT_ENV, Backoff, SupervisorConfig
 from ..recovery.heartbeat import parse_signal
-from ..recovery.supervisor import EXIT_CODES, ROOT_ENV, Backoff, RunResult, Supervisor, SupervisorConfig
+from ..recovery.supervisor import RunResult, Supervisor
 from ..recovery.ttr import PHASES
 from .main import main
 

@@ -10,10 +10,30 @@ the manifest: the commit.
 Load: ``TrainguardReader.read_metadata`` (from our JSON manifest, never DCP's pickled ``.metadata``) ->
 ``TrainguardLoadPlanner.set_up_planner`` -> ``read_data`` (each chunk's CRC32C checked as it is read; values
 decoded by :mod:`trainguard.state.values`, never ``weights_only=False``).
+
+The names below are imported on first use: each of them imports DCP, which a single-process restore never needs
+(see :mod:`trainguard._lazy`).
 """
 
-from .planner import TrainguardLoadPlanner, TrainguardSavePlanner
-from .reader import TrainguardReader
-from .writer import TrainguardWriter
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "TrainguardLoadPlanner": ".planner",
+    "TrainguardSavePlanner": ".planner",
+    "TrainguardReader": ".reader",
+    "TrainguardWriter": ".writer",
+}
 
 __all__ = ["TrainguardLoadPlanner", "TrainguardReader", "TrainguardSavePlanner", "TrainguardWriter"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,16 +1,13 @@
 """``TrainguardReader``: a DCP ``StorageReader`` over a parsed :class:`~trainguard.format.Manifest`.
 
-DCP's ``Metadata`` is rebuilt from our JSON manifest; DCP's pickled ``.metadata`` never exists. Each chunk is
-checked (length, CRC32C) as it is read. When a read covers a whole saved shard whose chunks are the shard's
-own, the bytes go straight into the destination tensor's memory (no intermediate buffer); otherwise (resharding,
-packed chunks, dtype or device conversion) the shard is read, checked, narrowed and copied.
+DCP's ``Metadata`` is rebuilt from our JSON manifest; DCP's pickled ``.metadata`` never exists. DCP's read
+items are read by :class:`~trainguard.distributed.chunkread.ShardReader` (each chunk checked as it is read).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,11 +22,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError
-from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
+from ..format import Manifest, TensorEntry
 from ..incremental.chunkstore import ChunkStore
 from ..state.dtypes import dtype_from_name
-from ..state.values import TAG_JSON, TAG_TORCH
+from .chunkread import ShardReader
 
 
 def manifest_to_metadata(m: Manifest) -> Metadata:
@@ -50,8 +46,8 @@ def manifest_to_metadata(m: Manifest) -> Metadata:
     return Metadata(state_dict_metadata=sdm)
 
 
-class TrainguardReader(StorageReader):
-    """StorageReader for one restore of one checkpoint.
+class TrainguardReader(ShardReader, StorageReader):
+    """StorageReader for one restore of one checkpoint (the reading itself: :class:`ShardReader`).
 
     Args:
         store: the run's chunk store.
@@ -62,13 +58,8 @@ class TrainguardReader(StorageReader):
     """
 
     def __init__(self, store: ChunkStore, manifest: Manifest, *, threads: int = 4) -> None:
-        super().__init__()
-        self.threads = threads
-        self.store = store
-        self.manifest = manifest
-        self.owners = manifest.chunk_owners()
-        self.bytes_read = 0
-        self._chunk_cache: dict[str, bytearray] = {}
+        StorageReader.__init__(self)
+        ShardReader.__init__(self, store, manifest, threads=threads)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -95,131 +86,28 @@ class TrainguardReader(StorageReader):
         fut: Future[None] = Future()  # torch.futures.Future
         try:
             deferred: list[tuple[ReadItem, torch.Tensor]] = []
-            jobs: list[tuple[ChunkRecord, memoryview]] = []
             for item in plan.items:
-                self._read_item(item, planner, deferred, jobs)
-            self._read_chunks_into(jobs)
+                self._read_item(item, planner, deferred)
+            self.flush()
             for item, dest in deferred:
                 planner.commit_tensor(item, dest)
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             fut.set_exception(e)  # type: ignore[arg-type]
         finally:
-            self._chunk_cache.clear()
+            self.clear()
         return fut
 
-    # -- helpers ------------------------------------------------------------------------------------------
-    def _chunk(self, h: str) -> bytearray:
-        buf = self._chunk_cache.get(h)
-        if buf is None:
-            rec = self.manifest.chunks[h]
-            buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
-            self.bytes_read += rec.length
-            self._chunk_cache[h] = buf
-        return buf
-
-    def _segments_bytes(self, segs: tuple[Segment, ...]) -> bytearray:
-        out = bytearray(sum(s.length for s in segs))
-        off = 0
-        for s in segs:
-            chunk = self._chunk(s.chunk)
-            out[off : off + s.length] = memoryview(chunk)[s.offset : s.offset + s.length]
-            off += s.length
-            if s.length == len(chunk):
-                self._chunk_cache.pop(s.chunk, None)  # a tensor's own chunk is not needed again
-        return out
-
-    def _read_chunks_into(self, jobs: list[tuple[ChunkRecord, memoryview]]) -> None:
-        """Read whole chunks straight into destination memory, CRC32C-checked, from ``threads`` threads (largest
-        first): one stream at a time leaves the disk idle between files."""
-        jobs = sorted(jobs, key=lambda j: -j[0].length)
-        step = self.manifest.step
-
-        def one(job: tuple[ChunkRecord, memoryview]) -> None:
-            rec, view = job
-            self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
-
-        if len(jobs) <= 1 or self.threads <= 1:
-            for job in jobs:
-                one(job)
-        else:
-            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
-                for f in [pool.submit(one, j) for j in jobs]:
-                    f.result()
-        self.bytes_read += sum(rec.length for rec, _ in jobs)
-
     def _read_item(
-        self,
-        item: ReadItem,
-        planner: LoadPlanner,
-        deferred: list[tuple[ReadItem, torch.Tensor]],
-        jobs: list[tuple[ChunkRecord, memoryview]],
+        self, item: ReadItem, planner: LoadPlanner, deferred: list[tuple[ReadItem, torch.Tensor]]
     ) -> None:
         fqn = item.storage_index.fqn
-        entry = self.manifest.entries.get(fqn)
-        if entry is None:
-            raise CorruptCheckpointError(
-                f"checkpoint of step {self.manifest.step} has no entry {fqn!r}", step=self.manifest.step
-            )
         if item.type == LoadItemType.BYTE_IO:
-            if not isinstance(entry, ValueEntry):
-                raise CorruptCheckpointError(f"{fqn!r} is a tensor in the checkpoint, expected a value")
-            if entry.segments is None:
-                import json
-
-                payload = TAG_JSON + json.dumps(entry.value).encode()
-            else:
-                tag = TAG_JSON if entry.codec == "json" else TAG_TORCH
-                payload = tag + bytes(self._segments_bytes(entry.segments))
-            planner.load_bytes(item, io.BytesIO(payload))
+            planner.load_bytes(item, io.BytesIO(self.value_payload(fqn)))
             return
-        if not isinstance(entry, TensorEntry):
-            raise CorruptCheckpointError(f"{fqn!r} is a value in the checkpoint, expected a tensor")
-        shard = self._find_shard(entry, tuple(item.storage_index.offset or ()))
-        dtype = dtype_from_name(entry.dtype)
-        expected = shard.nbytes
-        numel = 1
-        for s in shard.sizes:
-            numel *= s
-        if expected != numel * dtype.itemsize:
-            raise CorruptCheckpointError(
-                f"{fqn!r}: shard holds {expected} bytes but {tuple(shard.sizes)} x {entry.dtype} needs "
-                f"{numel * dtype.itemsize}",
-                step=self.manifest.step,
-            )
         dest = planner.resolve_tensor(item).detach()
-        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(shard.sizes)
-        if (
-            whole
-            and dest.device.type == "cpu"
-            and dest.dtype == dtype
-            and dest.is_contiguous()
-            and all(
-                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
-            )
-        ):
-            raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
-            off = 0
-            for seg in shard.segments:
-                jobs.append((self.manifest.chunks[seg.chunk], raw[off : off + seg.length]))
-                off += seg.length
+        offsets = tuple(item.storage_index.offset or ())
+        if self.read_tensor(fqn, offsets, tuple(item.storage_offsets), tuple(item.lengths), dest):
             deferred.append((item, dest))
-            return
         else:
-            data = self._segments_bytes(shard.segments)
-            src = (
-                torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-                if numel
-                else torch.empty(0, dtype=dtype)
-            ).reshape(shard.sizes)
-            for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=False)):
-                src = src.narrow(dim, o, n)
-            dest.copy_(src)
-        planner.commit_tensor(item, dest)
-
-    @staticmethod
-    def _find_shard(entry: TensorEntry, offsets: tuple[int, ...]) -> ShardRecord:
-        for sh in entry.shards:
-            if tuple(sh.offsets) == offsets or (not offsets and not any(sh.offsets)):
-                return sh
-        raise CorruptCheckpointError(f"{entry.fqn!r}: no saved shard at offsets {offsets}")
+            planner.commit_tensor(item, dest)

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,26 +27,9 @@ from torch.futures import Future
 
 from ..incremental.chunkstore import ChunkStore
 from ..state.values import TAG_JSON
+from .options import WriterOptions
 
 CommitFn = Callable[[Metadata, list[list[WriteResult]], dict[str, Any]], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriterOptions:
-    """Chunking of a save. Units in bytes; ``threads`` writer threads per rank."""
-
-    chunk_size_bytes: int = 64 << 20
-    pack_threshold_bytes: int = 1 << 20
-    inline_value_bytes: int = 16 << 10
-    threads: int = 4
-
-    def __post_init__(self) -> None:
-        if self.chunk_size_bytes < 4096:
-            raise ValueError(f"chunk_size_bytes must be >= 4096, got {self.chunk_size_bytes}")
-        if not 0 <= self.pack_threshold_bytes <= self.chunk_size_bytes:
-            raise ValueError("pack_threshold_bytes must be between 0 and chunk_size_bytes")
-        if self.threads < 1:
-            raise ValueError("threads must be >= 1")
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -230,7 +212,11 @@ class TrainguardWriter(StorageWriter):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=n,
-                        storage_data={"segments": segs, "chunks": dict(parts)},
+                        storage_data={
+                            "segments": segs,
+                            "chunks": dict(parts),
+                            "split": opts.chunk_size_bytes,
+                        },
                     )
                 )
         return results

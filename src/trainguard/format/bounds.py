@@ -5,8 +5,12 @@ other before anything is allocated. The rules (docs/FORMAT.md "Validity"):
 
 - **shards tile each tensor exactly once**: every shard lies inside the shape, no two shards overlap, and
   together they cover every element (a half-shard listed twice would leave the other half at old values);
-- **a shard lists a chunk byte range at most once**, unless the range is a whole chunk (the writer stores
-  identical pieces of a large tensor, e.g. zeros, as one chunk listed once per piece);
+- **a shard lists a chunk byte range at most once**, unless the range is a whole chunk of a split size the
+  manifest records in ``chunk_sizes`` (the writer cuts a large tensor into pieces of ``chunk_size_bytes`` and
+  stores identical pieces, e.g. of zeros, as one chunk listed once per piece; only the last piece of a tensor
+  is shorter, and it is listed once). A manifest that records no ``chunk_sizes`` was written before they were
+  recorded and is read with the default 64 MiB (``LEGACY_CHUNK_SIZES``). So a small chunk listed 2,000 times
+  to declare a tensor 2,000 times its size is refused before anything is allocated;
 - **chunk lengths agree with what the entries reference**: the distinct byte ranges referenced in a chunk do
   not overlap, and the chunk is at most twice their total plus ``CHUNK_SLACK_BYTES`` (a save writes chunks
   tiled exactly), so a 64 GiB sparse chunk behind a 1 MB tensor is refused before it is opened;
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
     from .manifest import ChunkRecord, Segment, ShardRecord
 
 MAX_PATH_DEPTH = 200
+LEGACY_CHUNK_SIZES = (64 << 20,)
+"""Split sizes assumed for a manifest that records none: the default ``chunk_size_bytes``."""
 CHUNK_SLACK_BYTES = 64 << 10
 """Unreferenced bytes a chunk may hold beyond as many as it references (a save writes none)."""
 
@@ -38,16 +44,30 @@ def _bad(msg: str, step: int | None) -> CorruptCheckpointError:
 
 
 def check_shard_segments(
-    fqn: str, shard: ShardRecord, chunks: dict[str, ChunkRecord], step: int | None
+    fqn: str,
+    shard: ShardRecord,
+    chunks: dict[str, ChunkRecord],
+    chunk_sizes: Sequence[int],
+    step: int | None,
 ) -> None:
-    """Refuse a shard that lists the same part of a chunk twice (whole chunks may repeat)."""
+    """Refuse a shard that lists the same part of a chunk twice, unless it is a whole chunk whose length is
+    one of the split sizes ``chunk_sizes`` (bytes) the writers used: a save repeats only such chunks."""
     seen: set[tuple[str, int, int]] = set()
     for s in shard.segments:
         key = (s.chunk, s.offset, s.length)
-        if key in seen and not (s.offset == 0 and s.length == chunks[s.chunk].length):
+        if key in seen and not (
+            s.offset == 0 and s.length == chunks[s.chunk].length and s.length in chunk_sizes
+        ):
+            whole = s.offset == 0 and s.length == chunks[s.chunk].length
             raise _bad(
                 f"{fqn}: shard at {shard.offsets} lists bytes [{s.offset}, {s.offset + s.length}) of chunk "
-                f"{s.chunk} more than once",
+                f"{s.chunk} more than once"
+                + (
+                    f"; a save repeats only whole chunks of its split size ({', '.join(map(str, chunk_sizes))} "
+                    "bytes): the shard declares more bytes than its chunks hold"
+                    if whole
+                    else ""
+                ),
                 step,
             )
         seen.add(key)

@@ -21,7 +21,13 @@ from typing import Any
 import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .bounds import MAX_PATH_DEPTH, check_chunk_coverage, check_shard_segments, check_tiling
+from .bounds import (
+    LEGACY_CHUNK_SIZES,
+    MAX_PATH_DEPTH,
+    check_chunk_coverage,
+    check_shard_segments,
+    check_tiling,
+)
 from .layout import chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
@@ -146,6 +152,9 @@ class Manifest:
     top_level: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     run: RunInfo | None = None
+    chunk_sizes: tuple[int, ...] | None = None
+    """Split sizes in bytes (``chunk_size_bytes``) the writers cut large tensors with; None: not recorded (a
+    manifest written before trainguard recorded it, read as the default 64 MiB)."""
 
     @property
     def bytes(self) -> int:
@@ -233,6 +242,8 @@ def manifest_to_json(m: Manifest) -> bytes:
     }
     if m.run is not None:
         body["run"] = m.run.to_json()
+    if m.chunk_sizes is not None:
+        body["chunk_sizes"] = list(m.chunk_sizes)
     body["crc32c"] = _crc32c.crc32c(_canonical(body))
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -338,6 +349,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     step = _int(body.get("step"), "step", 0, 1 << 62)
     if expect_step is not None and step != expect_step:
         raise _bad(f"manifest says step {step} but lives in the directory of step {expect_step}", expect_step)
+    chunk_sizes = _chunk_sizes(body.get("chunk_sizes"), step)
     chunks: dict[str, ChunkRecord] = {}
     raw_chunks = body.get("chunks")
     if not isinstance(raw_chunks, dict):
@@ -414,7 +426,9 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                         f"{math.prod(z) * itemsize}",
                         step,
                     )
-                check_shard_segments(fqn, shard, chunks, step)
+                check_shard_segments(
+                    fqn, shard, chunks, LEGACY_CHUNK_SIZES if chunk_sizes is None else chunk_sizes, step
+                )
                 shards.append(shard)
             covered = sum(math.prod(sh.sizes) for sh in shards)
             if covered != math.prod(shape):
@@ -477,4 +491,16 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         top_level=top,
         format_version=version,
         run=run_from_json(body.get("run"), step),
+        chunk_sizes=chunk_sizes,
     )
+
+
+MAX_CHUNK_SIZES = 64
+
+
+def _chunk_sizes(raw: Any, step: int) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_CHUNK_SIZES:
+        raise _bad(f"chunk_sizes must be a list of at most {MAX_CHUNK_SIZES} sizes in bytes", step)
+    return tuple(_int(v, "chunk_sizes element", 1, MAX_CHUNK_BYTES) for v in raw)

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +313,7 @@ class ChunkStore:
         owners: list[str] | None = None,
         block_bytes: int = 16 << 20,
         attempts: int = READ_ATTEMPTS,
+        on_block: Callable[[int], None] | None = None,
     ) -> None:
         """Re-read a chunk in blocks (bounded memory) and check length and CRC32C.
 
@@ -336,6 +337,8 @@ class ChunkStore:
                     break
                 crc = crc32c.crc32c(view[:n], crc)
                 total += n
+                if on_block is not None:
+                    on_block(n)  # a rate cap (``verify --max-bandwidth``) sleeps here
             return total, crc
 
         self._checked_read(rec, once, step, owners, attempts)

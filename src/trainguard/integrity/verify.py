@@ -55,6 +55,7 @@ def verify(
     *,
     progress: Callable[[int, int], None] | None = None,
     record: bool = True,
+    limiter: Any = None,
 ) -> VerifyReport:
     """Re-read and check the checkpoints of ``steps`` (default: every committed checkpoint).
 
@@ -64,6 +65,8 @@ def verify(
         progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
         record: record the findings in the step directories (module docstring); False leaves the root
             untouched.
+        limiter: caps the read rate (a :class:`trainguard.validation.scrub.RateLimiter`; its ``consume(n)`` is
+            called after each block read), e.g. ``verify --max-bandwidth``.
 
     A checkpoint that a writer's retention deletes while it is being checked is dropped from the report when
     ``steps`` is None (it was deleted, not damaged); a requested step raises CheckpointNotFoundError.
@@ -96,7 +99,9 @@ def verify(
         for h, rec in m.chunks.items():
             if h not in results:
                 try:
-                    store.verify(rec, step=s, owners=owners.get(h))
+                    store.verify(
+                        rec, step=s, owners=owners.get(h), on_block=limiter.consume if limiter else None
+                    )
                     results[h] = None
                     report.bytes_read += rec.length
                 except CorruptCheckpointError as e:

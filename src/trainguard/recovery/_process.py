@@ -66,3 +66,35 @@ def signal_name(returncode: int | None) -> str | None:
         return signal.Signals(-returncode).name
     except ValueError:
         return f"signal {-returncode}"
+
+
+ATTEMPT_ID_ENV = "TRAINGUARD_ATTEMPT_ID"
+# Jobs started by every Supervisor of this process and not yet reaped by their own waiter thread: another
+# supervisor in the same process (threads, an embedding program) never reaps or stops them as its leftovers.
+_LIVE_JOBS: dict[int, Job] = {}
+_LIVE_JOBS_LOCK = threading.Lock()
+
+
+def register_live_job(job: Job) -> None:
+    """Record a job this process started until its waiter thread reaps it (see :func:`other_live_jobs`)."""
+    with _LIVE_JOBS_LOCK:
+        _LIVE_JOBS[job.proc.pid] = job
+
+
+def other_live_jobs(own: int) -> set[int]:
+    """Pids of the jobs every supervisor of this process started and that are still running, but ``own``."""
+    with _LIVE_JOBS_LOCK:
+        for pid in [p for p, j in _LIVE_JOBS.items() if j.done.is_set()]:
+            del _LIVE_JOBS[pid]
+        return set(_LIVE_JOBS) - {own}
+
+
+def carries_attempt(pid: int, token: str) -> bool:
+    """Whether process ``pid`` has ``TRAINGUARD_ATTEMPT_ID=token`` in its environment (inherited from the
+    attempt that started it); False when that cannot be read (a zombie, another user's process)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read(1 << 20)
+    except OSError:
+        return False
+    return f"{ATTEMPT_ID_ENV}={token}".encode() in env.split(b"\0")

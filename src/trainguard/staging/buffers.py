@@ -23,12 +23,8 @@ from typing import Any
 
 import torch
 
+from .._lazy import dtensor_type, is_dtensor
 from ..state.values import EncodedValue, encode_value
-
-try:  # DTensor exists in every torch this package supports; keep the import local to staging
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 class BufferSet:
@@ -55,12 +51,12 @@ class BufferSet:
         out: dict[str, Any] = {}
         cuda = False
         for fqn, v in flat.items():
-            if DTensor is not None and isinstance(v, DTensor):
+            if is_dtensor(v):
                 local = v.to_local()
                 buf = self._buffer(fqn, local)
                 cuda |= local.device.type == "cuda"
                 buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
-                out[fqn] = DTensor.from_local(
+                out[fqn] = dtensor_type().from_local(
                     buf, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
                 )
             elif isinstance(v, torch.Tensor):

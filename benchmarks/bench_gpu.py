@@ -1,0 +1,455 @@
+"""Device benchmark: trainguard's CUDA paths measured on a GPU in one command (under 5 minutes on one GPU).
+
+Run::
+
+    .venv/bin/python benchmarks/bench_gpu.py                  # needs CUDA; prints SKIP and exits 0 without it
+    .venv/bin/python benchmarks/bench_gpu.py --json out.json  # also write every figure as JSON
+    .venv/bin/python benchmarks/bench_gpu.py --device cpu --tiny   # the same logic on CPU in seconds (a test)
+
+What it measures, side by side in one run:
+
+1. **Device-to-host copy bandwidth** (the floor): every tensor of a ~2 GiB state (transformer layers of
+   ``benchmarks/_common.py``'s shapes) copied into preallocated pinned host buffers with non-blocking copies and
+   one synchronize, best of 5.
+2. **Blocking stall per GB** of an async save (``CheckpointManager(async_save=True)``): the seconds ``save()``
+   blocks the caller (``PendingSave.staging_s``: pinned staging buffers, non-blocking copies, one stream
+   sync), median of the saves after the first (buffers allocated). Target: stall <= 1.3x the copy floor.
+3. **Pinned memory**: the staging buffers' host bytes, and how many of them are pinned (all on CUDA, none on
+   CPU), against the state's bytes (at most ``staging_buffers`` = 2 sets).
+4. **Bit-exact save and restore of CUDA tensors**: a model, its AdamW state, ``tg.RNGState()`` (CUDA RNG
+   included) and loose tensors of several dtypes (a non-contiguous view among them) saved synchronously and
+   asynchronously, then restored into perturbed live objects: every tensor equal bit for bit and still on
+   the device, and the next random draw on the device equal to the one taken right after the save.
+5. **Async overhead on a GPU training loop**: an MLP trained on the device; segments of ``--every`` steps,
+   each saving at its first step with one method and waiting for the save at its end (so a persist longer
+   than the interval is charged to it); methods ``none``, ``trainguard async`` and ``dcp.async_save`` (with
+   a reused ``DefaultStager``: pinned, non-blocking), rotated per round, first round a warm-up; overhead =
+   median over rounds of ``segment(method) / segment(none) - 1``. Targets: trainguard < 1% and not above
+   ``dcp.async_save``'s overhead in the same run.
+
+Every target prints as ``PASS``/``MISS`` with its ratio. ``--device cpu`` runs every measurement with CPU
+tensors (no pinning, no stream): it checks the script's logic and the bit-exactness on CPU, its ratios say
+nothing about a GPU. Exit code: 0 (also when the targets are missed: this is a benchmark), 1 when a
+bit-exactness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_STALL_X = 1.3  # blocking stall per GB within 1.3x of the device-to-host copy time per GB
+TARGET_OVERHEAD = 0.01  # async overhead on the training loop below 1% at one save per --every steps
+METHODS = ("none", "tg_async", "dcp_async")
+LABELS = {"none": "no checkpointing", "tg_async": "trainguard async", "dcp_async": "dcp.async_save + stager"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: state layers x width for the stall, the MLP and the loop's schedule."""
+
+    layers: int
+    width: int
+    saves: int
+    mlp_width: int
+    mlp_layers: int
+    batch: int
+    every: int
+    rounds: int
+
+
+FULL = Sizes(layers=32, width=1024, saves=6, mlp_width=2048, mlp_layers=8, batch=8192, every=50, rounds=3)
+TINY = Sizes(layers=2, width=64, saves=3, mlp_width=64, mlp_layers=2, batch=16, every=4, rounds=2)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layer_state(sizes: Sizes, device: Any) -> dict[str, Any]:
+    """``sizes.layers`` transformer layers (the shapes of ``_common.TRANSFORMER_LAYER`` scaled to
+    ``sizes.width``), fp32 on ``device``."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import TRANSFORMER_LAYER
+
+    scale = sizes.width / 1024
+    g = torch.Generator(device=device).manual_seed(0)
+    out: dict[str, Any] = {}
+    for i in range(sizes.layers):
+        for name, shape in TRANSFORMER_LAYER:
+            dims = tuple(max(1, int(d * scale)) for d in shape)
+            out[f"layers.{i}.{name}"] = torch.randn(dims, generator=g, device=device)
+    return out
+
+
+def nbytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# -- 1. the floor ---------------------------------------------------------------------------------------------
+def copy_floor(state: dict[str, Any], device: Any, repeat: int = 5) -> float:
+    """Best seconds to copy every tensor of ``state`` into preallocated (pinned on CUDA) host buffers."""
+    import torch
+
+    pin = device.type == "cuda"
+    bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in state.items()}
+    for b in bufs.values():
+        b.zero_()  # first touch outside the timed region
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        for k, t in state.items():
+            bufs[k].copy_(t, non_blocking=pin)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- 2. and 3. the stall and the pinned buffers ---------------------------------------------------------------
+def stall_and_pinning(state: dict[str, Any], sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
+    import torch
+
+    import trainguard as tg
+
+    stalls: list[float] = []
+    with tg.CheckpointManager(root, async_save=True, keep=2) as mgr:
+        for i in range(sizes.saves):
+            with torch.no_grad():
+                for t in state.values():
+                    t.add_(1.0)  # every tensor changes: no save is deduplicated
+            sync(device)
+            pending = mgr.save(i + 1, state)
+            if i:  # the first save allocates (and pins) the buffers
+                stalls.append(pending.staging_s)
+            pending.wait()
+        sets = mgr._stager.sets if mgr._stager is not None else []  # noqa: SLF001 - what is pinned is internal
+        bufs = [b for s in sets for b in s.buffers.values()]
+        pinned = sum(b.numel() * b.element_size() for b in bufs if b.is_pinned())
+        staging = mgr.staging_bytes
+    out: dict[str, Any] = {"stall_s": statistics.median(stalls), "stalls_s": stalls}
+    out.update(staging_bytes=staging, pinned_bytes=pinned)
+    if device.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
+        with contextlib.suppress(Exception):  # absent or empty on some builds
+            out["host_memory_stats"] = {
+                k: v for k, v in torch.cuda.host_memory_stats().items() if "allocated_bytes" in k
+            }
+    return out
+
+
+# -- 4. bit-exactness -------------------------------------------------------------------------------------------
+def make_model(sizes: Sizes, device: Any) -> Any:
+    import torch.nn as nn
+
+    w = sizes.mlp_width
+    layers: list[Any] = []
+    for _ in range(sizes.mlp_layers):
+        layers += [nn.Linear(w, 2 * w), nn.GELU(), nn.Linear(2 * w, w)]
+    return nn.Sequential(*layers, nn.LayerNorm(w)).to(device)
+
+
+def train_step(model: Any, opt: Any, x: Any) -> None:
+    import torch
+
+    loss = (model(x) - x).pow(2).mean() + 0.0 * torch.rand((), device=x.device)  # draws from the device RNG
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def bit_exact(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
+    """Save and restore a model, AdamW, RNGState and loose tensors on ``device`` synchronously and
+    asynchronously; return which checks held."""
+    import torch
+
+    import trainguard as tg
+
+    torch.manual_seed(1)
+    model = make_model(dataclasses.replace(sizes, mlp_layers=1), device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, sizes.mlp_width, device=device)
+    for _ in range(2):
+        train_step(model, opt, x)
+    base = torch.randn(6, 10, device=device)
+    loose = {
+        "bf16": torch.randn(33, device=device).to(torch.bfloat16),
+        "fp16": torch.randn(7, 5, device=device).half(),
+        "int8": torch.randint(-128, 127, (100,), device=device, dtype=torch.int8),
+        "bool": torch.rand(17, device=device) > 0.5,
+        "int64": torch.arange(9, device=device) * 3,
+        "view": base.t()[2:5],  # a non-contiguous view
+    }
+    checks: dict[str, bool] = {}
+    for mode, async_save in (("sync", False), ("async", True)):
+        state = {"model": model, "optim": opt, "rng": tg.RNGState(), "loose": loose}
+        with tg.CheckpointManager(root / mode, async_save=async_save) as mgr:
+            mgr.save(1, state).wait()
+            want_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            want_optim = [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for s in opt.state.values()
+            ]
+            want_draw = torch.randn(16, device=device)  # the first draw after the save
+            for _ in range(2):
+                train_step(model, opt, x)  # moves weights, optimizer state and the device RNG
+            live_loose = {k: torch.zeros_like(v) for k, v in loose.items()}
+            live = {"model": model, "optim": opt, "rng": tg.RNGState(), "loose": live_loose}
+            assert mgr.restore(1, live) == 1
+            draw = torch.randn(16, device=device)
+        got_optim = list(opt.state.values())
+        checks[f"{mode}: model"] = all(
+            torch.equal(model.state_dict()[k], v) and model.state_dict()[k].device == v.device
+            for k, v in want_model.items()
+        )
+        checks[f"{mode}: optimizer state"] = len(got_optim) == len(want_optim) and all(
+            all(
+                torch.equal(g[k], v) and g[k].device == v.device if isinstance(v, torch.Tensor) else g[k] == v
+                for k, v in w.items()
+            )
+            for g, w in zip(got_optim, want_optim, strict=True)
+        )
+        checks[f"{mode}: tensors of 6 dtypes"] = all(
+            torch.equal(live_loose[k], v) and live_loose[k].device == v.device for k, v in loose.items()
+        )
+        checks[f"{mode}: {device.type} RNG"] = torch.equal(draw, want_draw)
+    return checks
+
+
+# -- 5. the training loop ---------------------------------------------------------------------------------------
+class Loop:
+    """One model trained continuously; each method saves at its segments' first step."""
+
+    def __init__(self, sizes: Sizes, device: Any, root: Path) -> None:
+        import torch
+
+        import trainguard as tg
+
+        self.device = device
+        self.model = make_model(sizes, device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(sizes.batch, sizes.mlp_width, device=device)
+        self.state = {"model": self.model, "optim": self.opt}
+        self.every = sizes.every
+        for _ in range(2):
+            train_step(self.model, self.opt, self.x)  # AdamW state exists from here on
+        self.mgr = tg.CheckpointManager(root / "tg", async_save=True, keep=2)
+        self.dcp_root = root / "dcp"
+        self.stager = self._dcp_stager()
+        self.dcp_future: Any = None
+        self.step = 0
+
+    def _dcp_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = self.device.type == "cuda"
+        # a CPU-only build cannot pin: NOTES.md (DefaultStager's defaults fail there)
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+        )
+
+    def save(self, method: str) -> Any:
+        if method == "tg_async":
+            return self.mgr.save(self.step, self.state)
+        if method == "dcp_async":
+            import torch.distributed.checkpoint as dcp
+
+            d = self.dcp_root / f"step-{self.step}"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fut = dcp.async_save(
+                    {"model": self.model.state_dict(), "optim": self.opt.state_dict()},
+                    storage_writer=dcp.FileSystemWriter(str(d)),
+                    async_stager=self.stager,
+                )
+            return getattr(fut, "upload_completion", fut)
+        return None
+
+    def segment(self, method: str) -> float:
+        """Seconds of one segment of ``every`` steps saving with ``method`` at its first step."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        pending = None
+        for i in range(self.every):
+            self.step += 1
+            train_step(self.model, self.opt, self.x)
+            if i == 0:
+                pending = self.save(method)
+        if method == "tg_async":
+            pending.wait()
+        elif method == "dcp_async":
+            pending.result()
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        if method == "dcp_async":
+            shutil.rmtree(self.dcp_root, ignore_errors=True)
+        return seconds
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    root.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{root / 'pg'}")
+    loop = Loop(sizes, device, root)
+    try:
+        per_round: list[dict[str, float]] = []
+        for r in range(sizes.rounds + 1):  # round 0 is a warm-up
+            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+            seg = {m: loop.segment(m) for m in order}
+            if r:
+                per_round.append(seg)
+    finally:
+        loop.close()
+        dist.destroy_process_group()
+    out: dict[str, Any] = {"segments_s": per_round}
+    for m in METHODS[1:]:
+        out[m] = statistics.median(s[m] / s["none"] - 1 for s in per_round)
+    out["step_s"] = statistics.median(s["none"] for s in per_round) / sizes.every
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------------------
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def run(device_name: str, sizes: Sizes, scratch: Path) -> dict[str, Any]:
+    import torch
+
+    device = torch.device(device_name)
+    t_start = time.perf_counter()
+    res: dict[str, Any] = {"device": device_name, "sizes": vars(sizes)}
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(device)
+    state = layer_state(sizes, device)
+    res["state_bytes"] = n = nbytes(state)
+    log(f"state {n / 1e9:.3f} GB on {device_name}; copy floor ...")
+    res["copy_s"] = copy_floor(state, device)
+    log("async save stall and pinned buffers ...")
+    res.update(stall_and_pinning(state, sizes, device, scratch / "stall"))
+    del state
+    log("bit-exact save and restore ...")
+    res["exact"] = bit_exact(sizes, device, scratch / "exact")
+    log("training loop with each method ...")
+    res["loop"] = loop_overheads(sizes, device, scratch / "loop")
+    res["total_s"] = time.perf_counter() - t_start
+    return res
+
+
+def report(res: dict[str, Any]) -> list[str]:
+    gb = res["state_bytes"] / 1e9
+    stall_x = res["stall_s"] / res["copy_s"]
+    cuda = res["device"] == "cuda"
+    lines = [
+        f"# device {res['device']}{' (' + res['gpu'] + ')' if 'gpu' in res else ''}; state {gb:.3f} GB; "
+        f"total {res['total_s']:.1f} s",
+        f"device-to-host copy floor   {res['copy_s'] / gb:8.4f} s/GB  ({gb / res['copy_s']:.2f} GB/s)",
+        f"async save blocking stall   {res['stall_s'] / gb:8.4f} s/GB  ({stall_x:.2f}x the floor; saves after the "
+        f"first: {', '.join(f'{s:.4f}' for s in res['stalls_s'])} s)",
+        f"staging buffers             {res['staging_bytes'] / 1e9:8.3f} GB, pinned {res['pinned_bytes'] / 1e9:.3f} GB",
+    ]
+    loop = res["loop"]
+    lines.append(
+        f"training loop: {loop['step_s'] * 1e3:.2f} ms/step, one save per {res['sizes']['every']} steps"
+    )
+    for m in METHODS[1:]:
+        lines.append(f"  {LABELS[m]:<26} overhead {loop[m]:+.2%}")
+    lines.append("")
+    lines.append(
+        f"{verdict(stall_x <= TARGET_STALL_X)} blocking stall <= {TARGET_STALL_X}x the copy floor: {stall_x:.2f}x"
+    )
+    staging_ok = res["staging_bytes"] <= 2 * res["state_bytes"] + (1 << 20)
+    pinned_ok = res["pinned_bytes"] == res["staging_bytes"] if cuda else res["pinned_bytes"] == 0
+    lines.append(
+        f"{verdict(staging_ok and pinned_ok)} staging buffers {'all pinned' if cuda else 'unpinned on CPU'} and "
+        f"<= 2 sets: {res['staging_bytes'] / max(res['state_bytes'], 1):.2f}x the state, "
+        f"{res['pinned_bytes'] / max(res['staging_bytes'], 1):.0%} pinned"
+    )
+    tg_o, dcp_o = loop["tg_async"], loop["dcp_async"]
+    lines.append(
+        f"{verdict(tg_o < TARGET_OVERHEAD)} trainguard async overhead < {TARGET_OVERHEAD:.0%}: {tg_o:+.2%}"
+    )
+    lines.append(
+        f"{verdict(tg_o <= dcp_o)} trainguard async overhead <= dcp.async_save's in the same run: "
+        f"{tg_o:+.2%} vs {dcp_o:+.2%}"
+    )
+    for name, ok in res["exact"].items():
+        lines.append(f"{verdict(ok)} bit-exact restore, {name}")
+    return lines
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda", help="cuda (default; SKIP without one) or cpu (logic check)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes: seconds on a CPU (the test runs this)")
+    ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
+    ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp folder, removed after)")
+    return ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def scratch_dir(parent: str | None) -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="bench_gpu-", dir=parent))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    import torch
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            f"SKIP: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False); "
+            "run on a GPU machine, or with --device cpu --tiny to check the logic"
+        )
+        return 0
+    if a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
+        print(f"--device must be cuda, cuda:N or cpu, got {a.device!r}", file=sys.stderr)
+        return 2
+    sizes = TINY if a.tiny else FULL
+    with scratch_dir(a.scratch) as scratch:
+        res = run(a.device, sizes, scratch)
+    print("\n".join(report(res)))
+    if a.json:
+        import json
+
+        Path(a.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    return 0 if all(res["exact"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``trainguard mark`` (set or clear a checkpoint's suspect status) and ``trainguard gc``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..catalog import is_committed
+from ..errors import ConfigError, RootLockedError
+from .inspect import _root, human_bytes
+from .main import main
+
+
+@main.command("mark")
+@click.argument("root")
+@click.argument("step", type=click.IntRange(min=0))
+@click.option("--suspect", "reason", default=None, metavar="REASON", help="Mark STEP suspect, with why.")
+@click.option(
+    "--clear", is_flag=True, help="Clear the suspect mark of STEP (it is a restore candidate again)."
+)
+def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
+    """Mark the checkpoint of STEP under ROOT suspect (restore skips it) or clear its mark.
+
+    Works while a job runs: the marker (``step-N/suspect.json``) is replaced atomically; no lock is taken.
+    """
+    from ..validation.suspect import clear_suspect, mark_suspect
+
+    p = _root(root)
+    if (reason is None) == (not clear):
+        raise click.UsageError("give either --suspect REASON or --clear")
+    if not is_committed(p, step):
+        raise click.UsageError(f"no committed checkpoint of step {step} under {p} (`trainguard ls {root}`)")
+    if clear:
+        removed = clear_suspect(p, step)
+        click.echo(
+            f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect"
+        )
+        return
+    if not reason or not reason.strip():
+        raise click.UsageError("--suspect needs a non-empty REASON")
+    if not mark_suspect(p, step, reason, by="operator"):
+        click.echo(f"step {step}: could not write the marker under {p} (read-only?)", err=True)
+        sys.exit(1)
+    click.echo(f"step {step}: marked suspect ({reason})")
+
+
+@main.command("gc")
+@click.argument("root")
+@click.option(
+    "--quarantine-older-than",
+    default="7d",
+    show_default=True,
+    metavar="AGE",
+    help="Remove quarantined (corrupt, moved aside) chunks older than this.",
+)
+@click.option(
+    "--orphans-older-than",
+    default="1h",
+    show_default=True,
+    metavar="AGE",
+    help="Remove chunks no manifest references, last written longer ago than this.",
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print {quarantined, orphans, bytes_freed, referenced}."
+)
+def gc_cmd(
+    root: str, quarantine_older_than: str, orphans_older_than: str, dry_run: bool, as_json: bool
+) -> None:
+    """Remove quarantined chunks and orphans from ROOT's chunk store (never a chunk a manifest references).
+
+    Takes the root lock: run it while no job writes to ROOT.
+    """
+    from ..planning.units import parse_duration_s
+    from ..validation.scrub import gc
+
+    p = _root(root)
+    try:
+        q = parse_duration_s(quarantine_older_than, what="--quarantine-older-than")
+        o = parse_duration_s(orphans_older_than, what="--orphans-older-than")
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        report = gc(p, quarantine_older_than_s=q, orphans_older_than_s=o, dry_run=dry_run)
+    except RootLockedError as e:
+        click.echo(f"gc: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=1))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for rel in report.quarantined:
+        click.echo(f"{verb} quarantined {rel}")
+    for rel in report.orphans:
+        click.echo(f"{verb} orphan {rel}")
+    click.echo(
+        f"{verb} {len(report.quarantined)} quarantined and {len(report.orphans)} orphan chunk(s), "
+        f"{human_bytes(report.bytes_freed)}; {report.referenced} referenced chunk(s) kept"
+    )

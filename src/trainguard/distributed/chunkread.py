@@ -1,0 +1,222 @@
+"""Reading a checkpoint's entries into destination tensors, without DCP (torch only).
+
+:class:`ShardReader` reads saved shards (or parts of them) into destination tensors and values into their
+tagged payloads, checking each chunk (length, CRC32C) as it is read. When a read covers a whole saved shard
+whose chunks are the shard's own, the bytes go straight into the destination tensor's memory (no intermediate
+buffer); otherwise (resharding, packed chunks, dtype or device conversion) the shard is read, checked, narrowed
+and copied. DCP's :class:`~trainguard.distributed.reader.TrainguardReader` drives it item by item;
+:func:`load_local` drives it alone for a single process, so a restart that restores one process's checkpoint
+never imports DCP (:mod:`trainguard._lazy`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
+from ..incremental.chunkstore import ChunkStore
+from ..state.dtypes import dtype_from_name
+from ..state.values import TAG_JSON, TAG_TORCH, decode_value
+
+
+class ShardReader:
+    """Reads the entries of one parsed, validated manifest.
+
+    Args:
+        store: the run's chunk store.
+        manifest: the checkpoint's manifest.
+        threads: threads reading whole chunks into destination memory.
+
+    Attributes:
+        bytes_read: bytes read from chunks so far.
+    """
+
+    def __init__(self, store: ChunkStore, manifest: Manifest, *, threads: int = 4) -> None:
+        self.threads = threads
+        self.store = store
+        self.manifest = manifest
+        self.owners = manifest.chunk_owners()
+        self.bytes_read = 0
+        self._chunk_cache: dict[str, bytearray] = {}
+        self._jobs: list[tuple[ChunkRecord, memoryview]] = []
+
+    def entry(self, fqn: str) -> TensorEntry | ValueEntry:
+        entry = self.manifest.entries.get(fqn)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"checkpoint of step {self.manifest.step} has no entry {fqn!r}", step=self.manifest.step
+            )
+        return entry
+
+    def value_payload(self, fqn: str) -> bytes:
+        """The tagged payload of value ``fqn`` (what :func:`trainguard.state.values.decode_value` reads)."""
+        entry = self.entry(fqn)
+        if not isinstance(entry, ValueEntry):
+            raise CorruptCheckpointError(f"{fqn!r} is a tensor in the checkpoint, expected a value")
+        if entry.segments is None:
+            return TAG_JSON + json.dumps(entry.value).encode()
+        tag = TAG_JSON if entry.codec == "json" else TAG_TORCH
+        return tag + bytes(self._segments_bytes(entry.segments))
+
+    def read_tensor(
+        self,
+        fqn: str,
+        shard_offsets: tuple[int, ...],
+        storage_offsets: tuple[int, ...],
+        lengths: tuple[int, ...],
+        dest: torch.Tensor,
+    ) -> bool:
+        """Read the part ``storage_offsets`` + ``lengths`` (elements per dim) of the saved shard of ``fqn`` at
+        ``shard_offsets`` into ``dest`` (a tensor of shape ``lengths``, any dtype and device).
+
+        Returns:
+            True when the bytes are only queued to go straight into ``dest``'s memory: ``dest`` holds them
+            after :meth:`flush`. False when ``dest`` holds them already.
+
+        Raises:
+            CorruptCheckpointError: no such entry or shard, a wrong byte count, a chunk failing its check.
+        """
+        entry = self.entry(fqn)
+        if not isinstance(entry, TensorEntry):
+            raise CorruptCheckpointError(f"{fqn!r} is a value in the checkpoint, expected a tensor")
+        shard = self._find_shard(entry, shard_offsets)
+        dtype = dtype_from_name(entry.dtype)
+        expected = shard.nbytes
+        numel = math.prod(shard.sizes)
+        if expected != numel * dtype.itemsize:
+            raise CorruptCheckpointError(
+                f"{fqn!r}: shard holds {expected} bytes but {tuple(shard.sizes)} x {entry.dtype} needs "
+                f"{numel * dtype.itemsize}",
+                step=self.manifest.step,
+            )
+        whole = all(o == 0 for o in storage_offsets) and tuple(lengths) == tuple(shard.sizes)
+        if (
+            whole
+            and dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and all(
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
+            )
+        ):
+            raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+            off = 0
+            for seg in shard.segments:
+                self._jobs.append((self.manifest.chunks[seg.chunk], raw[off : off + seg.length]))
+                off += seg.length
+            return True
+        data = self._segments_bytes(shard.segments)
+        src = (
+            torch.frombuffer(data, dtype=torch.uint8).view(dtype) if numel else torch.empty(0, dtype=dtype)
+        ).reshape(shard.sizes)
+        for dim, (o, n) in enumerate(zip(storage_offsets, lengths, strict=False)):
+            src = src.narrow(dim, o, n)
+        dest.copy_(src)
+        return False
+
+    def flush(self) -> None:
+        """Read every queued whole chunk into its destination, CRC32C-checked, from ``threads`` threads
+        (largest first: one stream at a time leaves the disk idle between files)."""
+        jobs, self._jobs = sorted(self._jobs, key=lambda j: -j[0].length), []
+        step = self.manifest.step
+
+        def one(job: tuple[ChunkRecord, memoryview]) -> None:
+            rec, view = job
+            self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
+
+        if len(jobs) <= 1 or self.threads <= 1:
+            for job in jobs:
+                one(job)
+        else:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
+                for f in [pool.submit(one, j) for j in jobs]:
+                    f.result()
+        self.bytes_read += sum(rec.length for rec, _ in jobs)
+
+    def clear(self) -> None:
+        """Drop cached chunk bytes and queued reads."""
+        self._chunk_cache.clear()
+        self._jobs = []
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _chunk(self, h: str) -> bytearray:
+        buf = self._chunk_cache.get(h)
+        if buf is None:
+            rec = self.manifest.chunks[h]
+            buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
+            self.bytes_read += rec.length
+            self._chunk_cache[h] = buf
+        return buf
+
+    def _segments_bytes(self, segs: tuple[Segment, ...]) -> bytearray:
+        out = bytearray(sum(s.length for s in segs))
+        off = 0
+        for s in segs:
+            chunk = self._chunk(s.chunk)
+            out[off : off + s.length] = memoryview(chunk)[s.offset : s.offset + s.length]
+            off += s.length
+            if s.length == len(chunk):
+                self._chunk_cache.pop(s.chunk, None)  # a tensor's own chunk is not needed again
+        return out
+
+    @staticmethod
+    def _find_shard(entry: TensorEntry, offsets: tuple[int, ...]) -> ShardRecord:
+        for sh in entry.shards:
+            if tuple(sh.offsets) == offsets or (not offsets and not any(sh.offsets)):
+                return sh
+        raise CorruptCheckpointError(f"{entry.fqn!r}: no saved shard at offsets {offsets}")
+
+
+def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bool:
+    """Whether :func:`load_local` can load ``template`` exactly as ``dcp.load`` would: every destination
+    tensor is a plain tensor (or ``nn.Parameter``: no DTensor or other subclass) of the saved shape, every
+    value destination is a non-tensor, and every key is in the manifest. Anything else goes through DCP, whose
+    errors and resharding are the reference."""
+    for fqn, dest in template.items():
+        entry = manifest.entries.get(fqn)
+        if entry is None:
+            return False
+        if isinstance(dest, torch.Tensor):
+            if type(dest) not in (torch.Tensor, torch.nn.Parameter) or not isinstance(entry, TensorEntry):
+                return False
+            if tuple(dest.shape) != tuple(entry.shape):
+                return False
+        elif isinstance(entry, TensorEntry):
+            return False
+    return True
+
+
+def load_local(template: MutableMapping[str, Any], reader: ShardReader) -> None:
+    """Load a single process's ``template`` (``{fqn: destination tensor | placeholder}``, see
+    :func:`trainguard._statefn.build_template`) in place, as ``dcp.load`` with the trainguard planner does:
+    every saved shard of a tensor into its region of the destination, each value decoded (JSON or
+    ``torch.load(weights_only=True)``) into ``template[fqn]``. Check :func:`local_loadable` first.
+
+    Raises:
+        CorruptCheckpointError: a chunk fails its check, or the manifest disagrees with itself.
+        UnsafeCheckpointError: a value's payload is unsafe to decode.
+    """
+    try:
+        for fqn, dest in list(template.items()):
+            if not isinstance(dest, torch.Tensor):
+                template[fqn] = decode_value(reader.value_payload(fqn), fqn)
+                continue
+            entry = reader.entry(fqn)
+            assert isinstance(entry, TensorEntry)
+            for sh in entry.shards:
+                if not math.prod(sh.sizes) and entry.shape and math.prod(entry.shape):
+                    continue  # an empty shard of a non-empty tensor holds nothing
+                region = dest.detach()
+                for dim, (o, n) in enumerate(zip(sh.offsets, sh.sizes, strict=True)):
+                    region = region.narrow(dim, o, n)
+                reader.read_tensor(fqn, tuple(sh.offsets), (0,) * len(sh.sizes), tuple(sh.sizes), region)
+        reader.flush()
+    finally:
+        reader.clear()

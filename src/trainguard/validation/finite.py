@@ -1,0 +1,79 @@
+"""NaN/Inf scans of floating tensors (the save path's ``check_finite`` and the scan after a load).
+
+The scan runs where the data already is: in the persist path on the staged copy (the background thread for
+async saves, so the training thread gains no stall) and on the tensors a restore just loaded. It works in
+blocks of ``BLOCK_ELEMS`` elements so that its temporary memory stays bounded (a few MiB) whatever the tensor
+size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+BLOCK_ELEMS = 1 << 22  # elements scanned per block (bounded temporary memory: 4 Mi bools)
+NAMES_SHOWN = 8  # tensors named in an error message (the rest are counted)
+
+
+def _local(v: Any) -> torch.Tensor | None:
+    """The local tensor of ``v`` (a tensor or a DTensor's local shard), or None for anything else."""
+    if isinstance(v, torch.Tensor):
+        to_local = getattr(v, "to_local", None)
+        if callable(to_local) and type(v).__name__ == "DTensor":
+            v = to_local()
+        return v
+    return None
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """Number of NaN/+Inf/-Inf values in ``t`` (0 for non-floating dtypes).
+
+    Args:
+        t: any tensor (floating or complex ones are scanned; integer and bool ones hold no NaN).
+
+    Returns:
+        The count of non-finite elements.
+    """
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return 0
+    flat = t.detach().reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), BLOCK_ELEMS):
+        block = flat[start : start + BLOCK_ELEMS]
+        # Fast path: one reduction, no temporary: a NaN or Inf anywhere makes the sum non-finite. A non-finite
+        # sum of finite values (overflow) falls through to the exact count, which then finds none.
+        if bool(torch.isfinite(block.sum())):
+            continue
+        bad += int((~torch.isfinite(block)).sum())
+    return bad
+
+
+def scan(flat: Mapping[str, Any]) -> dict[str, int]:
+    """Every floating tensor of ``flat`` holding NaN or Inf, with its count of bad values.
+
+    Args:
+        flat: fully qualified name -> value (tensors, DTensors; other values are ignored).
+
+    Returns:
+        name -> count of non-finite values, only for tensors with at least one (empty when all are finite).
+    """
+    out: dict[str, int] = {}
+    for name, v in flat.items():
+        t = _local(v)
+        if t is None:
+            continue
+        n = count_nonfinite(t)
+        if n:
+            out[name] = n
+    return out
+
+
+def describe(bad: Mapping[str, int]) -> str:
+    """``"model.w (3 non-finite values), ..."`` for an error message (at most NAMES_SHOWN names)."""
+    items = sorted(bad.items())
+    parts = [f"{name} ({n} non-finite value{'s' if n != 1 else ''})" for name, n in items[:NAMES_SHOWN]]
+    if len(items) > NAMES_SHOWN:
+        parts.append(f"and {len(items) - NAMES_SHOWN} more tensors")
+    return ", ".join(parts)

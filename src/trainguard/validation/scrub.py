@@ -1,0 +1,226 @@
+"""Scrubbing and garbage collection: re-reading committed checkpoints at a capped rate (``trainguard verify
+--max-bandwidth``, the manager's background scrubber) and removing what no checkpoint needs
+(``trainguard gc``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class CheckpointManager(Protocol):
+    """What the scrubber uses of the manager: its root and its event log (never the manager module)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def _event(self, name: str, **fields: Any) -> None: ...
+
+log = logging.getLogger("trainguard")
+
+QUARANTINE_MAX_AGE_S = 7 * 86400.0
+"""``trainguard gc`` default: quarantined chunks older than this are removed."""
+ORPHAN_MAX_AGE_S = 3600.0
+"""``trainguard gc`` default: unreferenced chunks older than this are removed (a younger one may belong to a
+save of a writer on another machine that has not committed yet)."""
+_QUARANTINED = re.compile(r"([0-9a-f]{32})\.corrupt-([0-9]+)")
+
+
+class RateLimiter:
+    """Caps the average read rate: :meth:`consume` sleeps until ``bytes so far / rate`` seconds have passed
+    since the first call. Sleeping never ends early, so the measured rate never exceeds the cap."""
+
+    def __init__(self, bytes_per_s: float, *, stop: threading.Event | None = None) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self.rate = float(bytes_per_s)
+        self.start: float | None = None
+        self.bytes = 0
+        self.stop = stop
+
+    def consume(self, n: int) -> None:
+        now = time.monotonic()
+        if self.start is None:
+            self.start = now
+        self.bytes += n
+        wait = self.start + self.bytes / self.rate - now
+        if wait > 0:
+            if self.stop is not None:
+                self.stop.wait(wait)
+            else:
+                time.sleep(wait)
+
+
+class Scrubber:
+    """The manager's background scrubber (rank 0 of a writer): every ``interval_s`` it re-verifies the
+    committed checkpoints (chunks shared by several are read once) with :func:`trainguard.integrity.verify`,
+    which records what it finds (``verified.json``, ``corrupt.json``) so the next restore skips a damaged
+    checkpoint without reading it; findings are logged as ``scrub`` events. It runs at low CPU priority and
+    stops with ``close()``."""
+
+    def __init__(self, mgr: CheckpointManager, interval_s: float, *, max_bytes_per_s: float | None = None):
+        self.root = mgr.root
+        self.interval_s = interval_s
+        self.max_bytes_per_s = max_bytes_per_s
+        self._event = mgr._event
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-scrub", daemon=True)
+        self.passes = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
+        except (AttributeError, OSError):
+            pass
+        while not self._stop.wait(self.interval_s):
+            self.scrub_once()
+
+    def scrub_once(self) -> None:
+        from ..integrity.verify import verify
+
+        t0 = time.monotonic()
+        limiter = RateLimiter(self.max_bytes_per_s, stop=self._stop) if self.max_bytes_per_s else None
+        try:
+            report = verify(self.root, None, limiter=limiter)
+        except Exception as e:  # noqa: BLE001 - a scrub never takes training down
+            log.warning("background scrub of %s failed: %s: %s", self.root, type(e).__name__, e)
+            return
+        self.passes += 1
+        bad = sorted({c["step"] for c in report.corrupt})
+        if bad:
+            log.error(
+                "background scrub found damaged checkpoints %s under %s: %s", bad, self.root, report.corrupt
+            )
+        self._event(
+            "scrub",
+            checked=report.checked,
+            corrupt=bad,
+            bytes_read=report.bytes_read,
+            seconds=time.monotonic() - t0,
+        )
+
+
+@dataclass
+class GcReport:
+    """What ``trainguard gc`` removed (or would remove with ``dry_run``).
+
+    Attributes:
+        quarantined: relative paths of quarantined chunks removed.
+        orphans: relative paths of unreferenced chunks removed.
+        bytes_freed: bytes of both.
+        referenced: how many chunks the committed manifests reference (never touched).
+    """
+
+    quarantined: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    referenced: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quarantined": self.quarantined,
+            "orphans": self.orphans,
+            "bytes_freed": self.bytes_freed,
+            "referenced": self.referenced,
+        }
+
+
+def gc(
+    root: str | os.PathLike[str],
+    *,
+    quarantine_older_than_s: float = QUARANTINE_MAX_AGE_S,
+    orphans_older_than_s: float = ORPHAN_MAX_AGE_S,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> GcReport:
+    """Remove quarantined chunks and unreferenced chunks from ``root``'s chunk store, under the root lock.
+
+    A chunk that any committed manifest references is never removed. When a manifest cannot be read, its
+    chunks are unknown: no orphan is removed (quarantined chunks still are: no manifest references a
+    quarantined file).
+
+    Args:
+        root: the run root.
+        quarantine_older_than_s: remove ``<hash>.corrupt-<time>`` files moved aside more than this long ago.
+        orphans_older_than_s: remove unreferenced chunks last modified more than this long ago.
+        dry_run: only report what would be removed.
+        now: the current time (seconds since the epoch; for tests).
+
+    Returns:
+        A :class:`GcReport`.
+
+    Raises:
+        RootLockedError: a writer holds the root (run gc when the job is stopped, or leave it to retention).
+    """
+    from .._lock import RootLock
+    from ..catalog import read_manifest, step_dirs
+    from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+    from ..format import MANIFEST_NAME
+
+    root = Path(root)
+    now = time.time() if now is None else now
+    lock = RootLock(root)
+    lock.acquire()
+    try:
+        referenced: set[str] | None = set()
+        steps, _ = step_dirs(root)
+        for s, d in steps.items():
+            try:
+                referenced |= set(read_manifest(root, s).chunks)  # type: ignore[operator]
+            except CheckpointNotFoundError:
+                continue
+            except CorruptCheckpointError:
+                if (d / MANIFEST_NAME).exists():
+                    referenced = None
+                    break
+        report = GcReport(referenced=len(referenced) if referenced is not None else 0)
+        chunks = root / "chunks"
+        if not chunks.is_dir():
+            return report
+        if referenced is None:
+            log.warning("gc: a manifest under %s cannot be read; no unreferenced chunk is removed", root)
+        for sub in sorted(chunks.iterdir()):
+            if not sub.is_dir() or sub.is_symlink() or len(sub.name) != 2:
+                continue
+            for f in sorted(sub.iterdir()):
+                try:
+                    st = f.lstat()
+                except OSError:
+                    continue
+                if not f.is_file() or f.is_symlink():
+                    continue
+                rel = f"chunks/{sub.name}/{f.name}"
+                q = _QUARANTINED.fullmatch(f.name)
+                if q is not None:
+                    moved_at = min(float(q.group(2)), st.st_mtime) if q.group(2) else st.st_mtime
+                    if now - moved_at <= quarantine_older_than_s:
+                        continue
+                    report.quarantined.append(rel)
+                elif len(f.name) == 32 and referenced is not None and f.name not in referenced:
+                    if now - st.st_mtime <= orphans_older_than_s:
+                        continue
+                    report.orphans.append(rel)
+                else:
+                    continue
+                if not dry_run:
+                    try:
+                        f.unlink()
+                    except OSError:
+                        continue
+                report.bytes_freed += st.st_size
+        return report
+    finally:
+        lock.release()

@@ -1,0 +1,255 @@
+"""The metric log of a run root and the loss-trajectory check after a resume.
+
+Every launch's writer (rank 0) appends the ``loss`` it is given by ``maybe_save(step, state, metrics=...)``
+to ``trajectory/<start time ns>-<run id>.jsonl`` in the run root, one JSON line per step
+(``{"step": 12, "loss": 0.53}``): one buffered ``write`` per step, no fsync (a line lost in a crash only
+shortens the reference). After a restore of step S, for the next ``trajectory_steps`` steps, each new loss is
+compared with:
+
+- the loss recorded for the same step by the launches before this one (the newest launch that logged the step
+  wins: the launch that died); equal when resume is bit-exact, so the tolerance only absorbs a resume that is
+  not (another world size or device): ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``;
+- past the failure point (steps no earlier launch logged): a robust band around the last ``BAND_WINDOW``
+  losses logged at or before S: ``loss <= median + K * MAD + REL_TOL * |median|``.
+
+MAD is the median absolute deviation of those same losses. A NaN/Inf loss always violates. A launch that
+tripped the check writes ``{"diverged": true}`` into its own log, which is then never used as a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..storage.safeio import MAX_EVENT_FILE_BYTES, read_bounded
+
+TRAJECTORY_DIR = "trajectory"
+K = 6.0
+"""Width of the band in MADs."""
+REL_TOL = 1e-3
+"""Relative tolerance always allowed (a resume that is not bit-exact; a flat loss whose MAD is 0)."""
+BAND_WINDOW = 50
+"""Losses at or before the restored step that define the band."""
+MIN_BAND = 5
+"""Fewer losses than this before the restored step: no band check past the failure point."""
+
+
+def loss_value(metrics: Any) -> Any:
+    """The ``loss`` of a metrics mapping: a float, a tensor on an accelerator (read one step later, so that
+    reading it does not wait for the step just queued), or None (absent or not a number)."""
+    if not metrics or "loss" not in metrics:
+        return None
+    x = metrics["loss"]
+    device = getattr(getattr(x, "device", None), "type", "cpu")
+    if device != "cpu" and hasattr(x, "detach"):
+        return x.detach()
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+class TrajectoryLog:
+    """This launch's append-only loss log (rank 0 of a writer)."""
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str) -> None:
+        self.dir = Path(root) / TRAJECTORY_DIR
+        self.path = self.dir / f"{time.time_ns():020d}-{run_id}.jsonl"
+        self._f: Any = None
+        self.failed = False
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self.failed:
+            return
+        try:
+            if self._f is None:
+                self.dir.mkdir(exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+                self._f = os.fdopen(fd, "a", buffering=1)  # line-buffered: one write per line
+            self._f.write(json.dumps(rec, allow_nan=True) + "\n")
+        except OSError:
+            self.failed = True  # the log is advisory: training goes on without it
+
+    def append(self, step: int, loss: float) -> None:
+        self._write({"step": step, "loss": loss})
+
+    def mark_diverged(self, step: int) -> None:
+        self._write({"diverged": True, "step": step})
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            self._f = None
+
+
+def _read_log(path: Path) -> tuple[dict[int, float], bool]:
+    steps: dict[int, float] = {}
+    diverged = False
+    try:
+        text = read_bounded(path, MAX_EVENT_FILE_BYTES, what="trajectory log").decode("utf-8", "replace")
+    except OSError:
+        return steps, False
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("diverged") is True:
+            diverged = True
+        s, x = rec.get("step"), rec.get("loss")
+        if isinstance(s, int) and not isinstance(s, bool) and isinstance(x, (int, float)):
+            steps[s] = float(x)
+    return steps, diverged
+
+
+def history(root: str | os.PathLike[str], *, exclude: Path | None = None) -> dict[int, float]:
+    """step -> loss from every earlier launch's log that did not diverge; the newest launch wins a step."""
+    d = Path(root) / TRAJECTORY_DIR
+    try:
+        names = sorted(e.name for e in os.scandir(d) if e.name.endswith(".jsonl"))
+    except OSError:
+        return {}
+    merged: dict[int, float] = {}
+    for name in names:  # oldest first (the name starts with the launch's start time)
+        p = d / name
+        if exclude is not None and p == exclude:
+            continue
+        steps, diverged = _read_log(p)
+        if not diverged:
+            merged.update(steps)
+    return merged
+
+
+class Recorder:
+    """A writer's trajectory state: its log (rank 0), the check armed after a restore, and a loss held on an
+    accelerator until the next step."""
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str, window: int, *, coordinator: bool) -> None:
+        self.root = root
+        self.run_id = run_id
+        self.window = window
+        self.coordinator = coordinator
+        self.log: TrajectoryLog | None = None
+        self.check: TrajectoryCheck | None = None
+        self._pending: tuple[int, Any] | None = None
+
+    def arm(self, restored_step: int) -> None:
+        """Start checking the next ``window`` steps against the losses logged before (no-op when 0)."""
+        if self.window <= 0:
+            return
+        own = self.log.path if self.log is not None else None
+        self.check = TrajectoryCheck.arm(self.root, restored_step, self.window, exclude=own)
+
+    def record(self, step: int, metrics: Any) -> bool:
+        """Log the loss of ``step`` (and of a deferred earlier step); True when the armed check found a violation."""
+        items: list[tuple[int, Any]] = []
+        if self._pending is not None:
+            items.append(self._pending)
+            self._pending = None
+        x = loss_value(metrics)
+        if x is not None and not isinstance(x, float):
+            self._pending = (step, x)
+        elif x is not None:
+            items.append((step, x))
+        bad = False
+        for s, v in items:
+            v = float(v)
+            if self.coordinator:
+                if self.log is None:
+                    self.log = TrajectoryLog(self.root, self.run_id)
+                self.log.append(s, v)
+            if self.check is not None and self.check.check(s, v) is not None:
+                bad = True
+        return bad
+
+    def passed(self, step: int) -> None:
+        """After the check of ``step`` passed on every rank: disarm once past the window."""
+        if self.check is not None and self.check.done(step):
+            self.check = None
+
+    def close(self) -> None:
+        if self._pending is not None and self.coordinator:
+            step, x = self._pending
+            self._pending = None
+            if self.log is None:
+                self.log = TrajectoryLog(self.root, self.run_id)
+            self.log.append(step, float(x))
+        if self.log is not None:
+            self.log.close()
+
+
+@dataclass
+class Violation:
+    step: int
+    loss: float
+    expected: float
+    how: str
+
+
+@dataclass
+class TrajectoryCheck:
+    """Armed after a restore of ``restored_step``; checks the losses of the next ``window`` steps."""
+
+    restored_step: int
+    window: int
+    reference: dict[int, float]
+    median: float | None
+    mad: float | None
+    violations: list[Violation] = field(default_factory=list)
+
+    @classmethod
+    def arm(
+        cls, root: str | os.PathLike[str], restored_step: int, window: int, *, exclude: Path | None = None
+    ) -> TrajectoryCheck:
+        hist = history(root, exclude=exclude)
+        reference = {s: x for s, x in hist.items() if restored_step < s <= restored_step + window}
+        before = [hist[s] for s in sorted(s for s in hist if s <= restored_step)][-BAND_WINDOW:]
+        before = [x for x in before if math.isfinite(x)]
+        median = mad = None
+        if len(before) >= MIN_BAND:
+            median = statistics.median(before)
+            mad = statistics.median(abs(x - median) for x in before)
+        return cls(restored_step, window, reference, median, mad)
+
+    def done(self, step: int) -> bool:
+        return step > self.restored_step + self.window
+
+    def check(self, step: int, loss: float) -> Violation | None:
+        """Judge the loss of ``step``; returns the violation (also kept in ``violations``) or None."""
+        if step <= self.restored_step or self.done(step):
+            return None
+        v: Violation | None = None
+        ref = self.reference.get(step)
+        spread = K * (self.mad or 0.0)
+        if not math.isfinite(loss):
+            v = Violation(step, loss, ref if ref is not None else float("nan"), "the loss is not finite")
+        elif ref is not None:
+            tol = max(spread, REL_TOL * abs(ref))
+            if abs(loss - ref) > tol:
+                v = Violation(
+                    step, loss, ref, f"the loss recorded for step {step} before the failure was {ref:.6g}"
+                )
+        elif self.median is not None:
+            upper = self.median + spread + REL_TOL * abs(self.median)
+            if loss > upper:
+                v = Violation(
+                    step,
+                    loss,
+                    upper,
+                    f"above the band of the losses before step {self.restored_step} "
+                    f"(median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
+                )
+        if v is not None:
+            self.violations.append(v)
+        return v

@@ -1,0 +1,218 @@
+"""check_finite in the persist path, the non-finite scan after load, the probe fingerprint and suspect status
+(issue 11)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.recovery.events import read_events
+from trainguard.validation.faults import corrupt_silently
+from trainguard.validation.probe import compare, compute, decode, encode
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _probe_of(model: torch.nn.Module):
+    batch = torch.linspace(-1, 1, 24).reshape(3, 8)
+
+    def probe() -> torch.Tensor:
+        was = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model(batch)
+        model.train(was)
+        return out
+
+    return probe
+
+
+def _train_steps(model: torch.nn.Module, mgr: tg.CheckpointManager, steps, state) -> None:
+    for step in steps:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        mgr.maybe_save(step, state, metrics={"loss": 1.0 / step})
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_nan_at_step_3_is_rejected_and_restore_returns_2(tmp_path, async_save):
+    model = _model()
+    state = {"model": model}
+    mgr = tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), keep=2, async_save=async_save)
+    _train_steps(model, mgr, (1, 2), state)
+    mgr.wait()
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+        model[2].bias[0] = float("inf")
+    with pytest.raises(tg.NonFiniteStateError) as ei:
+        mgr.maybe_save(3, state)
+        mgr.wait()  # async: surfaces here
+    err = ei.value
+    assert isinstance(err, tg.SaveError)
+    assert err.step == 3
+    assert err.tensors == {"model.0.weight": 1, "model.2.bias": 1}
+    assert "model.0.weight (1 non-finite value)" in str(err)
+    mgr.close()
+    infos = {i.step: i.status for i in tg.CheckpointManager(tmp_path, read_only=True).checkpoints()}
+    assert infos == {1: "valid", 2: "valid"}  # nothing committed for 3, retention did not drop 1
+    rejected = list(read_events(tmp_path, event="save_rejected"))
+    assert [e["step"] for e in rejected] == [3]
+    assert rejected[0]["tensors"] == {"model.0.weight": 1, "model.2.bias": 1}
+    fresh = {"model": _model(1)}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(fresh) == 2
+
+
+def test_check_finite_warn_saves_and_off_skips_the_scan(tmp_path):
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with tg.CheckpointManager(tmp_path / "w", check_finite="warn") as mgr:
+        mgr.save(1, {"model": model}).wait()
+    assert [e["step"] for e in read_events(tmp_path / "w", event="save_nonfinite")] == [1]
+    with tg.CheckpointManager(tmp_path / "o", check_finite="off") as mgr:
+        mgr.save(1, {"model": model}).wait()
+    assert not list(read_events(tmp_path / "o", event="save_nonfinite"))
+    with pytest.raises(tg.ConfigError, match="check_finite"):
+        tg.CheckpointManager(tmp_path / "x", check_finite="maybe")
+
+
+def test_nonfinite_checkpoint_written_without_the_check_is_suspect_after_load(tmp_path):
+    good, bad = _model(), _model()
+    with tg.CheckpointManager(tmp_path, check_finite="off", save_policy=tg.EveryNSteps(1)) as mgr:
+        mgr.save(1, {"model": good}).wait()
+        with torch.no_grad():
+            bad[2].weight[0, 0] = float("nan")
+        mgr.save(2, {"model": bad}).wait()
+    target = {"model": _model(5)}
+    mgr = tg.CheckpointManager(tmp_path)
+    assert mgr.restore_latest(target) == 1  # step 2 fell back within the same call
+    assert torch.equal(target["model"][2].weight, good[2].weight)
+    assert mgr.last_restore.skipped[0]["step"] == 2
+    info = {i.step: i for i in mgr.checkpoints()}
+    assert info[2].status == "suspect"
+    assert "model.2.weight" in info[2].reason
+    assert info[1].reason is None
+    with pytest.raises(tg.SuspectCheckpointError):  # an explicit restore refuses it too
+        mgr.restore(2, {"model": _model(5)})
+    mgr.close()
+
+
+def test_probe_catches_silent_corruption_with_a_valid_crc(tmp_path):
+    model = _model()
+    probe = _probe_of(model)
+    state = {"model": model}
+    mgr = tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), probe=probe)
+    _train_steps(model, mgr, (1, 2, 3), state)
+    mgr.close()
+    saved = [e for e in read_events(tmp_path, event="save")]
+    assert all(e["probe_s"] >= 0 for e in saved) and len(saved) == 3
+    fqn, chunk = corrupt_silently(tmp_path, 3)
+    assert fqn.startswith("model.")
+    # every byte-level check still passes: the CRC was rewritten with the bytes
+    report = tg.CheckpointManager(tmp_path, read_only=True)
+    from trainguard.integrity.verify import verify
+
+    assert verify(tmp_path, [3], record=False).ok
+    assert {i.step: i.status for i in report.checkpoints()}[3] == "valid"
+    # without a probe the damage goes through (documented)
+    no_probe = {"model": _model(7)}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(no_probe) == 3
+    # with the probe: step 3 is suspect, the restore falls back to 2 in the same call
+    target_model = _model(9)
+    mgr = tg.CheckpointManager(tmp_path, probe=_probe_of(target_model))
+    assert mgr.restore_latest({"model": target_model}) == 2
+    assert mgr.last_restore.validate_s > 0
+    info = {i.step: i for i in mgr.checkpoints()}
+    assert info[3].status == "suspect" and "probe output" in info[3].reason
+    assert mgr.latest_step() == 2
+    # the restored state is step 2's (its probe matched)
+    stored = decode((tmp_path / "step-000000002" / "probe.json").read_bytes())
+    assert compare(stored, compute(_probe_of(target_model))) is None
+    restore_ev = list(read_events(tmp_path, event="restore"))[-1]
+    assert restore_ev["step"] == 2 and restore_ev["validate_s"] > 0
+    # a suspect checkpoint is never tried again: the next launch goes straight to 2
+    mgr.close()
+    mgr = tg.CheckpointManager(tmp_path, probe=_probe_of(target_model))
+    assert mgr.restore_latest({"model": target_model}) == 2
+    assert [s["step"] for s in mgr.last_restore.skipped] == [3]
+    assert "suspect" in mgr.last_restore.skipped[0]["problem"]
+    mgr.close()
+
+
+def test_probe_tolerances_and_record_round_trip():
+    a = {"logits": torch.tensor([[1.0, 2.0]]), "ids": torch.tensor([1, 2])}
+    rec = encode(a)
+    back = decode(rec)
+    assert compare(back, a) is None
+    near = {"logits": torch.tensor([[1.0, 2.0 + 1e-6]]), "ids": torch.tensor([1, 2])}
+    assert "differs bitwise" in compare(back, near)
+    assert compare(back, near, rtol=1e-5, atol=0) is None
+    damaged = json.loads(rec)
+    damaged["tensors"]["logits"]["shape"] = [2, 1]
+    from trainguard.validation.probe import ProbeRecordError
+
+    with pytest.raises(ProbeRecordError, match="CRC32C"):
+        decode(json.dumps(damaged).encode())
+    with pytest.raises(tg.ConfigError, match="probe"):
+        compute(lambda: [1, 2])
+
+
+def test_checkpoint_list_when_every_candidate_is_suspect(tmp_path):
+    model = _model()
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1)) as mgr:
+        _train_steps(model, mgr, (1, 2), {"model": model})
+    from trainguard.validation.suspect import mark_suspect
+
+    assert mark_suspect(tmp_path, 1, "operator says so") and mark_suspect(tmp_path, 2, "and this one")
+    with pytest.raises(tg.NoValidCheckpointError, match="--clear"):
+        tg.CheckpointManager(tmp_path, read_only=True).restore_latest({"model": _model()})
+
+
+def test_markers_and_probe_records_are_bound_to_their_manifest(tmp_path):
+    """A save replacing a suspect step and killed between its side files and the manifest (or after the manifest
+    before removing the old marker) never pairs one checkpoint's records with another's manifest."""
+    model = _model()
+    probe = _probe_of(model)
+    state = {"model": model}
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), probe=probe) as mgr:
+        _train_steps(model, mgr, (1, 2), state)
+    from trainguard.validation.suspect import mark_suspect
+
+    d = tmp_path / "step-000000002"
+    assert mark_suspect(tmp_path, 2, "bad content")
+    old_marker, old_probe = (d / "suspect.json").read_bytes(), (d / "probe.json").read_bytes()
+    with tg.CheckpointManager(tmp_path, probe=probe) as mgr:
+        assert mgr.restore_latest(state) == 1  # resumes the run; 2 is suspect
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        mgr.save(2, state, overwrite=True).wait()  # replaces the suspect checkpoint of step 2
+    assert not (d / "suspect.json").exists()
+    (d / "suspect.json").write_bytes(old_marker)  # as if killed right after the manifest was replaced
+    assert {i.step: i.status for i in tg.CheckpointManager(tmp_path, read_only=True).checkpoints()}[
+        2
+    ] == "valid"
+    (d / "probe.json").write_bytes(old_probe)  # the old checkpoint's probe next to the new manifest
+    target = _model(3)
+    mgr = tg.CheckpointManager(tmp_path, probe=_probe_of(target))
+    assert mgr.restore_latest({"model": target}) == 2  # the stale record neither vouches nor condemns
+    mgr.close()
+
+
+def test_count_nonfinite_is_exact_across_blocks_and_dtypes():
+    from trainguard.validation.finite import BLOCK_ELEMS, count_nonfinite, scan
+
+    t = torch.zeros(BLOCK_ELEMS + 10)
+    t[5], t[BLOCK_ELEMS + 3], t[BLOCK_ELEMS + 4] = float("nan"), float("inf"), float("-inf")
+    assert count_nonfinite(t) == 3
+    big = torch.full((1000,), 6e4, dtype=torch.float16)  # its sum overflows: still no false positive
+    assert count_nonfinite(big) == 0
+    bf = torch.ones(10, dtype=torch.bfloat16)
+    bf[2] = float("nan")
+    assert scan({"a": bf, "b": torch.arange(5), "c": "text"}) == {"a": 1}

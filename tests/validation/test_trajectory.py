@@ -1,0 +1,148 @@
+"""The loss-trajectory check after a resume (issue 11): a data change after resume raises ResumeDivergedError
+within trajectory_steps, marks the checkpoints suspect, and the next launch resumes from an older one; a
+bit-exact resume never trips it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.recovery.events import read_events
+from trainguard.validation.trajectory import TRAJECTORY_DIR, TrajectoryCheck, history
+
+
+def launch(root, upto, *, scale_from=None, scale=10.0, trajectory_steps=50):
+    """One launch of a small regression job: resumes, trains to ``upto``, saves every 5 steps.
+
+    From step ``scale_from`` on, the targets are multiplied by ``scale`` (the data changed). Returns the
+    restored step and the losses of this launch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = {"model": model, "optim": optim}
+    w_true = torch.arange(6, dtype=torch.float32).reshape(6, 1) / 6
+    losses = {}
+    with tg.CheckpointManager(
+        root, save_policy=tg.EveryNSteps(5), trajectory_steps=trajectory_steps, keep=None
+    ) as mgr:
+        start = mgr.restore_latest(state) or 0
+        for step in range(start + 1, upto + 1):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(32, 6, generator=g)
+            y = x @ w_true
+            if scale_from is not None and step >= scale_from:
+                y = y * scale
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses[step] = loss.item()
+            mgr.maybe_save(step, state, metrics={"loss": losses[step]})
+    return start, losses
+
+
+def statuses(root):
+    return {i.step: i.status for i in tg.CheckpointManager(root, read_only=True).checkpoints()}
+
+
+def test_bit_exact_resume_never_trips_and_matches_the_log(tmp_path):
+    _, first = launch(tmp_path, 18)  # "dies" after step 18; checkpoints 5, 10, 15
+    start, second = launch(tmp_path, 40)
+    assert start == 15
+    assert all(second[s] == first[s] for s in (16, 17, 18))  # the reference the check compared with
+    assert not list(read_events(tmp_path, event="resume_diverged"))
+    assert set(statuses(tmp_path).values()) == {"valid"}
+    assert len(list((tmp_path / TRAJECTORY_DIR).iterdir())) == 2
+    assert history(tmp_path)[18] == first[18]
+
+
+def test_data_change_after_resume_raises_and_next_launch_resumes_older(tmp_path):
+    launch(tmp_path, 18)
+    with pytest.raises(tg.ResumeDivergedError) as ei:
+        launch(tmp_path, 40, scale_from=16)
+    err = ei.value
+    assert err.restored_step == 15
+    assert err.steps == [16]  # the first step after the resume: within trajectory_steps
+    assert err.suspect_steps == [15]
+    assert "step 16" in str(err)
+    st = statuses(tmp_path)
+    assert st[15] == "suspect" and st[10] == "valid"
+    ev = list(read_events(tmp_path, event="resume_diverged"))
+    assert [e["restored_step"] for e in ev] == [15]
+    # the next launch (same data as the first) skips the suspect checkpoint, resumes from 10 and does not
+    # compare with the diverged launch's losses
+    start, third = launch(tmp_path, 30)
+    assert start == 10
+    st = statuses(tmp_path)
+    assert st[15] == "valid"  # saved anew by the third launch: the suspect one was replaced
+    assert {20, 25, 30} <= set(st)
+
+
+def test_divergence_past_the_failure_point_marks_the_launchs_own_checkpoints(tmp_path):
+    launch(tmp_path, 18)
+    with pytest.raises(tg.ResumeDivergedError) as ei:
+        launch(tmp_path, 60, scale_from=22, scale=30.0)  # fine until 22, past the last logged step (18)
+    err = ei.value
+    assert err.restored_step == 15 and err.steps == [22]
+    assert err.suspect_steps == [15, 20]  # the restored checkpoint and the one this launch saved
+    st = statuses(tmp_path)
+    assert st[15] == "suspect" and st[20] == "suspect" and st[10] == "valid"
+    start, _ = launch(tmp_path, 20)
+    assert start == 10
+
+
+def test_never_loops_when_every_candidate_is_suspect(tmp_path):
+    launch(tmp_path, 12)  # checkpoints 5, 10
+    for expected in (10, 5):  # each diverging launch condemns the checkpoint it resumed from
+        with pytest.raises(tg.ResumeDivergedError) as ei:
+            launch(tmp_path, 40, scale_from=1)
+        assert ei.value.restored_step == expected
+    with pytest.raises(tg.NoValidCheckpointError, match="Suspect checkpoints"):
+        launch(tmp_path, 40)
+
+
+def test_check_window_and_band():
+    chk = TrajectoryCheck(restored_step=10, window=5, reference={11: 1.0}, median=2.0, mad=0.1)
+    assert chk.check(11, 1.0) is None  # bit-exact
+    assert chk.check(11, 1.0005) is None  # within REL_TOL
+    assert chk.check(11, 1.7) is not None  # beyond 6 MAD of the losses before the checkpoint
+    assert chk.check(12, 2.5) is None  # band: 2.0 + 6 * 0.1 + 0.002
+    assert chk.check(13, 2.7) is not None
+    assert chk.check(14, float("nan")) is not None
+    assert chk.check(16, 100.0) is None  # past the window
+    assert chk.done(16) and not chk.done(15)
+    with pytest.raises(tg.ConfigError, match="trajectory_steps"):
+        tg.CheckpointManager("/tmp/unused-tg-root", trajectory_steps=-1)
+
+
+class _DeviceLoss:
+    """Stands in for a loss tensor on an accelerator: reading it is what a GPU sync would be."""
+
+    class device:  # noqa: N801 - mirrors torch.Tensor.device
+        type = "cuda"
+
+    def __init__(self, x: float) -> None:
+        self.x = x
+        self.reads = 0
+
+    def detach(self):
+        return self
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.x
+
+
+def test_a_loss_on_an_accelerator_is_read_one_step_later(tmp_path):
+    from trainguard.validation.trajectory import Recorder
+
+    rec = Recorder(tmp_path, "run", 50, coordinator=True)
+    a, b = _DeviceLoss(1.0), _DeviceLoss(2.0)
+    rec.record(1, {"loss": a})
+    assert a.reads == 0  # not waited for in the step that queued it
+    rec.record(2, {"loss": b})
+    assert a.reads == 1 and b.reads == 0
+    rec.record(3, {"loss": torch.tensor(0.5)})  # a CPU tensor is read at once
+    rec.close()  # the last deferred loss is logged at close
+    assert history(tmp_path) == {1: 1.0, 2: 2.0, 3: 0.5}
