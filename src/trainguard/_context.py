@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .distributed.context import DistContext
-from .distributed.writer import WriterOptions
+from .distributed.options import WriterOptions
 from .format.run import RunInfo
 from .incremental.chunkstore import ChunkStore
 from .results import RestoreTimings, SaveResult
