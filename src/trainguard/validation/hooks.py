@@ -47,6 +47,7 @@ class CheckpointManager(Protocol):
 
     def wait(self, timeout: float | None = None) -> None: ...
 
+
 log = logging.getLogger("trainguard")
 
 

@@ -22,6 +22,7 @@ class CheckpointManager(Protocol):
 
     def _event(self, name: str, **fields: Any) -> None: ...
 
+
 log = logging.getLogger("trainguard")
 
 QUARANTINE_MAX_AGE_S = 7 * 86400.0
