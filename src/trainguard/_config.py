@@ -147,3 +147,38 @@ def open_root(root: Path) -> EventLog:
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"
         ) from None
+
+
+def validation_options(
+    *,
+    check_finite: str,
+    probe: Any,
+    probe_rtol: float,
+    probe_atol: float,
+    trajectory_steps: int,
+    scrub_interval_s: float | None,
+) -> None:
+    """Check the validation options (issue 11).
+
+    Raises:
+        ConfigError: naming the option and what it accepts.
+    """
+    from .validation import CHECK_FINITE_MODES
+
+    if check_finite not in CHECK_FINITE_MODES:
+        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
+    if probe is not None and not callable(probe):
+        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
+    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
+        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
+    if scrub_interval_s is not None and (
+        isinstance(scrub_interval_s, bool)
+        or not isinstance(scrub_interval_s, (int, float))
+        or not 0 < scrub_interval_s < float("inf")
+    ):
+        raise ConfigError(
+            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
+        )
