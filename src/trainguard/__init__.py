@@ -29,6 +29,7 @@ from .errors import (
     StateMismatchError,
     StorageFullError,
     SuspectCheckpointError,
+    TierUploadError,
     TrainguardError,
     UnsafeCheckpointError,
     UnsafeFileError,
@@ -52,6 +53,7 @@ _LAZY = {
     "ResumableLoader": ".state.data",
     "ResumableSampler": ".state.data",
     "RNGState": ".state.rng",
+    "Tier": ".tiers.config",
     "ModelOptimizerState": ".distributed.state",
     "dcp_reader": ".interop.dcp_reader",  # dcp_reader(root, step): a StorageReader for plain dcp.load
     "heartbeat": ".recovery.heartbeat",  # heartbeat(step): tell `trainguard run` the job is alive at step
@@ -108,6 +110,8 @@ __all__ = [
     "StateMismatchError",
     "StorageFullError",
     "SuspectCheckpointError",
+    "Tier",
+    "TierUploadError",
     "TrainguardError",
     "UnsafeCheckpointError",
     "UnsafeFileError",

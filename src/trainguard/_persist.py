@@ -141,7 +141,11 @@ def persist(
         async_save=not blocking,
         **({"probe_s": probe[1]} if probe is not None else {}),
     )
+    tiers = getattr(ctx.host, "_tiers", None)
+    tier_error = tiers.after_commit(step) if tiers is not None else None  # dual write, queue uploads
     apply_retention(ctx)
+    if tier_error is not None:
+        raise tier_error
     return result
 
 

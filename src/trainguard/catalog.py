@@ -61,6 +61,8 @@ class CheckpointInfo:
         problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
+        tiers: with tiers configured, tier URL -> ``"valid"``, ``"uploading"``, ``"missing"`` or ``"corrupt"``
+            (None without tiers).
     """
 
     step: int
@@ -71,6 +73,7 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+    tiers: dict[str, str] | None = None
 
     @property
     def reason(self) -> str | None:
@@ -83,7 +86,7 @@ class CheckpointInfo:
         return self.status in USABLE
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "step": self.step,
             "status": self.status,
             "bytes": self.bytes,
@@ -91,6 +94,9 @@ class CheckpointInfo:
             "problem": self.problem,
             "reason": self.reason,
         }
+        if self.tiers is not None:
+            out["tiers"] = dict(self.tiers)
+        return out
 
 
 def step_keys(root: str | os.PathLike[str] | Storage) -> tuple[dict[int, str], dict[int, list[str]]]:

@@ -226,3 +226,16 @@ class ResumeDivergedError(TrainguardError):
         self.values = list(values or [])
         self.expected = list(expected or [])
         self.suspect_steps = list(suspect_steps or [])
+
+
+class TierUploadError(TrainguardError):
+    """Checkpoints were not uploaded to a tier within ``upload_timeout_s`` (or every retry failed). The hot
+    checkpoints are intact; a new manager with the same tiers uploads what is missing.
+
+    Attributes:
+        missing: tier URL -> the steps not uploaded there.
+    """
+
+    def __init__(self, message: str, *, missing: dict[str, list[int]] | None = None):
+        super().__init__(message)
+        self.missing = dict(missing or {})

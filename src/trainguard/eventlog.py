@@ -65,6 +65,12 @@ OWN_EVENTS = frozenset(
         "checkpoint_suspect",
         "resume_diverged",
         "scrub",
+        "tier_upload",
+        "tier_upload_failed",
+        "tier_upload_incomplete",
+        "tier_repair",
+        "tier_unreachable",
+        "tier_retention_delete",
     }
 )
 """Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""

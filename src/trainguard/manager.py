@@ -168,9 +168,27 @@ class CheckpointManager:
         probe_atol: float = 0.0,
         trajectory_steps: int = 50,
         scrub_interval_s: float | None = None,
+        tiers: list[Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         from .policies import EveryNSteps
+        from .storage.objects import is_url
 
+        self.url: str | None = None
+        self._tiers: Any = None
+        self._store_lock: Any = None
+        tiers = list(tiers or [])
+        if is_url(root):  # an object-store run root: a local cache as the hot root, the URL as a sync replica
+            from .tiers.config import Tier
+
+            self.url = str(root).rstrip("/")
+            tiers.insert(0, Tier(self.url, keep=keep, sync=True, storage_options=storage_options))
+            root = _cache_root(self.url)
+            keep = 1 if keep is not None else None  # the cache keeps the newest; the store keeps ``keep``
+        elif storage_options is not None:
+            raise ConfigError(
+                "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
+            )
         self.storage = open_storage(root, fsync=fsync, durability=durability)
         self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
         self.read_only = read_only
@@ -262,8 +280,12 @@ class CheckpointManager:
         self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
         self._metrics: Any = None
         if read_only:
+            if self.url is not None or tiers:  # the hot root a restore from the tiers copies into
+                self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
                 raise ConfigError(root_problem(self.root) or f"run root {self.root} is not a directory")
+            if tiers:
+                self._open_tiers(tiers, writer=False)
             return
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._events = open_root(self.root)
@@ -301,6 +323,14 @@ class CheckpointManager:
             install_preemption_handler()
             self._preemption = True
         self._events.set_context(checkpoint_run_id=self.run.run_id)
+        if tiers:
+            try:
+                self._open_tiers(tiers, writer=True)
+            except BaseException:
+                if self._lock is not None:
+                    self._lock.release()
+                self._events.close()
+                raise
         self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
         from .validation.trajectory import Recorder
@@ -351,12 +381,42 @@ class CheckpointManager:
             atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
         if self._persister is not None:
             self._persister.stop()
+        if self._tiers is not None:
+            try:
+                self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
+            except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+                err = err or e
+            finally:
+                if self._store_lock is not None:
+                    from .tiers.attach import release_store_lock
+
+                    release_store_lock(self._store_lock)
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
             self._lock.release()
         if err is not None:
             raise err
+
+    def _open_tiers(self, tiers: list[Any], *, writer: bool) -> None:
+        """Open and check the tiers (configuration errors raise here), lock a URL root, record the tiers in
+        the hot root and queue the committed steps a tier is missing."""
+        from .catalog import stable_committed_steps
+        from .tiers.attach import TierSet, acquire_store_lock, open_links
+
+        links = open_links(self.root, tiers, self._event, fsync=self.fsync)
+        self._tiers = TierSet(self.root, links, self._event, fsync=self.fsync)
+        if not writer:
+            return
+        if self.url is not None and self.dist.is_coordinator:
+            from .tiers.attach import prune_cache
+
+            acquire_store_lock(links[0].store, self.url)
+            self._store_lock = links[0].store
+            prune_cache(self.root, links[0])
+        if self.dist.is_coordinator:
+            self._tiers.record()
+            self._tiers.resume(stable_committed_steps(self.root))
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -708,7 +768,23 @@ class CheckpointManager:
         Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
         process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
+        if self._tiers is not None:
+            from .tiers.attach import listing
+
+            return listing(self._tiers, lambda: scan(self.storage, self.store), url=self.url)
         return scan(self.storage, self.store)
+
+    def prefetch(self) -> int | None:
+        """Copy the newest checkpoint restorable from any tier to the hot root (chunks intact there are kept,
+        the others read from the first tier holding them with a matching CRC32C), ahead of a restart.
+
+        Returns:
+            The step now intact on the hot root, or None when no tier holds a restorable checkpoint (without
+            tiers: the newest usable step of the root).
+        """
+        if self._tiers is None:
+            return self.latest_step()
+        return self._tiers.materialize()
 
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint lists as valid or unverified in a stable scan (the one
@@ -743,6 +819,8 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
+        if self._tiers is not None:
+            self._tiers.materialize(step)  # chunks missing or corrupt on the hot root are read from a tier
         _restore.load(self.ctx, step, state, strict=strict)
         load_s = time.perf_counter() - t0
         from .validation.hooks import check_probe
@@ -779,8 +857,21 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
+        if self._tiers is not None:
+            self._tiers.materialize()  # the newest step restorable from any tier, intact on the hot root
         step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
             self._arm_trajectory(step)
         return step
+
+
+def _cache_root(url: str) -> Path:
+    """The local hot root of a URL run root: ``$TRAINGUARD_CACHE_DIR`` (default ``~/.cache/trainguard``) /
+    ``roots/<hash of the URL>``."""
+    import hashlib
+
+    base = os.environ.get("TRAINGUARD_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "trainguard"
+    )
+    return Path(base) / "roots" / hashlib.sha256(url.encode()).hexdigest()[:16]

@@ -24,7 +24,9 @@ from ..catalog import (
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
+from ..storage.objects import is_url
 from .main import main
+from .remote import ls_url, tier_columns, url_cache, verify_url
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
@@ -70,10 +72,15 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
 )
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size
-    and time. ``reason`` says why a checkpoint is suspect (its content failed validation) or corrupt."""
+    and time. ``reason`` says why a checkpoint is suspect (its content failed validation) or corrupt.
+
+    ROOT may be a URL (``s3://bucket/run1``). With tiers, ``--json`` adds each step's ``tiers`` mapping."""
+    if is_url(root):
+        return ls_url(root, as_json)
     p = _root(root)
     infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
+    tiers = tier_columns(p, [i.step for i in infos]) if as_json else None
     if as_json:
         if not infos:
             hint = _runs_hint(p, "ls")
@@ -85,6 +92,8 @@ def ls_cmd(root: str, as_json: bool) -> None:
             ev = timings.get(i.step)
             if ev is not None:
                 row.update(block_s=ev.get("block_s"), persist_s=ev.get("persist_s"))
+            if tiers is not None:
+                row["tiers"] = tiers.get(i.step, {})
             rows.append(row)
         click.echo(json.dumps(rows, indent=1))
         return
@@ -160,7 +169,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     """
     from ..incremental.chunkstore import ChunkStore
 
-    p = _root(root)
+    p = url_cache(root, step) if is_url(root) else _root(root)
     store = ChunkStore(p)
     latest = step is None
     for _ in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer's retention meanwhile
@@ -386,7 +395,6 @@ def verify_cmd(
     from ..planning.units import parse_bandwidth_bytes_per_s
     from ..validation.scrub import RateLimiter
 
-    p = _root(root)
     limiter = None
     if max_bandwidth is not None:
         try:
@@ -395,6 +403,9 @@ def verify_cmd(
             raise click.BadParameter(str(e), param_hint="--max-bandwidth") from None
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
+    if is_url(root):
+        return verify_url(root, step, all_steps, as_json)
+    p = _root(root)
     dirs, partials = step_dirs(p)
     # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
     committed = stable_committed_steps(p)
@@ -453,3 +464,18 @@ def verify_cmd(
             f"{verdict} {len(report.checked)} checkpoint(s) checked, {human_bytes(report.bytes_read)} re-read"
         )
     sys.exit(0 if report.ok else 1)
+
+
+@main.command("prefetch")
+@click.argument("root")
+@click.option("--tier", "tiers", multiple=True, help="A tier URL or path (default: the tiers ROOT records).")
+@click.option("--json", "as_json", is_flag=True, help="Print {ok, step, root}.")
+def prefetch_cmd(root: str, tiers: tuple[str, ...], as_json: bool) -> None:
+    """Copy the newest checkpoint restorable from the tiers into the hot root ROOT ahead of a restart.
+
+    Chunks already intact in ROOT are kept (each is re-read and its CRC32C checked); the others are read from
+    the first tier holding them intact. Exit 1 when no tier holds a restorable checkpoint.
+    """
+    from .remote import prefetch_cmd_impl
+
+    prefetch_cmd_impl(root, tiers, as_json)

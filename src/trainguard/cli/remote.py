@@ -1,0 +1,143 @@
+"""The inspection commands on object-store run roots (``trainguard ls|info|verify s3://bucket/run1``) and the
+``tiers`` column of a hot root's listing. Credentials and endpoint come from the standard environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError, TrainguardError
+
+
+def open_remote(url: str) -> Any:
+    from ..storage.objects import open_objects
+    from ..tiers.remote import RemoteRoot
+
+    try:
+        store = open_objects(url, stall_timeout_s=30.0)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    if getattr(store, "unreachable", None):
+        raise click.UsageError(f"{url} cannot be reached: {store.unreachable}")
+    return RemoteRoot(store)
+
+
+def ls_url(url: str, as_json: bool) -> None:
+    remote = open_remote(url)
+    rows = [r.to_json() for r in remote.scan()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        click.echo(f"no checkpoints in {url}")
+        return
+    from .inspect import human_bytes
+
+    for r in rows:
+        extra = f"  {r['problem']}" if r["problem"] else ""
+        click.echo(
+            f"{r['step']:>10}  {r['status']:<8}  {human_bytes(r['bytes']):>10}  {r['time'] or ''}{extra}"
+        )
+
+
+def verify_url(url: str, step: int | None, all_steps: bool, as_json: bool) -> None:
+    remote = open_remote(url)
+    committed = remote.committed_steps()
+    if step is not None:
+        steps = [step]
+    elif all_steps:
+        steps = committed
+    else:
+        steps = committed[-1:]
+    report: dict[str, Any] = {"ok": bool(steps), "checked": [], "corrupt": [], "bytes_read": 0}
+    if not steps:
+        report["error"] = f"no committed checkpoint in {url}; nothing was verified"
+    for s in steps:
+        problem, chunk, read = remote.verify(s)
+        report["checked"].append(s)
+        report["bytes_read"] += read
+        if problem is not None:
+            report["ok"] = False
+            report["corrupt"].append({"step": s, "chunk": chunk, "tensors": [], "problem": problem})
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        for s in report["checked"]:
+            bad = [c for c in report["corrupt"] if c["step"] == s]
+            click.echo(f"step {s}: ok" if not bad else f"step {s}: CORRUPT {bad[0]['problem']}")
+        if "error" in report:
+            click.echo(f"FAILED: {report['error']}", err=True)
+        else:
+            click.echo(
+                f"{'OK' if report['ok'] else 'FAILED'}: {len(report['checked'])} checkpoint(s) checked"
+            )
+    sys.exit(0 if report["ok"] else 1)
+
+
+def url_cache(url: str, step: int | None) -> Path:
+    """Copy the checkpoint of ``step`` (default: the newest restorable) of ``url`` into its local cache (the
+    hot root a manager on that URL uses) and return the cache, for ``info``."""
+    from ..manager import _cache_root
+    from ..tiers.attach import TierSet, open_links
+    from ..tiers.config import Tier
+
+    cache = _cache_root(url.rstrip("/"))
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        links = open_links(cache, [Tier(url)], lambda *a, **k: None)
+        done = TierSet(cache, links, lambda *a, **k: None).materialize(step)
+    except (OSError, TrainguardError) as e:
+        raise click.UsageError(f"{url}: {e}") from None
+    if done is None:
+        click.echo(f"no restorable checkpoint{'' if step is None else f' of step {step}'} in {url}", err=True)
+        sys.exit(1)
+    return cache
+
+
+def tier_columns(hot: Path, steps: list[int]) -> dict[int, dict[str, str]] | None:
+    """The ``tiers`` mapping of each step for the tiers recorded in ``hot`` (None when it records none)."""
+    from ..tiers.attach import TierSet, read_record
+    from ..tiers.config import Tier
+    from ..tiers.upload import TierLink
+
+    recorded = read_record(hot)
+    if not recorded:
+        return None
+    links = []
+    for t in recorded:
+        opts = t.get("storage_options") if isinstance(t.get("storage_options"), dict) else None
+        try:
+            from ..storage.objects import open_objects
+
+            links.append(TierLink(Tier(t["url"]), open_objects(t["url"], opts, stall_timeout_s=30.0)))
+        except (OSError, TrainguardError) as e:
+            click.echo(f"tier {t['url']}: {e}", err=True)
+    return TierSet(hot, links, lambda *a, **k: None).status(steps) if links else None
+
+
+def prefetch_cmd_impl(root: str, tier_urls: tuple[str, ...], as_json: bool) -> None:
+    from ..tiers.attach import TierSet, open_links, read_record
+    from ..tiers.config import Tier
+
+    hot = Path(root)
+    urls = list(tier_urls) or [t["url"] for t in read_record(hot)]
+    if not urls:
+        raise click.UsageError(f"{root} records no tiers: name them with --tier URL")
+    hot.mkdir(parents=True, exist_ok=True)
+    try:
+        links = open_links(hot, [Tier(u) for u in urls], lambda *a, **k: None)
+        step = TierSet(hot, links, lambda *a, **k: None).materialize()
+    except (OSError, TrainguardError) as e:
+        raise click.UsageError(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"ok": step is not None, "step": step, "root": str(hot)}))
+    elif step is None:
+        click.echo(f"no restorable checkpoint on {', '.join(urls)}", err=True)
+    else:
+        click.echo(f"step {step} is intact in {hot}")
+    sys.exit(0 if step is not None else 1)

@@ -1,0 +1,314 @@
+"""The tiers of one manager: opening and checking them, the hot root's record of them, the hooks the manager
+calls (after a commit, before retention, for listing, before a restore, at close), and the lock object of a
+URL run root."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, RootLockedError, SaveError, TierUploadError, TrainguardError
+from ..format.layout import CHUNKS_DIR
+from ..retention import KeepAll, select
+from ..storage.local import atomic_write
+from ..storage.objects import ObjectStore, is_url, open_objects
+from .config import Tier
+from .repair import materialize
+from .upload import TierLink, Uploader
+
+log = logging.getLogger("trainguard")
+TIERS_RECORD = "tiers.json"
+LOCK_OBJECT = ".lock"
+
+
+def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) -> list[TierLink]:
+    """Open every tier's store (configuration errors raise here, at construction).
+
+    Raises:
+        ConfigError: a bad Tier, a duplicate tier, a tier that is the hot root, or what the store reports
+            (unknown scheme, missing package, credentials, bucket, access).
+    """
+    links: list[TierLink] = []
+    seen: set[str] = set()
+    for t in tiers:
+        if not isinstance(t, Tier):
+            raise ConfigError(f"tiers must be tg.Tier(...) objects, got {type(t).__name__}")
+        if t.key in seen:
+            raise ConfigError(f"tier {t.key!r} is given twice")
+        seen.add(t.key)
+        if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
+            raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+        store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
+        unreachable = getattr(store, "unreachable", None)
+        if unreachable:
+            msg = f"tier {t.key} cannot be reached now ({unreachable}); uploads are retried in the background"
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            event("tier_unreachable", tier=t.key, error=str(unreachable))
+        links.append(TierLink(t, store))
+    return links
+
+
+class TierSet:
+    """The tiers of a manager and their background uploads.
+
+    Args:
+        hot: the hot run root (local).
+        links: the opened tiers, in restore order.
+        event: the manager's ``_event``.
+        fsync: make chunks written to the hot root by a repair durable.
+    """
+
+    def __init__(self, hot: Path, links: list[TierLink], event: Any, *, fsync: bool = True) -> None:
+        self.hot = hot
+        self.links = links
+        self.event = event
+        self.fsync = fsync
+        self.uploader = Uploader(hot, links, event)
+        self._resume: threading.Thread | None = None
+
+    # -- writer hooks ------------------------------------------------------------------------------------
+    def record(self) -> None:
+        """Record the tiers (URLs, options without secrets) in ``<hot>/tiers.json`` for ``trainguard ls``."""
+        body = {"tiers": [link.tier.record() for link in self.links]}
+        atomic_write(self.hot / TIERS_RECORD, json.dumps(body, indent=1).encode(), fsync=False)
+
+    def resume(self, hot_steps: list[int]) -> None:
+        """In the background: queue the committed hot steps a tier is missing (those its ``keep`` would keep)."""
+
+        def run() -> None:
+            for link in self.links:
+                try:
+                    have = set(link.remote.committed_steps())
+                except (OSError, TrainguardError) as e:
+                    log.warning(
+                        "cannot list tier %s: %s; its missing steps are sent after the next save", link.key, e
+                    )
+                    with self.uploader.cond:
+                        link.failed.update({s: "tier unreachable at start" for s in hot_steps})
+                    continue
+                policy = link.tier.retention
+                wanted = set(hot_steps)
+                if policy is not None and not isinstance(policy, KeepAll):
+                    wanted = select(policy, sorted(have | wanted), {}) & wanted
+                missing = sorted(wanted - have)
+                if missing:
+                    with self.uploader.cond:
+                        link.failed.update({s: "missing at start" for s in missing})
+            self.uploader.submit(None)
+
+        self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)
+        self._resume.start()
+
+    def after_commit(self, step: int) -> SaveError | None:
+        return self.uploader.after_commit(step)
+
+    def protected(self) -> set[int]:
+        """Hot steps retention must keep: still to be sent to some tier."""
+        return self.uploader.pending()
+
+    # -- listing -----------------------------------------------------------------------------------------
+    def status(self, steps: list[int]) -> dict[int, dict[str, str]]:
+        """step -> {tier url: "valid" | "uploading" | "missing" | "corrupt"}; does not wait for uploads."""
+        out: dict[int, dict[str, str]] = {s: {} for s in steps}
+        for link in self.links:
+            busy = self.uploader.uploading(link)
+            try:
+                chunks = link.store.list(CHUNKS_DIR + "/")
+                committed = set(link.remote.committed_steps())
+            except (OSError, TrainguardError) as e:
+                log.warning("cannot list tier %s: %s", link.key, e)
+                chunks, committed = {}, set()
+            for s in steps:
+                if s in busy:
+                    out[s][link.key] = "uploading"
+                elif s in committed:
+                    st = link.remote.status(s, chunks).status
+                    out[s][link.key] = (
+                        "valid" if st == "valid" else ("missing" if st == "missing" else "corrupt")
+                    )
+                else:
+                    out[s][link.key] = "missing"
+        return out
+
+    def tier_only_steps(self, hot_steps: set[int]) -> dict[int, Any]:
+        """Steps committed on some tier but not on the hot root -> their RemoteStep on the first such tier."""
+        found: dict[int, Any] = {}
+        for link in self.links:
+            try:
+                for st in link.remote.scan():
+                    if st.step not in hot_steps and st.step not in found:
+                        found[st.step] = (link, st)
+            except (OSError, TrainguardError) as e:
+                log.warning("cannot list tier %s: %s", link.key, e)
+        return found
+
+    # -- restore -----------------------------------------------------------------------------------------
+    def materialize(self, step: int | None = None) -> int | None:
+        """Make ``step`` (default: the newest restorable one) intact on the hot root, repairing from tiers."""
+        return materialize(self.hot, self.links, self.event, step=step, fsync=self.fsync)
+
+    # -- close -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait up to the largest ``upload_timeout_s`` for uploads, then stop.
+
+        Raises:
+            TierUploadError: naming the steps and tiers not uploaded (the hot checkpoints are intact).
+        """
+        timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
+        t0 = time.monotonic()
+        if self._resume is not None:
+            self._resume.join(timeout)  # the steps a tier missed at start are queued by now
+        missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
+        self.uploader.close()
+        if missing:
+            detail = "; ".join(f"{url}: steps {steps}" for url, steps in missing.items())
+            self.event("tier_upload_incomplete", missing=missing)
+            raise TierUploadError(
+                f"checkpoints not uploaded within upload_timeout_s ({timeout:g} s): {detail}; the hot checkpoints "
+                "are intact and a new manager with the same tiers uploads what is missing",
+                missing=missing,
+            )
+
+
+def prune_cache(hot: Path, link: TierLink) -> list[int]:
+    """A URL root's local cache may hold steps the store no longer has (deleted there, or a cache left by an
+    earlier run): remove them, so that listing, lineage and restore follow the store. Returns the steps
+    removed (none when the store cannot be listed)."""
+    from ..catalog import step_dirs
+    from ..format import MANIFEST_NAME
+    from ..storage.local import remove_tree
+
+    try:
+        on_store = set(link.remote.committed_steps())
+    except (OSError, TrainguardError):
+        return []
+    steps, _ = step_dirs(hot)
+    gone = sorted(s for s in steps if s not in on_store)
+    for s in gone:
+        (steps[s] / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first
+        remove_tree(steps[s])
+    return gone
+
+
+def read_record(hot: Path) -> list[dict[str, Any]]:
+    """The tiers recorded in ``<hot>/tiers.json`` (empty when none)."""
+    try:
+        body = json.loads((hot / TIERS_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    tiers = body.get("tiers") if isinstance(body, dict) else None
+    return [t for t in tiers or [] if isinstance(t, dict) and isinstance(t.get("url"), str)]
+
+
+# -- the lock object of a URL run root -------------------------------------------------------------------------
+def _holder() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+
+
+def acquire_store_lock(store: ObjectStore, url: str) -> None:
+    """One writer per object-store run root: create ``<url>/.lock`` only if absent (If-None-Match).
+
+    A lock left by a dead process on this host (pid gone) is taken over. Where the store has no conditional
+    create, a warning says that two writers are not excluded.
+
+    Raises:
+        RootLockedError: another writer holds it (the message names the object to delete if none runs).
+    """
+    if not store.supports_conditional_create:
+        warnings.warn(
+            f"{url}: this store has no conditional create (If-None-Match); a second writer on this run root is "
+            "not refused: run one writer per run root",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    me = json.dumps(_holder()).encode()
+    for _ in range(2):
+        if store.create(LOCK_OBJECT, me):
+            return
+        try:
+            held = json.loads(store.get(LOCK_OBJECT))
+        except (OSError, ValueError):
+            held = {}
+        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+            from .._lock import _alive
+
+            if not _alive(held["pid"]):
+                store.delete(LOCK_OBJECT)  # a writer on this host that died (SIGKILL) left it
+                continue
+        raise RootLockedError(
+            f"{url} is locked by another writer (pid {held.get('pid')} on {held.get('host')}, since "
+            f"{held.get('time')}); if no writer runs, delete {url}/{LOCK_OBJECT}"
+        )
+    raise RootLockedError(f"{url}: could not take the lock object {LOCK_OBJECT}")
+
+
+def release_store_lock(store: ObjectStore) -> None:
+    try:
+        store.delete(LOCK_OBJECT)
+    except OSError as e:
+        log.warning("could not delete the lock object of %s: %s", store.url, e)
+
+
+def listing(tierset: TierSet, hot_scan: Any, *, url: str | None = None) -> list[Any]:
+    """``checkpoints()`` with tiers: the hot root's checkpoints (for a URL root: the URL's) with each step's
+    ``tiers`` mapping, plus the steps held only by a tier (status from that tier, path = its URL)."""
+    from dataclasses import replace
+
+    from .._time import iso
+    from ..catalog import CheckpointInfo
+    from ..format import step_dir_name
+
+    links = tierset.links
+    if url is not None:  # the URL is the run root: list it; the other tiers are the mapping
+        first = links[0]
+        infos = [
+            CheckpointInfo(
+                r.step,
+                r.status if r.status != "missing" else "incomplete",
+                r.bytes,
+                r.time or (iso(r.t) if r.t else None),
+                r.t,
+                r.problem,
+                f"{first.key}/{step_dir_name(r.step)}",
+                r.chunk,
+            )
+            for r in first.remote.scan()
+        ]
+        busy = tierset.uploader.uploading(first)
+        rest = TierSet.__new__(TierSet)
+        rest.__dict__.update(tierset.__dict__)
+        rest.links = links[1:]
+        mapping = rest.status([i.step for i in infos]) if rest.links else {}
+        out = [
+            replace(i, tiers=mapping.get(i.step) if rest.links else None) for i in infos if i.step not in busy
+        ]
+        return out
+    infos = list(hot_scan())
+    mapping = tierset.status([i.step for i in infos])
+    out = [replace(i, tiers=mapping.get(i.step, {})) for i in infos]
+    hot_steps = {i.step for i in infos}
+    only = tierset.tier_only_steps(hot_steps)
+    if only:
+        extra = tierset.status(sorted(only))
+        for step, (link, r) in only.items():
+            out.append(
+                CheckpointInfo(
+                    step,
+                    r.status if r.status != "missing" else "incomplete",
+                    r.bytes,
+                    r.time,
+                    r.t,
+                    r.problem or "only on tiers (restore copies it to the hot root)",
+                    f"{link.key}/{step_dir_name(step)}",
+                    r.chunk,
+                    extra.get(step, {}),
+                )
+            )
+    return sorted(out, key=lambda i: i.step)

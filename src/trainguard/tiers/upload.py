@@ -1,0 +1,297 @@
+"""Copying committed checkpoints from the hot root to the tiers: async (background) and sync (dual write).
+
+Protocol per (tier, step), the commit protocol of a run root on a store without rename:
+1. every chunk the manifest lists that the tier does not already hold with the recorded length is read from
+   the hot root, checked against its CRC32C (corrupt bytes are never uploaded), and PUT, by a pool of
+   ``POOL_WORKERS`` threads;
+2. the manifest is PUT last, as one object: its presence is the commit on the tier.
+A kill at any instant leaves at most chunks without a manifest: never listed as a checkpoint there, and
+re-sent or collected by the next upload. Each request is retried ``ATTEMPTS`` times in all with exponential
+backoff (``BACKOFF_S`` doubling, at most ``BACKOFF_MAX_S``); a request that makes no progress for the tier's
+``stall_timeout_s`` is aborted (:class:`~trainguard.storage.objects.FsspecObjects`), so nothing hangs.
+
+Per-tier retention runs after each upload, in the tier's own thread (so never beside an upload to the same
+tier): it never deletes the newest valid step there, deletes manifests first, and frees a chunk only when no
+remaining manifest on that tier references it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from ..errors import CorruptCheckpointError, SaveError, TrainguardError
+from ..format import MANIFEST_NAME, manifest_from_json, step_dir_name
+from ..format.layout import CHUNKS_DIR
+from ..format.manifest import ChunkRecord
+from ..retention import KeepAll, select
+from ..storage.objects import ObjectStore
+from ..storage.safeio import MAX_MANIFEST_BYTES, read_bounded
+from .config import Tier
+from .remote import CHECK_NAME, RemoteRoot, manifest_name
+
+log = logging.getLogger("trainguard")
+ATTEMPTS = 5
+BACKOFF_S = 0.5
+BACKOFF_MAX_S = 8.0
+POOL_WORKERS = 8
+
+
+def with_retries(
+    what: str, fn: Callable[[], Any], on_failure: Callable[[BaseException, int], None], stop: threading.Event
+) -> Any:
+    """Call ``fn`` up to ``ATTEMPTS`` times with exponential backoff; OSErrors (TransientStorageError
+    included) are retried, anything else is raised at once. ``on_failure(error, attempt)`` sees each failure."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return fn()
+        except CorruptCheckpointError:
+            raise
+        except OSError as e:
+            on_failure(e, attempt)
+            if attempt == ATTEMPTS or stop.is_set():
+                raise
+            stop.wait(min(BACKOFF_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
+    raise AssertionError(what)  # pragma: no cover
+
+
+class TierLink:
+    """One tier as seen by a manager: its store, remote view, upload queue and state."""
+
+    def __init__(self, tier: Tier, store: ObjectStore) -> None:
+        self.tier = tier
+        self.store = store
+        self.remote = RemoteRoot(store)
+        self.queue: deque[int] = deque()
+        self.running: int | None = None
+        self.failed: dict[int, str] = {}
+        self.chunk_sizes: dict[str, int] | None = (
+            None  # what the tier holds (listed once, then kept up to date)
+        )
+        self.thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return self.tier.key
+
+    def pending(self) -> set[int]:
+        """Steps queued, uploading or failed (waiting for the next retry)."""
+        out = set(self.queue) | set(self.failed)
+        if self.running is not None:
+            out.add(self.running)
+        return out
+
+
+class Uploader:
+    """Uploads committed checkpoints of ``hot_root`` to its tiers.
+
+    Args:
+        hot_root: the local run root checkpoints commit to first.
+        links: the tiers, in order.
+        event: ``event(name, **fields)`` writes to the hot root's event log.
+
+    Thread safety: :meth:`submit`, :meth:`pending`, :meth:`wait` are called from the training thread (or the
+    persist worker); each async tier has one upload thread; chunk PUTs run in a shared pool.
+    """
+
+    def __init__(self, hot_root: Path, links: list[TierLink], event: Callable[..., None]) -> None:
+        self.hot = Path(hot_root)
+        self.links = links
+        self.event = event
+        self.cond = threading.Condition()
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="trainguard-tier-put")
+
+    # -- caller side ----------------------------------------------------------------------------------------
+    def after_commit(self, step: int) -> SaveError | None:
+        """Called once ``step`` committed on the hot root: dual-write to sync tiers (now, in this thread) and
+        queue the async ones. Returns a SaveError when a sync tier failed (the hot checkpoint stays; the step
+        is queued to be sent again in the background)."""
+        err: SaveError | None = None
+        for link in self.links:
+            if link.tier.sync:
+                try:
+                    self.upload(link, step)
+                except (OSError, TrainguardError) as e:
+                    with self.cond:
+                        link.failed[step] = f"{type(e).__name__}: {e}"
+                    err = err or SaveError(
+                        f"step {step} committed on the hot root but its replica on {link.key} failed: "
+                        f"{type(e).__name__}: {e}; the hot checkpoint is intact and is sent again in the "
+                        "background",
+                        step=step,
+                    )
+        self.submit(step)
+        return err
+
+    def submit(self, step: int | None) -> None:
+        """Queue ``step`` for the async tiers, and every step whose upload failed earlier for every tier."""
+        with self.cond:
+            for link in self.links:
+                for s in sorted(link.failed):
+                    if s not in link.queue and self._committed(s):
+                        link.queue.append(s)
+                link.failed.clear()
+                if step is not None and not link.tier.sync and step not in link.queue:
+                    link.queue.append(step)
+                if link.queue and (link.thread is None or not link.thread.is_alive()):
+                    link.thread = threading.Thread(
+                        target=self._run, args=(link,), name="trainguard-tier-upload", daemon=True
+                    )
+                    link.thread.start()
+            self.cond.notify_all()
+
+    def pending(self) -> set[int]:
+        """Steps some tier still has to receive (hot retention keeps them)."""
+        with self.cond:
+            out: set[int] = set()
+            for link in self.links:
+                out |= link.pending()
+            return out
+
+    def uploading(self, link: TierLink) -> set[int]:
+        with self.cond:
+            out = set(link.queue)
+            if link.running is not None:
+                out.add(link.running)
+            return out
+
+    def wait(self, timeout_s: float) -> dict[str, list[int]]:
+        """Wait until every queue is empty (at most ``timeout_s``); return tier -> steps not uploaded."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(link.queue or link.running is not None for link in self.links):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, 0.5))
+            return {link.key: sorted(link.pending()) for link in self.links if link.pending()}
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- upload thread -----------------------------------------------------------------------------------
+    def _committed(self, step: int) -> bool:
+        return (self.hot / step_dir_name(step) / MANIFEST_NAME).exists()
+
+    def _run(self, link: TierLink) -> None:
+        while not self.stop.is_set():
+            with self.cond:
+                if not link.queue:
+                    link.thread = None
+                    self.cond.notify_all()
+                    return
+                step = link.queue.popleft()
+                link.running = step
+            try:
+                if self._committed(step):
+                    self.upload(link, step)
+            except BaseException as e:  # noqa: BLE001 - one failed upload must not kill the tier's thread
+                with self.cond:
+                    link.failed[step] = f"{type(e).__name__}: {e}"
+                log.warning("upload of step %d to %s failed: %s", step, link.key, e)
+            finally:
+                with self.cond:
+                    link.running = None
+                    self.cond.notify_all()
+
+    def upload(self, link: TierLink, step: int) -> None:
+        """Send ``step`` to ``link``'s tier: missing chunks (in parallel), then the manifest, then retention.
+
+        Raises:
+            OSError / TransientStorageError: the store failed every attempt.
+            CorruptCheckpointError: the hot copy of a chunk does not match its CRC32C (nothing is sent).
+        """
+        t0 = time.perf_counter()
+        d = self.hot / step_dir_name(step)
+        man = read_bounded(d / MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest")
+        m = manifest_from_json(man, root=str(self.hot), expect_step=step)
+
+        def failed(e: BaseException, attempt: int) -> None:
+            self.event(
+                "tier_upload_failed",
+                step=step,
+                tier=link.key,
+                error=f"{type(e).__name__}: {e}",
+                attempt=attempt,
+            )
+
+        if link.chunk_sizes is None:
+            link.chunk_sizes = with_retries(
+                "list", lambda: link.store.list(CHUNKS_DIR + "/"), failed, self.stop
+            )
+        have = link.chunk_sizes
+        todo = [rec for rec in m.chunks.values() if have.get(rec.path) != rec.length]
+
+        def put(rec: ChunkRecord) -> int:
+            data = read_bounded(self.hot / rec.path, rec.length, what="chunk")  # no symlink followed
+            if len(data) != rec.length or crc32c.crc32c(data) != rec.crc32c:
+                raise CorruptCheckpointError(
+                    f"chunk {rec.path} of step {step} on the hot root does not match its CRC32C; not uploaded",
+                    step=step,
+                )
+            with_retries(rec.path, lambda: link.store.put(rec.path, data), failed, self.stop)
+            have[rec.path] = rec.length
+            return rec.length
+
+        sent = sum(f.result() for f in [self.pool.submit(put, rec) for rec in todo])
+        with_retries("manifest", lambda: link.store.put(manifest_name(step), man), failed, self.stop)
+        link.remote.forget(step)
+        link.failed.pop(step, None)
+        self.event(
+            "tier_upload",
+            step=step,
+            tier=link.key,
+            bytes=sent,
+            chunks=len(todo),
+            seconds=round(time.perf_counter() - t0, 6),
+        )
+        try:
+            self.retain(link)
+        except (OSError, TrainguardError) as e:  # retention is retried after the next upload
+            log.warning("retention on %s failed: %s", link.key, e)
+
+    def retain(self, link: TierLink) -> list[int]:
+        """Apply the tier's ``keep``: never the newest valid step; manifests first, then unreferenced chunks."""
+        policy = link.tier.retention
+        if policy is None or isinstance(policy, KeepAll):
+            return []
+        chunks = link.store.list(CHUNKS_DIR + "/")
+        statuses = [link.remote.status(s, chunks) for s in link.remote.committed_steps()]
+        valid = [s.step for s in statuses if s.status == "valid"]
+        if not valid:
+            return []
+        keep = select(policy, valid, {}) | {max(valid)}
+        doomed = [s for s in valid if s not in keep]
+        if not doomed:
+            return []
+        for s in doomed:
+            link.store.delete(manifest_name(s))  # uncommit first
+            link.store.delete(f"{step_dir_name(s)}/{CHECK_NAME}")
+            link.remote.forget(s)
+            self.event("tier_retention_delete", step=s, tier=link.key)
+        referenced: set[str] = set()
+        for st in statuses:
+            if st.step in doomed:
+                continue
+            try:
+                referenced |= {rec.path for rec in link.remote.manifest(st.step).chunks.values()}
+            except (OSError, TrainguardError):
+                return doomed  # an unreadable manifest: its chunks are unknown, free nothing
+        for name in chunks:
+            if name not in referenced:
+                link.store.delete(name)
+                if link.chunk_sizes is not None:
+                    link.chunk_sizes.pop(name, None)
+        return doomed

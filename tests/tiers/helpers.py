@@ -1,0 +1,33 @@
+"""Small training states for tier tests (a few chunks each, so tests stay fast)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CHUNK = 16 << 10  # 16 KiB chunks: a model below has several
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return {"model": model, "optim": optim}
+
+
+def train(state: dict[str, Any], steps: int = 1) -> None:
+    model, optim = state["model"], state["optim"]
+    for _ in range(steps):
+        loss = model(torch.randn(8, 64)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
+def weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

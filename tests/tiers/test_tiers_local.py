@@ -1,0 +1,125 @@
+"""Tiers on a shared-filesystem path and the object-store backends (no S3 server needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import trainguard as tg
+from trainguard.format import manifest_from_json
+from trainguard.recovery.events import read_events
+from trainguard.storage.objects import FsspecObjects, LocalObjects, ObjectStore, open_objects
+from trainguard.tiers.remote import RemoteRoot
+
+from .helpers import CHUNK, make_state, same, train, weights
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_each_object_store_backend_satisfies_the_protocol_and_moves_bytes(kind: str, tmp_path: Path) -> None:
+    import uuid
+
+    store = open_objects(tmp_path / "t" if kind == "local" else f"memory://tg-{uuid.uuid4().hex}/run")
+    assert isinstance(store, ObjectStore)
+    assert isinstance(store, LocalObjects if kind == "local" else FsspecObjects)
+    store.put("chunks/ab/x", b"hello")
+    store.put("step-000000001/manifest.json", b"{}")
+    assert store.get("chunks/ab/x") == b"hello"
+    assert store.size("chunks/ab/x") == 5 and store.size("nope") is None
+    assert store.list("chunks/") == {"chunks/ab/x": 5}
+    assert set(store.list("step-")) == {"step-000000001/manifest.json"}
+    assert store.create(".lock", b"1") is True and store.create(".lock", b"2") is False
+    assert store.get(".lock") == b"1"
+    store.delete("chunks/ab/x")
+    store.delete("chunks/ab/x")  # missing is fine
+    assert store.size("chunks/ab/x") is None
+    with pytest.raises(FileNotFoundError):
+        store.get("chunks/ab/x")
+
+
+def test_tier_arguments_are_checked_and_secrets_are_never_recorded(tmp_path: Path) -> None:
+    with pytest.raises(tg.ConfigError, match="stall_timeout_s"):
+        tg.Tier("s3://b/r", stall_timeout_s=0)
+    with pytest.raises(tg.ConfigError, match="keep"):
+        tg.Tier("s3://b/r", keep="two")
+    with pytest.raises(tg.ConfigError, match="storage_options"):
+        tg.Tier("s3://b/r", storage_options="key=1")
+    assert issubclass(tg.TierUploadError, tg.TrainguardError)
+    t = tg.Tier(
+        str(tmp_path / "shared") + "/", storage_options={"secret": "s", "client_kwargs": {"key": "k", "x": 1}}
+    )
+    assert t.key == str(tmp_path / "shared")
+    assert t.record()["storage_options"] == {"client_kwargs": {"x": 1}}
+    with pytest.raises(tg.ConfigError, match="unknown storage scheme"):
+        tg.CheckpointManager(tmp_path / "hot", tiers=[tg.Tier("nosuch://b/r")])
+    with pytest.raises(tg.MissingDependencyError, match="pip install"):
+        tg.CheckpointManager(tmp_path / "hot2", tiers=[tg.Tier("gs://bucket/run")])  # gcsfs not installed
+    with pytest.raises(tg.ConfigError, match="given twice"):
+        tg.CheckpointManager(
+            tmp_path / "hot3", tiers=[tg.Tier(str(tmp_path / "s")), tg.Tier(str(tmp_path / "s"))]
+        )
+
+
+def test_per_tier_retention_keeps_the_tiers_policy_and_frees_only_unreferenced_chunks(tmp_path: Path) -> None:
+    hot, shared = tmp_path / "hot", tmp_path / "shared"
+    state = make_state()
+    with tg.CheckpointManager(
+        hot, keep=1, tiers=[tg.Tier(str(shared), keep=2, sync=True)], chunk_size_bytes=CHUNK
+    ) as mgr:
+        for step in range(1, 6):
+            train(state)
+            mgr.save(step, state).wait()
+        infos = mgr.checkpoints()
+    # hot keeps 1, the tier keeps 2; steps only on the tier are listed from there
+    assert {i.step: i.tiers for i in infos} == {4: {str(shared): "valid"}, 5: {str(shared): "valid"}}
+    remote = RemoteRoot(LocalObjects(shared))
+    assert remote.committed_steps() == [4, 5]
+    referenced = set()
+    for s in (4, 5):
+        referenced |= {
+            r.path
+            for r in manifest_from_json(
+                (shared / f"step-00000000{s}/manifest.json").read_bytes()
+            ).chunks.values()
+        }
+    assert set(LocalObjects(shared).list("chunks/")) == referenced
+    assert sorted(e["step"] for e in read_events(hot, event="tier_retention_delete")) == [1, 2, 3]
+
+
+def test_a_new_node_with_an_empty_hot_root_restores_from_a_shared_filesystem_tier(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    state = make_state()
+    with tg.CheckpointManager(
+        tmp_path / "node1", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK
+    ) as mgr:
+        train(state, 2)
+        mgr.save(7, state).wait()
+    fresh = make_state(seed=11)
+    with tg.CheckpointManager(
+        tmp_path / "node2", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK
+    ) as mgr:
+        assert mgr.prefetch() == 7
+        assert mgr.restore_latest(fresh) == 7
+    assert same(weights(state), weights(fresh))
+    assert json.loads((tmp_path / "node2" / "tiers.json").read_text())["tiers"][0]["url"] == str(shared)
+
+
+def test_hot_retention_keeps_a_checkpoint_still_to_be_uploaded(tmp_path: Path) -> None:
+    from trainguard.tiers.attach import TierSet
+
+    hot = tmp_path / "hot"
+    state = make_state()
+    mgr = tg.CheckpointManager(
+        hot, keep=1, tiers=[tg.Tier(str(tmp_path / "shared"), upload_timeout_s=1)], chunk_size_bytes=CHUNK
+    )
+    assert isinstance(mgr._tiers, TierSet)
+    mgr._tiers.uploader.stop.set()  # uploads are held back: every step stays "to be sent"
+    link = mgr._tiers.links[0]
+    for step in (1, 2, 3):
+        train(state)
+        mgr.save(step, state).wait()
+        link.failed[step] = "held"  # as a failed upload waiting for its retry
+    assert sorted(s for s in (1, 2, 3) if (hot / f"step-00000000{s}/manifest.json").exists()) == [1, 2, 3]
+    with pytest.raises(tg.TierUploadError):
+        mgr.close()
