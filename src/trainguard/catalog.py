@@ -136,9 +136,8 @@ def step_dirs(root: str | os.PathLike[str] | Storage) -> tuple[dict[int, Path], 
 
 def listing(root: str | os.PathLike[str] | Storage) -> frozenset[tuple[int, bool]]:
     """``(step, committed)`` for every step directory: what a stable scan compares (cheap: listdir + stats)."""
-    storage = as_storage(root)
-    steps, _ = step_keys(storage)
-    return frozenset((s, storage.exists(f"{k}/{MANIFEST_NAME}")) for s, k in steps.items())
+    committed, uncommitted = committed_split(root)
+    return frozenset([(s, True) for s in committed] + [(s, False) for s in uncommitted])
 
 
 def stable_committed_steps(
@@ -153,6 +152,19 @@ def stable_committed_steps(
         if after == before or time.monotonic() > deadline:
             return sorted(s for s, committed in after if committed)
         before = after
+
+
+def committed_split(root: str | os.PathLike[str] | Storage) -> tuple[list[int], list[int]]:
+    """``(committed, uncommitted)``: the steps whose directory holds a manifest and those whose directory does
+    not (a commit killed midway), both ascending. One listing plus one existence check per step; the one
+    answer to "which steps are committed?" (status beyond that: :func:`inspect_step`, :func:`scan`)."""
+    storage = as_storage(root)
+    steps, _ = step_keys(storage)
+    committed: list[int] = []
+    uncommitted: list[int] = []
+    for s in sorted(steps):
+        (committed if storage.exists(f"{steps[s]}/{MANIFEST_NAME}") else uncommitted).append(s)
+    return committed, uncommitted
 
 
 def is_committed(root: str | os.PathLike[str] | Storage, step: int) -> bool:
@@ -464,7 +476,7 @@ def scan(
 
 
 def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[CheckpointInfo]:
-    from .recovery.events import iter_events
+    from .eventlog import iter_events
 
     last: dict[int, dict[str, object]] = {}
     for ev in iter_events(root, event="save_failed"):

@@ -22,8 +22,8 @@ from ..catalog import (
     step_dirs,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
-from ..recovery.events import read_events
 from ..storage.objects import is_url
 from .main import main
 from .remote import ls_url, tier_columns, url_cache, verify_url

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -471,14 +471,18 @@ class ChunkStore:
         return out
 
     def collect(
-        self, candidates: Iterable[str], referenced: set[str], *, protect_newer_than: float | None = None
+        self,
+        candidates: Iterable[str],
+        referenced: Container[str],
+        *,
+        protect_newer_than: float | None = None,
     ) -> int:
         """Delete chunks in ``candidates`` that are not in ``referenced``, not pinned, and (when
         ``protect_newer_than`` is given, seconds since the epoch) not modified after that time. Returns bytes
         freed. A failed deletion is skipped, never fatal: the chunk is only garbage.
         """
         freed = 0
-        for h in set(candidates) - referenced:
+        for h in {h for h in candidates if h not in referenced}:
             key = chunk_relpath(h)
             with self._lock:  # a put() pins before it checks existence: check pins and delete atomically
                 if h in self._pins:
