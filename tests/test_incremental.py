@@ -163,7 +163,7 @@ _GC_KILLER = textwrap.dedent(
 
     def dying_collect(self, candidates, referenced, **kw):
         # delete two unreferenced chunks, then SIGKILL in the middle of the collection
-        for h in sorted(set(candidates) - referenced)[:2]:
+        for h in sorted(set(candidates) - set(referenced))[:2]:
             os.unlink(os.path.join(root, "chunks", h[:2], h))
         os.kill(os.getpid(), signal.SIGKILL)
 

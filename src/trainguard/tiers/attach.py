@@ -308,7 +308,7 @@ def listing(tierset: TierSet, hot_scan: Any, *, url: str | None = None) -> list[
                     r.problem or "only on tiers (restore copies it to the hot root)",
                     f"{link.key}/{step_dir_name(step)}",
                     r.chunk,
-                    extra.get(step, {}),
+                    tiers=extra.get(step, {}),
                 )
             )
     return sorted(out, key=lambda i: i.step)
