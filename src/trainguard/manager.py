@@ -365,7 +365,11 @@ class CheckpointManager:
         from .validation.trajectory import Recorder
 
         self._trajectory = Recorder(
-            self.root, self.run.run_id, self.trajectory_steps, coordinator=self.dist.is_coordinator
+            self.root,
+            self.run.run_id,
+            self.trajectory_steps,
+            coordinator=self.dist.is_coordinator,
+            world_size=self.dist.world_size,
         )
         if self.scrub_interval_s is not None and self.dist.is_coordinator:
             from .validation.scrub import Scrubber

@@ -146,3 +146,21 @@ def test_a_loss_on_an_accelerator_is_read_one_step_later(tmp_path):
     rec.record(3, {"loss": torch.tensor(0.5)})  # a CPU tensor is read at once
     rec.close()  # the last deferred loss is logged at close
     assert history(tmp_path) == {1: 1.0, 2: 2.0, 3: 0.5}
+
+
+def test_same_step_losses_are_references_only_at_the_same_world_size(tmp_path):
+    """After a resize (torchrun elastic) a step trains on other samples per rank: the loss logged at world size
+    2 is not a reference at world size 1 (only the band applies), but still is at world size 2."""
+    from trainguard.validation.trajectory import TrajectoryLog
+
+    log = TrajectoryLog(tmp_path, "run-a", world_size=2)
+    for step in range(1, 21):
+        log.append(step, 3.70 + 0.01 * (step % 3))  # the launch that died, at world size 2 (MAD 0.01)
+    log.close()
+    other = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=1)
+    assert other.reference == {} and other.median is not None
+    assert other.check(11, 3.75) is None  # off step 11's loss at world size 2 by 3 MAD: inside the band
+    assert other.check(12, 9.0) is not None  # far above the band: still caught
+    same = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=2)
+    assert same.reference[11] == pytest.approx(3.72)
+    assert same.check(11, 3.75) is None and same.check(12, 3.95) is not None  # 23 MAD off step 12's loss
