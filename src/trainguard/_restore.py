@@ -57,7 +57,7 @@ def committed_steps(mgr: CheckpointManager) -> list[int]:
     steps: list[int] | None = None
     if mgr.dist.is_coordinator:
         dirs, partials = step_dirs(mgr.storage)
-        uncommitted = sorted(s for s, d in dirs.items() if not (d / MANIFEST_NAME).exists())
+        uncommitted = sorted(s for s in dirs if not mgr.storage.exists(f"{step_dir_name(s)}/{MANIFEST_NAME}"))
         if uncommitted:
             log.warning(
                 "ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted
