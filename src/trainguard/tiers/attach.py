@@ -21,6 +21,7 @@ from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
 from ..storage.objects import ObjectStore, is_url, open_objects
+from . import intent
 from .config import Tier
 from .repair import Fetched, fetch_newest, materialize, write_hot
 from .upload import TierLink, Uploader
@@ -72,7 +73,7 @@ class TierSet:
         self.links = links
         self.event = event
         self.fsync = fsync
-        self.uploader = Uploader(hot, links, event)
+        self.uploader = Uploader(hot, links, event, fsync=fsync)
         self._resume: threading.Thread | None = None
         self._hot_write: threading.Thread | None = None  # a restore's chunks going to the hot root
 
@@ -130,6 +131,7 @@ class TierSet:
             except (OSError, TrainguardError) as e:
                 log.warning("cannot list tier %s: %s", link.key, e)
                 chunks, committed = {}, set()
+            busy |= intent.uploading(self.hot, link.key) - committed  # another process's uploads too
             for s in steps:
                 if s in busy:
                     out[s][link.key] = "uploading"
