@@ -141,7 +141,9 @@ def persist(
         async_save=not blocking,
         **({"probe_s": probe[1]} if probe is not None else {}),
     )
-    tier_error = mgr._tiers.after_commit(step) if mgr._tiers is not None else None  # dual write, queue uploads
+    tier_error = (
+        mgr._tiers.after_commit(step) if mgr._tiers is not None else None
+    )  # dual write, queue uploads
     mgr._apply_retention()
     if tier_error is not None:
         raise tier_error
