@@ -2,11 +2,15 @@
 
 For each candidate step, newest first (steps committed on the hot root or on any tier): the manifest is read
 from the hot root, else from the first tier holding one that parses; every chunk is checked on the hot root
-(length and CRC32C, one full read); a chunk missing or corrupt there is read from the first tier, in order,
-that holds it with the recorded length and CRC32C, and written to the hot root atomically (a ``tier_repair``
-event names the chunk, the tier it came from and the hot root). A step with a chunk that no tier holds
-intact is passed over (``restore_latest`` then falls back to an older step). Nothing is ever loaded from
-bytes whose CRC32C was not checked.
+(length and CRC32C, one full read); a chunk missing or corrupt there is read, into memory and in parallel,
+from the first tier, in order, that holds it with the recorded length and CRC32C (:func:`fetch_step`). A step
+with a chunk that no tier holds intact is passed over (``restore_latest`` then falls back to an older step).
+Nothing is ever loaded from bytes whose CRC32C was not checked.
+
+:func:`write_hot` then writes the fetched chunks to the hot root atomically (a ``tier_repair`` event names the
+chunk, the tier it came from and the hot root) and the manifest last. A restore loads from memory first and
+writes behind (:meth:`trainguard.tiers.attach.TierSet.restoring`); ``prefetch`` writes before returning
+(:func:`materialize`).
 """
 
 from __future__ import annotations
