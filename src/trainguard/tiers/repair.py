@@ -16,10 +16,11 @@ writes behind (:meth:`trainguard.tiers.attach.TierSet.restoring`); ``prefetch`` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import crc32c
 
@@ -30,9 +31,6 @@ from ..format.manifest import ChunkRecord
 from ..storage.local import atomic_write, fsync_dir
 from ..storage.safeio import lstat_regular, read_bounded
 from .upload import POOL_WORKERS, TierLink
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 log = logging.getLogger("trainguard")
 
@@ -85,10 +83,15 @@ class Fetched:
         return sum(len(v) for v in self.files.values())
 
 
-def fetch_step(hot: Path, links: list[TierLink], step: int) -> Fetched | None:
+Sink = Callable[[int, str, bytes, str], None]
+"""``sink(step, chunk key, bytes, tier key)``: takes a chunk fetched and checked, in the fetching thread."""
+
+
+def fetch_step(hot: Path, links: list[TierLink], step: int, *, sink: Sink | None = None) -> Fetched | None:
     """Read into memory what the hot root lacks of ``step``: every chunk missing or corrupt there, from the
     first tier (in order) holding it with the recorded length and CRC32C, by a pool of threads. Memory: at
-    most the checkpoint's bytes (only chunks the hot root lacks are held).
+    most the checkpoint's bytes (only chunks the hot root lacks are held); with ``sink``, each chunk is
+    handed to it as soon as it is checked and not kept (``prefetch`` writes it to the hot root there).
 
     Returns:
         The fetched bytes (empty when the hot root holds the step intact), or None when a chunk is intact on
@@ -109,6 +112,9 @@ def fetch_step(hot: Path, links: list[TierLink], step: int) -> Fetched | None:
                 log.warning("reading chunk %s from %s failed: %s", rec.path, link.key, e)
                 continue
             if data is not None:
+                if sink is not None:
+                    sink(step, rec.path, data, link.key)
+                    data = b""
                 return rec, data, link.key
         return None
 
@@ -119,22 +125,36 @@ def fetch_step(hot: Path, links: list[TierLink], step: int) -> Fetched | None:
             log.warning("step %d: a chunk is intact on no tier; passing it over", step)
             return None
         for rec, data, key in results:  # type: ignore[misc]  # None excluded just above
-            out.files[rec.path] = data
+            if sink is None:
+                out.files[rec.path] = data
             out.sources[rec.path] = key
     if man_bytes is not None:
         out.files[f"{step_dir_name(step)}/{MANIFEST_NAME}"] = man_bytes
     return out
 
 
+def write_chunk(
+    hot: Path, event: Callable[..., None], fsync: bool, step: int, key: str, data: bytes, src: str
+) -> None:
+    """Write one checked chunk to the hot root atomically and emit ``tier_repair``."""
+    p = hot / key
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(p, data, fsync=fsync)
+    event("tier_repair", step=step, chunk=key, **{"from": src, "to": str(hot)})
+
+
 def write_hot(hot: Path, got: Fetched, event: Callable[..., None], fsync: bool = True) -> None:
-    """Write what :func:`fetch_step` read to the hot root: chunks first (atomic each, a ``tier_repair`` event
-    per chunk), the manifest last (the commit), then the check record."""
+    """Write what :func:`fetch_step` read to the hot root: chunks first (atomic each, in parallel, a
+    ``tier_repair`` event per chunk), the manifest last (the commit), with the check record before it."""
     step = got.step
-    for key, src in got.sources.items():
-        p = hot / key
-        p.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(p, got.files[key], fsync=fsync)
-        event("tier_repair", step=step, chunk=key, **{"from": src, "to": str(hot)})
+    todo = [(key, src) for key, src in got.sources.items() if key in got.files]
+    if todo:
+        with ThreadPoolExecutor(min(POOL_WORKERS, len(todo))) as pool:
+            list(
+                pool.map(
+                    lambda ks: write_chunk(hot, event, fsync, step, ks[0], got.files[ks[0]], ks[1]), todo
+                )
+            )
     d = hot / step_dir_name(step)
     if got.manifest is not None:
         created = not d.exists()
@@ -145,17 +165,6 @@ def write_hot(hot: Path, got: Fetched, event: Callable[..., None], fsync: bool =
         atomic_write(d / MANIFEST_NAME, got.manifest, fsync=fsync)
     else:
         record_check(hot, step, by="verify")  # every chunk was just read and matched
-
-
-def repair_step(
-    hot: Path, links: list[TierLink], step: int, event: Callable[..., None], fsync: bool = True
-) -> bool:
-    """Make ``step`` complete and intact on the hot root from the tiers; True when it is."""
-    got = fetch_step(hot, links, step)
-    if got is None:
-        return False
-    write_hot(hot, got, event, fsync)
-    return True
 
 
 def candidates(hot: Path, links: list[TierLink]) -> list[int]:
@@ -169,12 +178,14 @@ def candidates(hot: Path, links: list[TierLink]) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def fetch_newest(hot: Path, links: list[TierLink], step: int | None = None) -> Fetched | None:
+def fetch_newest(
+    hot: Path, links: list[TierLink], step: int | None = None, *, sink: Sink | None = None
+) -> Fetched | None:
     """:func:`fetch_step` of ``step``, or (None) of the newest step restorable from the hot root or a tier."""
     if step is not None:
-        return fetch_step(hot, links, step)
+        return fetch_step(hot, links, step, sink=sink)
     for s in candidates(hot, links):
-        got = fetch_step(hot, links, s)
+        got = fetch_step(hot, links, s, sink=sink)
         if got is not None:
             return got
     return None
@@ -193,7 +204,7 @@ def materialize(
     Returns:
         The step made intact, or None when no candidate could be.
     """
-    got = fetch_newest(hot, links, step)
+    got = fetch_newest(hot, links, step, sink=partial(write_chunk, hot, event, fsync))  # no chunk held
     if got is None:
         return None
     write_hot(hot, got, event, fsync)
