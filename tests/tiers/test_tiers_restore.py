@@ -11,17 +11,11 @@ import trainguard as tg
 from trainguard.recovery.events import read_events
 from trainguard.tiers import attach
 
-from .helpers import CHUNK, make_state, same, train, weights
+from .helpers import CHUNK, make_state, same, save_on_shared_tier, train, weights
 
 
 def _saved_on_tier(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], int]:
-    shared = tmp_path / "shared"
-    state = make_state()
-    with tg.CheckpointManager(
-        tmp_path / "node1", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK
-    ) as mgr:
-        train(state, 2)
-        mgr.save(3, state).wait()
+    shared, state = save_on_shared_tier(tmp_path, 3)
     chunk_bytes = sum(p.stat().st_size for p in (shared / "chunks").rglob("*") if p.is_file())
     return shared, weights(state), chunk_bytes
 
