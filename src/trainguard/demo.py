@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .recovery.events import read_events
+from .eventlog import read_events
 
 FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption")
 KIND_LABELS = {

@@ -22,8 +22,8 @@ from ..catalog import (
     step_dirs,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
-from ..recovery.events import read_events
 from ..storage.objects import is_url
 from .main import main
 from .remote import ls_url, tier_columns, url_cache, verify_url
@@ -68,7 +68,7 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
     "--json",
     "as_json",
     is_flag=True,
-    help="Print a JSON array of {step, status, bytes, time, problem, reason}.",
+    help="Print a JSON array of {step, status, bytes, new_bytes, logical_bytes, time, problem, reason}.",
 )
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size

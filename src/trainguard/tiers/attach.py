@@ -163,11 +163,11 @@ class TierSet:
         return materialize(self.hot, self.links, self.event, step=step, fsync=self.fsync)
 
     @contextmanager
-    def restoring(self, mgr: Any, step: int | None = None) -> Iterator[int | None]:
+    def restoring(self, ctx: Any, step: int | None = None) -> Iterator[int | None]:
         """Around a restore: what the hot root lacks of ``step`` (default: the newest step restorable from the
         hot root or any tier) is read from the tiers into memory (in parallel, CRC32C checked) and the
-        manager reads it from there (a :class:`~trainguard.tiers.overlay.MemoryOverlay` as ``mgr.storage``
-        while the block runs); afterwards a background thread writes it to the hot root (chunks, then the
+        restore reads it from there (a :class:`~trainguard.tiers.overlay.MemoryOverlay` as ``ctx.storage``,
+        with a chunk store on it as ``ctx.store``, while the block runs; ``ctx``: the manager's RootContext); afterwards a background thread writes it to the hot root (chunks, then the
         manifest), so the hot root is repaired without its disk on the restore's critical path.
 
         Yields:
@@ -183,14 +183,14 @@ class TierSet:
         from ..incremental.chunkstore import ChunkStore
         from .overlay import MemoryOverlay
 
-        saved = mgr.storage, mgr.store
-        mgr.storage = MemoryOverlay(saved[0], got.files)
-        mgr.store = ChunkStore(mgr.storage)
+        saved = ctx.storage, ctx.store
+        ctx.storage = MemoryOverlay(saved[0], got.files)
+        ctx.store = ChunkStore(ctx.storage)
         t0 = time.perf_counter()
         try:
             yield got.step
         finally:
-            mgr.storage, mgr.store = saved
+            ctx.storage, ctx.store = saved
             self.event(
                 "tier_restore",
                 step=got.step,
@@ -372,8 +372,8 @@ def listing(tierset: TierSet, hot_scan: Any, *, url: str | None = None) -> list[
                     r.t,
                     r.problem or "only on tiers (restore copies it to the hot root)",
                     f"{link.key}/{step_dir_name(step)}",
-                    r.chunk,
-                    extra.get(step, {}),
+                    chunk=r.chunk,
+                    tiers=extra.get(step, {}),
                 )
             )
     return sorted(out, key=lambda i: i.step)

@@ -5,14 +5,48 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from ..errors import NonFiniteStateError, ResumeDivergedError, SuspectCheckpointError
 from . import finite
 from .suspect import mark_suspect
 
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+
+class CheckpointManager(Protocol):
+    """What these hooks use of the manager (its validation settings and state); never the manager module."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def fsync(self) -> bool: ...
+
+    @property
+    def dist(self) -> Any: ...
+
+    @property
+    def check_finite(self) -> str: ...
+
+    @property
+    def probe(self) -> Any: ...
+
+    @property
+    def probe_rtol(self) -> float: ...
+
+    @property
+    def probe_atol(self) -> float: ...
+
+    @property
+    def saves(self) -> Any: ...
+
+    @property
+    def _trajectory(self) -> Any: ...
+
+    def _event(self, name: str, **fields: Any) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> None: ...
+
 
 log = logging.getLogger("trainguard")
 
