@@ -306,7 +306,7 @@ def inspect_step(
     A checkpoint deleted while it is inspected (a writer's retention) lists as ``incomplete`` with the problem
     :data:`GONE`, never as corrupt; :func:`scan` rescans until such races are over.
     """
-    if not (path / MANIFEST_NAME).exists():
+    if not is_committed(root, step):  # through the storage (a restore's in-memory overlay included)
         return _incomplete(step, path, "no manifest (the save did not commit)"), None
     try:
         m = read_manifest(root, step)

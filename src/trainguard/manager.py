@@ -852,9 +852,11 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        if self._tiers is not None:
-            self._tiers.materialize(step)  # chunks missing or corrupt on the hot root are read from a tier
-        _restore.load(self.ctx, step, state, strict=strict)
+        if self._tiers is not None:  # chunks missing or corrupt on the hot root: read from a tier into memory
+            with self._tiers.restoring(self.ctx, step):
+                _restore.load(self.ctx, step, state, strict=strict)
+        else:
+            _restore.load(self.ctx, step, state, strict=strict)
         load_s = time.perf_counter() - t0
         from .validation.hooks import check_probe
 
@@ -890,9 +892,11 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        if self._tiers is not None:
-            self._tiers.materialize()  # the newest step restorable from any tier, intact on the hot root
-        step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+        if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: read into memory
+            with self._tiers.restoring(self.ctx):
+                step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+        else:
+            step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
             self._arm_trajectory(step)

@@ -404,7 +404,7 @@ def verify_cmd(
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
     if is_url(root):
-        return verify_url(root, step, all_steps, as_json)
+        return verify_url(root, step, all_steps, as_json, on_read=limiter.consume if limiter else None)
     p = _root(root)
     dirs, partials = step_dirs(p)
     # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
