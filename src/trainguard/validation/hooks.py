@@ -157,11 +157,16 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
     except Exception:  # noqa: BLE001 - their failure is not this error; it was logged by the worker
         pass
     v = chk.violations
-    first = v[0]
-    reason = (
-        f"the loss diverged {first.step - chk.restored_step} step(s) after resuming from step "
-        f"{chk.restored_step}: step {first.step} loss {first.loss:.6g}, {first.how}"
-    )
+    if v:
+        first = v[0]
+        reason = (
+            f"the loss diverged {first.step - chk.restored_step} step(s) after resuming from step "
+            f"{chk.restored_step}: step {first.step} loss {first.loss:.6g}, {first.how}"
+        )
+    else:  # judged on the coordinator, whose losses are the logged reference
+        reason = (
+            f"the loss diverged by step {step} after resuming from step {chk.restored_step} (found by rank 0)"
+        )
     own = sorted({r.step for r in mgr.saves if r.step > chk.restored_step})
     marked = [chk.restored_step, *own]
     if mgr.dist.is_coordinator:

@@ -12,7 +12,8 @@ compared with:
   size are references for the same step (each log starts with ``{"world_size": N}``): at another world size a
   step trains on other samples per rank, so its loss is not comparable and only the band below applies;
 - past the failure point (steps no earlier launch logged): a robust band around the last ``BAND_WINDOW``
-  losses logged at or before S: ``loss <= median + K * MAD + REL_TOL * |median|``.
+  losses logged at or before S: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must
+  stay ``<= median + K * MAD + REL_TOL * |median|`` (one noisy batch above the band is not a divergence).
 
 MAD is the median absolute deviation of those same losses. A NaN/Inf loss always violates. A launch that
 tripped the check writes ``{"diverged": true}`` into its own log, which is then never used as a reference.
@@ -40,6 +41,10 @@ BAND_WINDOW = 50
 """Losses at or before the restored step that define the band."""
 MIN_BAND = 5
 """Fewer losses than this before the restored step: no band check past the failure point."""
+BAND_RUN = 5
+"""Past the failure point the band judges the median of the last ``BAND_RUN`` losses (at least
+``MIN_RUN``), not one step: a single noisy batch above the band is not a divergence, a sustained rise is."""
+MIN_RUN = 3
 
 
 def loss_value(metrics: Any) -> Any:
@@ -195,7 +200,9 @@ class Recorder:
                 if self.log is None:
                     self.log = TrajectoryLog(self.root, self.run_id, self.world_size)
                 self.log.append(s, v)
-            if self.check is not None and self.check.check(s, v) is not None:
+            # only the coordinator's losses are logged, so only they have a reference: under torch.distributed
+            # each rank's loss is its own batch's (the verdict is shared with every rank by the caller)
+            if self.coordinator and self.check is not None and self.check.check(s, v) is not None:
                 bad = True
         return bad
 
@@ -233,6 +240,7 @@ class TrajectoryCheck:
     median: float | None
     mad: float | None
     violations: list[Violation] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
 
     @classmethod
     def arm(
@@ -275,13 +283,15 @@ class TrajectoryCheck:
                 )
         elif self.median is not None:
             upper = self.median + spread + REL_TOL * abs(self.median)
-            if loss > upper:
+            self.recent = [*self.recent, loss][-BAND_RUN:]
+            run = statistics.median(self.recent)
+            if len(self.recent) >= MIN_RUN and run > upper:
                 v = Violation(
                     step,
                     loss,
                     upper,
-                    f"above the band of the losses before step {self.restored_step} "
-                    f"(median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
+                    f"the median of the last {len(self.recent)} losses ({run:.6g}) is above the band of the "
+                    f"losses before step {self.restored_step} (median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
                 )
         if v is not None:
             self.violations.append(v)
