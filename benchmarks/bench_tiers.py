@@ -9,8 +9,10 @@ Starts moto's S3 server on 127.0.0.1 (a free port). Measures, best of ``--repeat
 - download: an empty hot root made intact from the tier (``prefetch``: parallel GET + CRC32C + write) vs the raw
   client (boto3 ``get_object`` of the same objects, 8 threads, into memory). Target >= 0.9x. Also printed: the
   raw client getting and writing the same objects to files (the disk work a download to the hot root does).
-- restore from S3 alone: ``restore_latest`` on a new node (empty hot root; download + load into the model)
-  vs raw GET. Target >= 0.9x.
+- restore from S3 alone: ``restore_latest`` on a new node (empty hot root: parallel GET into memory + CRC32C +
+  load into the model; the hot root is written behind it) vs raw GET, timed from the manager's construction
+  to ``restore_latest`` returning (when training may go on). Target >= 0.9x. Also printed: ``tg restore+hot``,
+  the same until ``close()`` returned (the background copy to the hot root finished).
 - training-visible save time with an async S3 tier attached vs without (sum of ``PendingSave.staging_s`` over
   ``--saves`` async saves of a smaller state, each followed by ``wait()``). Target <= 1.05x.
 moto keeps objects in memory in one Python process: it, not the network, is the bottleneck here, for both
@@ -101,6 +103,7 @@ def main() -> None:
             "raw get+write": 1e9,
             "tg prefetch": 1e9,
             "tg restore": 1e9,
+            "tg restore+hot": 1e9,
         }
         for r in range(args.repeat):
             bucket = f"bench-{uuid.uuid4().hex[:10]}"
@@ -159,7 +162,9 @@ def main() -> None:
             t0 = time.perf_counter()
             with tg.CheckpointManager(node, tiers=[tg.Tier(tier_url)], fsync=False, read_only=True) as m3:
                 assert m3.restore_latest({"model": target}) == 1
-            best["tg restore"] = min(best["tg restore"], time.perf_counter() - t0)
+                best["tg restore"] = min(best["tg restore"], time.perf_counter() - t0)  # training may go on
+            # close() waits for the hot root's background copy
+            best["tg restore+hot"] = min(best["tg restore+hot"], time.perf_counter() - t0)
             assert all(torch.equal(target.d[k], data.d[k]) for k in data.d)
             shutil.rmtree(node)
             log(f"repetition {r + 1}: {best}")

@@ -4,6 +4,7 @@ phase; it runs in the caller's thread for synchronous saves and in the backgroun
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import sys
 import threading
@@ -12,12 +13,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .commit import build_manifest
+import torch
+
+from .commit import build_manifest, publish
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
+from .incremental.auto import Decision, state_sample
+from .incremental.delta import SaveEncoder
 from .results import SaveResult
-from .retention.apply import referenced_chunks, space_hint
+from .retention.apply import apply_retention, referenced_chunks, space_hint
 from .validation.hooks import check_before_persist
 from .validation.probe import PROBE_FILE, encode
 
@@ -25,12 +30,14 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.storage import WriteResult
 
+    from ._context import RootContext
     from .distributed import TrainguardWriter
-    from .manager import CheckpointManager
+
+log = logging.getLogger("trainguard")
 
 
 def persist(
-    mgr: CheckpointManager,
+    ctx: RootContext,
     step: int,
     flat: dict[str, Any],
     paths: Mapping[str, Any],
@@ -51,11 +58,11 @@ def persist(
 
     Raises:
         NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
-    probe = mgr._probes.pop(step, None)
-    check_before_persist(mgr, step, flat)
-    partial = partial_dir_name(step, f"r{mgr.dist.rank}{secrets.token_hex(4)}")
-    mgr.storage.make_dir(partial)
-    mgr.store.last_progress = time.monotonic()
+    probe = ctx.host._probes.pop(step, None)
+    check_before_persist(ctx.host, step, flat)
+    partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
+    ctx.storage.make_dir(partial)
+    ctx.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
     def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
@@ -63,31 +70,35 @@ def persist(
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
-        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=mgr.run)
-        mgr._publish(m, (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None)
+        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
+        extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
+        publish(ctx.storage, m, fsync=ctx.fsync, extra=extra)
         manifest_box.append(m)
 
     import torch.distributed.checkpoint as dcp
 
     from .distributed import TrainguardSavePlanner, TrainguardWriter
 
-    staging = mgr.store.staging_for(partial)  # on the chunks' filesystem
-    writer = TrainguardWriter(mgr.store, staging, commit, mgr.options, step, paths=dict(paths))
+    staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
+    decision, encoder = begin_encoding(ctx, flat)
+    writer = TrainguardWriter(
+        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder
+    )
     try:
         with quiet_dcp():
-            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **mgr.dist.dcp_kwargs())
+            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [mgr.dist.rank]
-        mgr._event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
-        discard_new_chunks(mgr, writer)
+        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]
+        ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+        discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):
             if err.step is None:
                 err.step = step
-            hint = space_hint(mgr)
+            hint = space_hint(ctx)
             if hint and err.args and hint not in str(err.args[0]):
                 err.args = (str(err.args[0]) + hint, *err.args[1:])
-        if mgr.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
+        if ctx.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
             # a SaveError raised on one rank (StorageFullError): name that rank on every rank
             cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
             err.rank_errors = {ranks[0]: cause}
@@ -95,9 +106,9 @@ def persist(
                 err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
-        if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not mgr.dist.enabled:
+        if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not ctx.dist.enabled:
             raise err  # noqa: B904 - one process: the specific error; under dist it is wrapped to name the rank
-        where = f" on rank {ranks[0]}" if mgr.dist.enabled else ""
+        where = f" on rank {ranks[0]}" if ctx.dist.enabled else ""
         raise SaveError(
             f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
             "checkpoints are intact",
@@ -105,12 +116,13 @@ def persist(
             rank_errors={ranks[0]: err},
         ) from err
     finally:
-        mgr.store.unpin(writer.hashes)
-        mgr.storage.delete_prefix(partial)
+        ctx.store.unpin(writer.hashes)
+        ctx.storage.delete_prefix(partial)
         if staging != partial:
-            mgr.storage.delete_prefix(staging)
+            ctx.storage.delete_prefix(staging)
     elapsed = time.perf_counter() - t0
     block_s = elapsed if blocking else float(staging_s or 0.0)
+    end_encoding(ctx, decision, encoder, writer)
     if not manifest_box:  # not the coordinator: this rank's chunks are durable and rank 0 committed
         result = SaveResult(
             step=step,
@@ -118,37 +130,116 @@ def persist(
             bytes_written=writer.bytes_written,
             block_s=block_s,
             persist_s=elapsed,
+            new_bytes=writer.bytes_written,
+            logical_bytes=logical_bytes(flat),
         )
-        mgr.saves.append(result)
+        ctx.saves.append(result)
         return result
     m = manifest_box[0]
-    mgr._manifest_chunks[step] = set(m.chunks)
-    mgr._manifest_runs[step] = mgr.run.run_id
-    mgr._manifest_metrics[step] = dict(m.metrics)
+    ctx.refs.add(step, m.chunks, run_id=ctx.run.run_id, metrics=m.metrics)
+    ctx.refs.committed(step)
     result = SaveResult(
-        step=step, bytes=m.bytes, bytes_written=writer.bytes_written, block_s=block_s, persist_s=elapsed
+        step=step,
+        bytes=m.bytes,
+        bytes_written=writer.bytes_written,
+        block_s=block_s,
+        persist_s=elapsed,
+        new_bytes=m.new_bytes if m.new_bytes is not None else writer.bytes_written,
+        logical_bytes=m.logical_bytes,
     )
-    mgr.saves.append(result)
-    mgr._event(
+    ctx.saves.append(result)
+    ctx.event(
         "save",
         step=step,
         bytes=result.bytes,
         bytes_written=result.bytes_written,
+        new_bytes=result.new_bytes,
+        logical_bytes=result.logical_bytes,
+        compression=decision.to_json()
+        | {
+            "deltas": encoder.stats.deltas if encoder else 0,
+            "reused": encoder.stats.reused if encoder else 0,
+        },
         block_s=result.block_s,
         persist_s=result.persist_s,
         chunks=len(m.chunks),
-        staging_bytes=mgr.staging_bytes,
+        staging_bytes=ctx.staging_bytes(),
         async_save=not blocking,
         **({"probe_s": probe[1]} if probe is not None else {}),
     )
-    tier_error = mgr._tiers.after_commit(step) if mgr._tiers is not None else None  # dual write, queue uploads
-    mgr._apply_retention()
+    tiers = getattr(ctx.host, "_tiers", None)
+    tier_error = tiers.after_commit(step) if tiers is not None else None  # dual write, queue uploads
+    apply_retention(ctx)
     if tier_error is not None:
         raise tier_error
     return result
 
 
-def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None:
+def local_tensors(flat: Mapping[str, Any]) -> list[torch.Tensor]:
+    """This rank's plain CPU tensors of a flattened state (a DTensor's local shard)."""
+    out = []
+    for t in flat.values():
+        to_local = getattr(t, "to_local", None)
+        t = to_local() if callable(to_local) else t
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.device.type == "cpu":
+            out.append(t)
+    return out
+
+
+def logical_bytes(flat: Mapping[str, Any]) -> int:
+    """In-memory bytes of this rank's tensors of a flattened state."""
+    return sum(t.numel() * t.element_size() for t in local_tensors(flat))
+
+
+def begin_encoding(ctx: RootContext, flat: Mapping[str, Any]) -> tuple[Decision, SaveEncoder | None]:
+    """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
+    memory of pieces needed)."""
+    from .distributed.writer import tensor_bytes  # DCP is imported lazily (the save path only)
+
+    assert ctx.compression is not None and ctx.incremental is not None  # set by the manager
+    tensors = local_tensors(flat)
+    chooser = ctx.compression
+    sample = None
+    if chooser.mode == "auto" and chooser.codec_Bps is None:
+        sample = state_sample(
+            [(tensor_bytes(t), t.element_size()) for t in tensors if t.numel() * t.element_size() >= 4096]
+        )
+    piece = max((t.numel() * t.element_size() for t in tensors), default=0)
+    decision = chooser.decide(
+        logical_bytes(flat), sample, piece_bytes=min(piece, ctx.options.chunk_size_bytes)
+    )
+    log.info(
+        "save compression: %s (%s)",
+        "on" if decision.compress else "off",
+        ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in decision.to_json().items()
+        ),
+    )
+    if chooser.mode == "off" and not ctx.incremental.delta:
+        return decision, None
+    return decision, ctx.incremental.begin(compress=decision.compress)
+
+
+def end_encoding(
+    ctx: RootContext, decision: Decision, encoder: SaveEncoder | None, writer: TrainguardWriter
+) -> None:
+    """After a committed save: its pieces become the next save's delta bases; its measurements feed auto."""
+    assert ctx.compression is not None and ctx.incremental is not None  # set by the manager
+    if encoder is not None:
+        ctx.incremental.committed(encoder)
+    st = encoder.stats if encoder is not None else None
+    ctx.compression.observe(
+        compressed=decision.compress,
+        logical_bytes=int(decision.inputs.get("logical_bytes") or 0),
+        stored_written=writer.bytes_written,
+        raw_encoded=st.raw_bytes if st else 0,
+        stored_encoded=st.stored_bytes if st else 0,
+        encode_s=st.encode_s if st else 0.0,
+        write_s=writer.write_s,
+    )
+
+
+def discard_new_chunks(ctx: RootContext, writer: TrainguardWriter) -> None:
     """After a failed save: delete the chunks it wrote that no committed manifest references.
 
     One process: this save's new chunks. Under torch.distributed, rank 0 (the lock holder) collects every
@@ -156,21 +247,21 @@ def discard_new_chunks(mgr: CheckpointManager, writer: TrainguardWriter) -> None
     chunks are renamed into ``chunks/`` or dropped by then), and no other save of this run can write before
     rank 0 joins its planning collective, so every unreferenced chunk is garbage of this save (or of earlier
     failed ones)."""
-    mgr.store.unpin(writer.hashes)
+    ctx.store.unpin(writer.hashes)
     writer.hashes = []
-    if mgr.dist.enabled:
-        if not mgr.dist.is_coordinator:
+    if ctx.dist.enabled:
+        if not ctx.dist.is_coordinator:
             return
-        candidates = mgr.store.all_hashes()
+        candidates = ctx.store.all_hashes()
     elif writer.new_hashes:
         candidates = set(writer.new_hashes)
     else:
         return
-    referenced = referenced_chunks(mgr)
+    referenced = referenced_chunks(ctx)
     if referenced is not None:
-        freed = mgr.store.collect(candidates, referenced)
+        freed = ctx.store.collect(candidates, referenced)
         if freed:
-            mgr._event("failed_save_chunks_freed", step=writer.step, bytes=freed)
+            ctx.event("failed_save_chunks_freed", step=writer.step, bytes=freed)
 
 
 @contextlib.contextmanager

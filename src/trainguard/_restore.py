@@ -22,13 +22,14 @@ from . import _statefn
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
     STABLE_SCAN_S,
+    committed_split,
     corrupt_marker,
     inspect_step,
     is_committed,
     read_manifest,
     record_check,
     record_corrupt,
-    step_dirs,
+    step_keys,
 )
 from .distributed.chunkread import ShardReader, load_local, local_loadable
 from .errors import (
@@ -38,50 +39,50 @@ from .errors import (
     NoValidCheckpointError,
     SuspectCheckpointError,
 )
-from .format import MANIFEST_NAME, step_dir_name
+from .format import Manifest, step_dir_name
 from .format.run import LEGACY_RUN_ID
-from .lineage import head
+from .lineage import head, record_resume
 from .state.dtypes import check_shard_bytes
 from .validation.hooks import check_probe, scan_loaded
 from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ._context import RootContext
     from .results import RestoreTimings
 
 log = logging.getLogger("trainguard")
 
 
-def committed_steps(mgr: CheckpointManager) -> list[int]:
+def committed_steps(ctx: RootContext) -> list[int]:
     """Steps with a manifest, newest first (rank 0's view, on every rank)."""
     steps: list[int] | None = None
-    if mgr.dist.is_coordinator:
-        dirs, partials = step_dirs(mgr.storage)
-        uncommitted = sorted(s for s, d in dirs.items() if not (d / MANIFEST_NAME).exists())
+    if ctx.dist.is_coordinator:
+        committed, uncommitted = committed_split(ctx.storage)
+        partials = step_keys(ctx.storage)[1]
         if uncommitted:
             log.warning(
                 "ignoring uncommitted step directories (a save was killed mid-commit): %s", uncommitted
             )
-        steps = sorted((s for s in dirs if s not in uncommitted), reverse=True)
+        steps = sorted(committed, reverse=True)
         if not steps and partials:
             log.warning(
                 "%s holds only uncommitted saves (steps %s); starting from scratch",
-                mgr.root,
+                ctx.root,
                 sorted(partials),
             )
-    return mgr.dist.broadcast_ints(steps)
+    return ctx.dist.broadcast_ints(steps)
 
 
 OK, BAD, GONE, FOREIGN = 1, 0, 2, 3  # rank 0's verdict on a candidate step, broadcast to every rank
 
 
-def gone(mgr: CheckpointManager, step: int) -> bool:
+def gone(ctx: RootContext, step: int) -> bool:
     """True on every rank when rank 0 finds the manifest of ``step`` deleted (retention raced this reader)."""
-    return bool(mgr.dist.broadcast_ints([int(not is_committed(mgr.storage, step))])[0])
+    return bool(ctx.dist.broadcast_ints([int(not is_committed(ctx.storage, step))])[0])
 
 
 def restore_latest(
-    mgr: CheckpointManager, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
+    ctx: RootContext, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
 ) -> int | None:
     t0 = time.perf_counter()
     deadline = time.monotonic() + STABLE_SCAN_S
@@ -89,19 +90,20 @@ def restore_latest(
     unreadable: list[int] = []  # steps whose chunks could not be read (I/O errors): never condemned
     judged: set[int] = set()  # steps found not valid; reported once
     foreign: dict[int, str] = {}  # valid steps of runs outside the head run's lineage (rank 0's view)
-    steps = committed_steps(mgr)
+    steps = committed_steps(ctx)
     while True:
         raced = False
-        hd = head(mgr.storage) if mgr.dist.is_coordinator else None
+        hd = head(ctx.storage) if ctx.dist.is_coordinator else None
         for step in steps:
             if step in judged:
                 continue
             verdict, problem, chunk, tensors = OK, "", None, None
-            if mgr.dist.is_coordinator:
-                info, m = inspect_step(mgr.storage, step, mgr.root / step_dir_name(step), mgr.store)
+            m = None  # rank 0: the manifest judged here is the one loaded (parsed once per restore)
+            if ctx.dist.is_coordinator:
+                info, m = inspect_step(ctx.storage, step, ctx.root / step_dir_name(step), ctx.store)
                 if not info.usable:  # valid or unverified: restore reads and checks every byte it loads
-                    verdict = GONE if not is_committed(mgr.storage, step) else BAD
-                    marker = corrupt_marker(mgr.storage, step)
+                    verdict = GONE if not is_committed(ctx.storage, step) else BAD
+                    marker = corrupt_marker(ctx.storage, step)
                     listed = marker.get("tensors") if marker is not None else None
                     if isinstance(listed, list):
                         tensors = [str(x) for x in listed]
@@ -119,7 +121,7 @@ def restore_latest(
                 problem, chunk = info.problem or info.status, info.chunk
                 if info.status == "suspect":
                     problem = f"suspect: {problem}"
-            verdict = mgr.dist.broadcast_ints([verdict])[0]
+            verdict = ctx.dist.broadcast_ints([verdict])[0]
             if verdict == GONE:
                 raced = True
                 continue
@@ -131,38 +133,38 @@ def restore_latest(
                     if chunk
                     else None
                 )
-                skip(mgr, step, problem or "not valid on rank 0", err, timings, problems)
+                skip(ctx, step, problem or "not valid on rank 0", err, timings, problems)
                 judged.add(step)
                 continue
             t_chosen = time.perf_counter()
             try:
-                mgr._load(step, state, strict=strict)
-                probe_s = check_probe(mgr, step)
+                load(ctx, step, state, strict=strict, manifest=m)
+                probe_s = check_probe(ctx.host, step)
             except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
-                skip(mgr, step, f"suspect: {e.reason}", None, timings, problems)
+                skip(ctx, step, f"suspect: {e.reason}", None, timings, problems)
                 judged.add(step)
                 continue
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                if gone(mgr, step):
+                if gone(ctx, step):
                     raced = True
                     continue
                 if isinstance(e, CorruptCheckpointError) and e.unreadable:
                     unreadable.append(step)
                 skip(
-                    mgr, step, str(e), e if isinstance(e, CorruptCheckpointError) else None, timings, problems
+                    ctx, step, str(e), e if isinstance(e, CorruptCheckpointError) else None, timings, problems
                 )
                 judged.add(step)
                 continue
             except InsufficientMemoryError as e:  # not corrupt (no marker): too large for this machine
-                skip(mgr, step, str(e), None, timings, problems)
+                skip(ctx, step, str(e), None, timings, problems)
                 judged.add(step)
                 continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
-            timings.validate_s = mgr._validate_s + probe_s
+            timings.validate_s = ctx.host._validate_s + probe_s
             timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
-            timings.bytes = mgr.last_restore.bytes
-            mgr._event(
+            timings.bytes = ctx.last_restore.bytes
+            ctx.event(
                 "restore",
                 step=step,
                 scan_s=timings.scan_s,
@@ -171,15 +173,15 @@ def restore_latest(
                 bytes=timings.bytes,
                 skipped=timings.skipped,
             )
-            log.info("restored step %d from %s in %.3f s", step, mgr.root, t_loaded - t0)
+            log.info("restored step %d from %s in %.3f s", step, ctx.root, t_loaded - t0)
             return step
-        again = committed_steps(mgr)
+        again = committed_steps(ctx)
         stable = not raced and again == steps
         if stable or time.monotonic() > deadline:
             break
         steps = again  # a writer committed or deleted meanwhile: judge the new listing
     if not (set(steps) - set(foreign)) and not judged:
-        mgr._event(
+        ctx.event(
             "restore",
             step=None,
             scan_s=time.perf_counter() - t0,
@@ -191,7 +193,7 @@ def restore_latest(
         return None
     if unreadable:
         raise NoValidCheckpointError(
-            f"{mgr.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
+            f"{ctx.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
             "could not be read (I/O errors, retried) and are NOT marked corrupt:\n  "
             + "\n  ".join(problems)
             + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
@@ -203,64 +205,86 @@ def restore_latest(
         else ""
     )
     which = "of the newest run's lineage is" if foreign else "is"
-    suspect = [s for s in sorted(judged) if suspect_reason(mgr.root, s) is not None]
+    suspect = [s for s in sorted(judged) if suspect_reason(ctx.root, s) is not None]
     cleared = (
         f"\nSuspect checkpoints {suspect} failed validation after load (probe, NaN/Inf, or the loss diverged after "
-        f"resuming); after checking one, `trainguard mark {mgr.root} STEP --clear` makes it a candidate again."
+        f"resuming); after checking one, `trainguard mark {ctx.root} STEP --clear` makes it a candidate again."
         if suspect
         else ""
     )
     raise NoValidCheckpointError(
-        f"{mgr.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
+        f"{ctx.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
         + "\n  ".join(problems)
         + other
         + cleared
-        + f"\nRun `trainguard verify {mgr.root} --all` for details; restore a replica or start a new run root "
+        + f"\nRun `trainguard verify {ctx.root} --all` for details; restore a replica or start a new run root "
         "deliberately."
     )
 
 
 def skip(
-    mgr: CheckpointManager,
+    ctx: RootContext,
     step: int,
     problem: str,
     err: CorruptCheckpointError | None,
     timings: RestoreTimings,
     problems: list[str],
 ) -> None:
-    if mgr.dist.is_coordinator:
+    if ctx.dist.is_coordinator:
         log.warning("skipping checkpoint of step %d: %s", step, problem)
     rec: dict[str, Any] = {"step": step, "problem": problem}
     if err is not None:
         rec.update(chunk=err.chunk, tensors=err.tensors)
     timings.skipped.append(rec)
     problems.append(f"step {step}: {problem}")
-    mgr._event("restore_skipped", **rec)
+    ctx.event("restore_skipped", **rec)
 
 
-def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
-    m = None
+def load(
+    ctx: RootContext,
+    step: int,
+    state: MutableMapping[str, Any],
+    *,
+    strict: bool = True,
+    manifest: Manifest | None = None,
+) -> None:
+    """Load the checkpoint of ``step`` into ``state`` in place (every rank; collective under torch.distributed).
+
+    Args:
+        ctx: the run root's context.
+        step: the step to load.
+        state: the training state, loaded in place.
+        strict: as ``CheckpointManager.restore``.
+        manifest: the manifest of ``step`` when the caller already parsed it (it is not read again).
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint of ``step`` (on any rank).
+        CorruptCheckpointError: a manifest or chunk check failed (recorded; see :func:`mark_corrupt`).
+        StateMismatchError: ``state`` does not match the checkpoint.
+    """
+    m = manifest
     err0: BaseException | None = None
-    try:
-        m = read_manifest(mgr.storage, step)
-    except (CheckpointNotFoundError, CorruptCheckpointError) as read_err:
-        err0 = read_err
-    if mgr.dist.any(err0 is not None):  # every rank gives up together: none may wait in dcp.load alone
+    if m is None:
+        try:
+            m = read_manifest(ctx.storage, step)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as read_err:
+            err0 = read_err
+    if ctx.dist.any(err0 is not None):  # every rank gives up together: none may wait in dcp.load alone
         raise err0 or CheckpointNotFoundError(f"another rank could not read the manifest of step {step}")
     assert m is not None
     try:  # an unknown dtype (saved by a newer torch?) or shard bytes that do not match it: before allocating
         check_shard_bytes(m)
     except CorruptCheckpointError as bad_dtype:
         bad_dtype.step = step
-        if mgr.dist.is_coordinator:
-            mgr._mark_corrupt(step, bad_dtype)
+        if ctx.dist.is_coordinator:
+            mark_corrupt(ctx, step, bad_dtype)
         raise
     memory_error: InsufficientMemoryError | None = None
     try:
         template, paths, reshard = _statefn.build_template(m, state, strict=strict)
     except InsufficientMemoryError as e:
         memory_error = e
-    if mgr.dist.enabled and mgr.dist.any(memory_error is not None):  # every rank skips the step together
+    if ctx.dist.enabled and ctx.dist.any(memory_error is not None):  # every rank skips the step together
         memory_error = memory_error or InsufficientMemoryError(
             f"restoring step {step}: another rank has not enough memory for it", step=step
         )
@@ -268,35 +292,37 @@ def load(mgr: CheckpointManager, step: int, state: MutableMapping[str, Any], *, 
         raise memory_error
     reader: ShardReader
     try:
-        if not mgr.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
-            reader = ShardReader(mgr.store, m)
+        if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
+            reader = ShardReader(ctx.store, m)
             load_local(template, reader)
         else:
             import torch.distributed.checkpoint as dcp
 
             from .distributed import TrainguardLoadPlanner, TrainguardReader
 
-            reader = TrainguardReader(mgr.store, m)
+            reader = TrainguardReader(ctx.store, m)
             with quiet_dcp():
                 dcp.load(
-                    template, storage_reader=reader, planner=TrainguardLoadPlanner(), **mgr.dist.dcp_kwargs()
+                    template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
                 )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if (
             isinstance(err, CorruptCheckpointError)
-            and mgr.dist.is_coordinator
-            and is_committed(mgr.storage, step)
+            and ctx.dist.is_coordinator
+            and is_committed(ctx.storage, step)
         ):
-            mgr._mark_corrupt(step, err)  # a chunk gone with its deleted checkpoint is not corruption
+            mark_corrupt(ctx, step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
-    mgr._validate_s = scan_loaded(mgr, step, template, m.metadata)  # before the state's objects take them
+    ctx.host._validate_s = scan_loaded(  # before the state's objects take the tensors
+        ctx.host, step, template, m.metadata
+    )
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
-    mgr._restored(m)
-    mgr.last_restore.bytes = reader.bytes_read
+    record_resume(ctx, m)
+    ctx.last_restore.bytes = reader.bytes_read
 
 
-def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError) -> None:
+def mark_corrupt(ctx: RootContext, step: int, err: CorruptCheckpointError) -> None:
     """Record what a restore's full read found, so that every view agrees with it.
 
     Only a confirmed mismatch (``err.damaged``: read twice) or a manifest-level problem condemns the step (and,
@@ -304,13 +330,14 @@ def mark_corrupt(mgr: CheckpointManager, step: int, err: CorruptCheckpointError)
     corruption; a missing chunk needs no record (listing sees it). A read-only manager records too (the records
     are advisory files; nothing is written where the root is read-only) but never moves a chunk.
     """
+    ctx.refs.invalidate()  # statuses changed: retention scans again before it deletes anything
     if err.unreadable:
-        record_check(mgr.storage, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
+        record_check(ctx.storage, step, by="restore", ok=False, problem=str(err), chunk=err.chunk)
         return
     if err.chunk and not err.damaged:
         return
-    if err.chunk and not mgr.read_only:
-        moved = mgr.store.quarantine(err.chunk)
+    if err.chunk and not ctx.read_only:
+        moved = ctx.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-    record_corrupt(mgr.storage, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=mgr.fsync)
+    record_corrupt(ctx.storage, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=ctx.fsync)

@@ -61,6 +61,10 @@ class CheckpointInfo:
         problem: why it is not valid, or why it is unverified (None when valid).
         path: the step directory.
         chunk: the chunk found missing or of the wrong length, when that is the problem.
+        new_bytes: stored bytes the save that wrote it added (fixed at save time; None for checkpoints of
+            older trainguard versions and for corrupt or incomplete ones).
+        logical_bytes: bytes of its tensors and stored values as in memory (None when its manifest is not
+            readable).
         tiers: with tiers configured, tier URL -> ``"valid"``, ``"uploading"``, ``"missing"`` or ``"corrupt"``
             (None without tiers).
     """
@@ -73,6 +77,8 @@ class CheckpointInfo:
     problem: str | None
     path: str
     chunk: str | None = None
+    new_bytes: int | None = None
+    logical_bytes: int | None = None
     tiers: dict[str, str] | None = None
 
     @property
@@ -90,6 +96,8 @@ class CheckpointInfo:
             "step": self.step,
             "status": self.status,
             "bytes": self.bytes,
+            "new_bytes": self.new_bytes,
+            "logical_bytes": self.logical_bytes,
             "time": self.time,
             "problem": self.problem,
             "reason": self.reason,
@@ -128,9 +136,8 @@ def step_dirs(root: str | os.PathLike[str] | Storage) -> tuple[dict[int, Path], 
 
 def listing(root: str | os.PathLike[str] | Storage) -> frozenset[tuple[int, bool]]:
     """``(step, committed)`` for every step directory: what a stable scan compares (cheap: listdir + stats)."""
-    storage = as_storage(root)
-    steps, _ = step_keys(storage)
-    return frozenset((s, storage.exists(f"{k}/{MANIFEST_NAME}")) for s, k in steps.items())
+    committed, uncommitted = committed_split(root)
+    return frozenset([(s, True) for s in committed] + [(s, False) for s in uncommitted])
 
 
 def stable_committed_steps(
@@ -145,6 +152,19 @@ def stable_committed_steps(
         if after == before or time.monotonic() > deadline:
             return sorted(s for s, committed in after if committed)
         before = after
+
+
+def committed_split(root: str | os.PathLike[str] | Storage) -> tuple[list[int], list[int]]:
+    """``(committed, uncommitted)``: the steps whose directory holds a manifest and those whose directory does
+    not (a commit killed midway), both ascending. One listing plus one existence check per step; the one
+    answer to "which steps are committed?" (status beyond that: :func:`inspect_step`, :func:`scan`)."""
+    storage = as_storage(root)
+    steps, _ = step_keys(storage)
+    committed: list[int] = []
+    uncommitted: list[int] = []
+    for s in sorted(steps):
+        (committed if storage.exists(f"{steps[s]}/{MANIFEST_NAME}") else uncommitted).append(s)
+    return committed, uncommitted
 
 
 def is_committed(root: str | os.PathLike[str] | Storage, step: int) -> bool:
@@ -286,7 +306,7 @@ def inspect_step(
     A checkpoint deleted while it is inspected (a writer's retention) lists as ``incomplete`` with the problem
     :data:`GONE`, never as corrupt; :func:`scan` rescans until such races are over.
     """
-    if not (path / MANIFEST_NAME).exists():
+    if not is_committed(root, step):  # through the storage (a restore's in-memory overlay included)
         return _incomplete(step, path, "no manifest (the save did not commit)"), None
     try:
         m = read_manifest(root, step)
@@ -333,7 +353,18 @@ def inspect_step(
             reason = suspect_reason(root, step)
             if reason is not None:
                 status, problem = "suspect", reason
-    return CheckpointInfo(step, status, m.bytes, m.time or iso(m.t), m.t, problem, str(path), bad_chunk), m
+    return CheckpointInfo(
+        step,
+        status,
+        m.bytes,
+        m.time or iso(m.t),
+        m.t,
+        problem,
+        str(path),
+        bad_chunk,
+        new_bytes=m.new_bytes,
+        logical_bytes=m.logical_bytes,
+    ), m
 
 
 def _check_status(root: str | os.PathLike[str] | Storage, step: int) -> tuple[str, str | None]:
@@ -445,7 +476,7 @@ def scan(
 
 
 def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[CheckpointInfo]:
-    from .recovery.events import iter_events
+    from .eventlog import iter_events
 
     last: dict[int, dict[str, object]] = {}
     for ev in iter_events(root, event="save_failed"):

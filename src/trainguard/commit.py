@@ -68,6 +68,7 @@ def build_manifest(
 
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
+    new: set[str] = set()  # chunks this save wrote (not deduplicated): its new_bytes
     split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
     for rank_results in results:
         for wr in rank_results:
@@ -76,7 +77,19 @@ def build_manifest(
             if "split" in sd:
                 split_sizes.add(sd["split"])
             for h, info in sd.get("chunks", {}).items():
-                chunks[h] = ChunkRecord(h, chunk_relpath(h), info["length"], info["crc32c"], info["codec"])
+                chunks[h] = ChunkRecord(
+                    h,
+                    chunk_relpath(h),
+                    info["length"],
+                    info["crc32c"],
+                    info["codec"],
+                    info.get("size"),
+                    info.get("base"),
+                    info.get("delta"),
+                    info.get("word", 0),
+                )
+                if info.get("new"):
+                    new.add(h)
     entries: dict[str, TensorEntry | ValueEntry] = {}
     for fqn, smd in md.state_dict_metadata.items():
         path, rank = strip_rank(tuple(tuple(p) for p in paths[fqn]))
@@ -108,6 +121,7 @@ def build_manifest(
         metadata=dict(metadata or {}),
         top_level=top,
         run=run,
+        new_bytes=sum(chunks[h].length for h in new),
         chunk_sizes=tuple(sorted(split_sizes)),
     )
 

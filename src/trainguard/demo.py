@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .recovery.events import read_events
+from .eventlog import read_events
 
 FAULT_KINDS = ("kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption")
 KIND_LABELS = {
@@ -345,9 +345,11 @@ def summarize(
         if f["kind"] == "silent_corruption":
             # recovered means the damaged step was flagged (suspect) and skipped: a resume from it is a failure
             flagged = [
-                s.get("step")
+                int(s["step"])
                 for s in skipped
-                if s.get("restart_count") == f["attempt"] + 1 and "suspect" in str(s.get("problem", ""))
+                if s.get("restart_count") == f["attempt"] + 1
+                and "suspect" in str(s.get("problem", ""))
+                and isinstance(s.get("step"), int)
             ]
             recovered = recovered and bool(flagged) and resumed is not None and resumed < min(flagged)
         failures.append(

@@ -120,6 +120,15 @@ class MissingDependencyError(TrainguardError, ImportError):
     (``pip install 'trainguard[safetensors]'``)."""
 
 
+class ManagerClosedError(TrainguardError):
+    """A call on a ``CheckpointManager`` after ``close()``: create a new manager."""
+
+
+class ReadOnlyManagerError(TrainguardError):
+    """A write (``save``, ``maybe_save``, ``log_event``) on a manager opened with ``read_only=True``: open a
+    writing manager (one per run root)."""
+
+
 class TransientStorageError(TrainguardError, OSError):
     """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
 

@@ -48,8 +48,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 import torch
 
+from .catalog import is_committed
 from .errors import CheckpointNotFoundError, ConfigError
-from .format import MANIFEST_NAME, step_dir_name
+from .format import MANIFEST_NAME
 from .state.data import ResumableLoader as _ResumableLoader
 from .storage.local import atomic_write
 from .validation.hooks import FINITE_SCOPE_KEY
@@ -246,7 +247,7 @@ class TrainguardCheckpointIO(CheckpointIO):
             # recorded with the checkpoint: any reader's scan after load covers the same entries
             meta = None if scope is None else {FINITE_SCOPE_KEY: list(scope)}
             if previous is None:
-                committed = (self.root / step_dir_name(step) / MANIFEST_NAME).exists()  # e.g. before a crash
+                committed = is_committed(self.root, step)  # e.g. before a crash
                 handle = mgr.save(
                     step, state, metrics=_metrics(checkpoint), metadata=meta, overwrite=committed
                 )

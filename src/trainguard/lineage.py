@@ -26,7 +26,7 @@ from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
 from .storage.base import Storage
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ._context import RootContext
 
 log = logging.getLogger("trainguard")
 
@@ -66,13 +66,13 @@ def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
     return None
 
 
-def foreign_steps(mgr: CheckpointManager) -> dict[int, str]:
-    """Committed checkpoints under the root that are not in ``mgr.run``'s lineage: step -> run id."""
-    dirs, _ = step_dirs(mgr.storage)
+def foreign_steps(ctx: RootContext) -> dict[int, str]:
+    """Committed checkpoints under the root that are not in ``ctx.run``'s lineage: step -> run id."""
+    dirs, _ = step_dirs(ctx.storage)
     out = {}
     for s in sorted(dirs):
-        rid = run_of(mgr.storage, s, mgr._manifest_runs)
-        if rid is not None and not mgr.run.owns(rid, s):
+        rid = run_of(ctx.storage, s, ctx.refs.runs)
+        if rid is not None and not ctx.run.owns(rid, s):
             out[s] = rid
     return out
 
@@ -87,7 +87,7 @@ def _describe(foreign: dict[int, str]) -> str:
     )
 
 
-def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
+def check_before_first_save(ctx: RootContext, step: int) -> None:
     """Before the first save of a manager that did not restore: never interleave with another run.
 
     - No other run's checkpoint under the root: a new run starts.
@@ -100,77 +100,75 @@ def check_before_first_save(mgr: CheckpointManager, step: int) -> None:
     Raises:
         RunConflictError: on every rank, naming the other run(s), their steps and the three ways out.
     """
-    if mgr._resumed or mgr.new_run:
+    if ctx.resumed or ctx.new_run:
         return
     msg = b""
     parent: list[int] = []
-    if mgr.dist.is_coordinator:
-        foreign = foreign_steps(mgr)
+    if ctx.dist.is_coordinator:
+        foreign = foreign_steps(ctx)
         if foreign and max(foreign) >= step:
             msg = (
-                f"{mgr.root} holds checkpoints of another run ({_describe(foreign)}) and this manager "
-                f"(run {mgr.run.run_id}) did not resume it; saving step {step} would interleave the two runs' "
+                f"{ctx.root} holds checkpoints of another run ({_describe(foreign)}) and this manager "
+                f"(run {ctx.run.run_id}) did not resume it; saving step {step} would interleave the two runs' "
                 "checkpoints. Either call restore_latest(state) before the first save to resume that run, use a "
                 "new run root for a new run, or pass CheckpointManager(..., new_run=True) to start a new run "
                 "here that keeps the old run's checkpoints apart (its retention and restore_latest ignore them)."
             ).encode()
         elif foreign:
             parent = [max(foreign)]
-    msg = mgr.dist.broadcast_bytes(msg)
+    msg = ctx.dist.broadcast_bytes(msg)
     if msg:
         raise RunConflictError(msg.decode())
-    parent = mgr.dist.broadcast_ints(parent)
+    parent = ctx.dist.broadcast_ints(parent)
     if parent:
-        m = read_manifest(mgr.storage, parent[0]) if mgr.dist.is_coordinator else None
-        info = mgr.dist.broadcast_bytes(json.dumps(m.run.to_json() if m and m.run else None).encode())
-        mgr.run = mgr.run.resume(run_from_json(json.loads(info)), parent[0])
-        src = mgr.run.resumed_from
+        m = read_manifest(ctx.storage, parent[0]) if ctx.dist.is_coordinator else None
+        info = ctx.dist.broadcast_bytes(json.dumps(m.run.to_json() if m and m.run else None).encode())
+        ctx.run = ctx.run.resume(run_from_json(json.loads(info)), parent[0])
+        src = ctx.run.resumed_from
         log.info(
-            "run %s continues after step %d of run %s (it did not restore)", mgr.run.run_id, parent[0], src
+            "run %s continues after step %d of run %s (it did not restore)", ctx.run.run_id, parent[0], src
         )
-        mgr._event(
+        ctx.event(
             "resume",
             resumed_from={"run_id": src[0] if src else "", "step": parent[0]},
-            lineage=mgr.run.to_json()["lineage"],
+            lineage=ctx.run.to_json()["lineage"],
             implicit=True,
         )
 
 
-def record_resume(mgr: CheckpointManager, m: Manifest) -> None:
-    """Record the checkpoint ``m`` just loaded as the parent of ``mgr``'s run (a writing manager only): its
+def record_resume(ctx: RootContext, m: Manifest) -> None:
+    """Record the checkpoint ``m`` just loaded as the parent of the context's run (a writing manager only): its
     lineage goes into every later manifest, and a ``resume`` event is logged."""
-    if mgr.read_only:
+    if ctx.read_only:
         return
-    mgr.run = mgr.run.resume(m.run, m.step)
-    mgr._resumed = True
+    ctx.run = ctx.run.resume(m.run, m.step)
+    ctx.resumed = True
     parent = m.run.run_id if m.run is not None else LEGACY_RUN_ID
-    log.info("run %s resumes run %s at step %d", mgr.run.run_id, parent or "(unnamed)", m.step)
-    mgr._event(
-        "resume", resumed_from={"run_id": parent, "step": m.step}, lineage=mgr.run.to_json()["lineage"]
-    )
+    log.info("run %s resumes run %s at step %d", ctx.run.run_id, parent or "(unnamed)", m.step)
+    ctx.event("resume", resumed_from={"run_id": parent, "step": m.step}, lineage=ctx.run.to_json()["lineage"])
 
 
-def check_step_owner(mgr: CheckpointManager, step: int) -> None:
+def check_step_owner(ctx: RootContext, step: int) -> None:
     """Explain a step collision with another run's checkpoint (a root holds one checkpoint per step).
 
     Raises:
         CheckpointExistsError: the committed checkpoint of ``step`` belongs to a run outside this lineage.
     """
-    rid = run_of(mgr.storage, step)
-    if rid is not None and not mgr.run.owns(rid, step):
+    rid = run_of(ctx.storage, step)
+    if rid is not None and not ctx.run.owns(rid, step):
         raise CheckpointExistsError(
-            f"step {step} under {mgr.root} holds a checkpoint of another run ({rid or '(unnamed)'}), kept apart "
-            f"from this run ({mgr.run.run_id}); a run root holds one checkpoint per step, so this run cannot "
+            f"step {step} under {ctx.root} holds a checkpoint of another run ({rid or '(unnamed)'}), kept apart "
+            f"from this run ({ctx.run.run_id}); a run root holds one checkpoint per step, so this run cannot "
             "save that step here. Start the new run in a new run root, or delete the other run's checkpoints "
             "deliberately."
         )
 
 
-def own(mgr: CheckpointManager, steps: list[int]) -> list[int]:
-    """The steps whose checkpoints are in ``mgr.run``'s lineage (unreadable ones are left out)."""
+def own(ctx: RootContext, steps: list[int]) -> list[int]:
+    """The steps whose checkpoints are in ``ctx.run``'s lineage (unreadable ones are left out)."""
     out = []
     for s in steps:
-        rid = run_of(mgr.storage, s, mgr._manifest_runs)
-        if rid is not None and mgr.run.owns(rid, s):
+        rid = run_of(ctx.storage, s, ctx.refs.runs)
+        if rid is not None and ctx.run.owns(rid, s):
             out.append(s)
     return out

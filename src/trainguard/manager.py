@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -23,34 +22,43 @@ from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _persist, _restore, _statefn, _worker, lineage
+from . import _persist, _restore, _statefn, lineage
+from ._config import (
+    check_distributed_options,
+    check_options,
+    open_root,
+    open_storage,
+    root_problem,
+    validation_options,
+)
+from ._context import RootContext
 from ._lock import RootLock
-from .catalog import CheckpointInfo, inspect_step, scan
-from .commit import publish
+from .catalog import CheckpointInfo, inspect_step, is_committed, scan
 from .distributed.context import DistContext
 from .distributed.options import WriterOptions
 from .errors import (
     CheckpointExistsError,
     ConfigError,
-    CorruptCheckpointError,
+    ManagerClosedError,
+    ReadOnlyManagerError,
     RootLockedError,
     SaveError,
     TrainguardError,
-    UnsafeFileError,
 )
-from .format import Manifest, step_dir_name
-from .format.layout import MANIFEST_NAME
+from .eventlog import OWN_EVENTS, EventLog
+from .format import step_dir_name
 from .format.run import RunInfo, new_run_id
+from .incremental.auto import CompressionChooser
 from .incremental.chunkstore import ChunkStore
+from .incremental.delta import IncrementalState
 from .policies import SavePolicy
-from .recovery.events import OWN_EVENTS, EventLog
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave, Stager
+from .staging.persister import AsyncPersister, SaveRequest, register_exit_flush
 from .state import per_rank
 from .storage.base import Storage
-from .storage.local import LocalStorage
 
 if TYPE_CHECKING:
     from .validation.scrub import Scrubber
@@ -123,6 +131,16 @@ class CheckpointManager:
             ResumeDivergedError and marks the checkpoints suspect (0: off).
         scrub_interval_s: re-verify the committed checkpoints in a background thread every this many seconds
             (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it.
+        compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
+            that measured faster on this storage: the write time of this manager's own saves both ways; before
+            compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
+            the decision and its inputs are logged and in each ``save`` event), ``"zstd"`` (always: space over
+            time) or ``"off"``.
+        delta: write each changed tensor piece as a delta (integer difference) against the same piece of the
+            previous save when that is smaller than compressing it alone; only in compressed saves. Holds one
+            host copy of the last saved tensors (default False).
+        max_chain: a save writes no new delta at least every ``max_chain`` saves, and no chunk's chain of
+            delta bases reaches ``max_chain`` links (default 10), bounding what a restore reads.
 
     Raises:
         RootLockedError: another process holds the write lock of ``root``.
@@ -164,6 +182,9 @@ class CheckpointManager:
         scrub_interval_s: float | None = None,
         tiers: list[Any] | None = None,
         storage_options: dict[str, Any] | None = None,
+        compression: str = "auto",
+        delta: bool = False,
+        max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
         from .storage.objects import is_url
@@ -183,26 +204,19 @@ class CheckpointManager:
             raise ConfigError(
                 "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
             )
-        if isinstance(root, (str, os.PathLike)):
-            try:
-                self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
-            except ValueError as e:  # the storage checks its own options
-                raise ConfigError(str(e)) from None
-        elif isinstance(root, Storage) and root.local_path is not None:
-            self.storage = root
-        else:
-            raise ConfigError(
-                f"root must be a directory path or a trainguard.storage.Storage with a local directory, got "
-                f"{root!r}"
-            )
-        self.root: Path = self.storage.local_path  # type: ignore[assignment]  # checked just above
+        self.storage = open_storage(root, fsync=fsync, durability=durability)
+        self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
         self.read_only = read_only
         self.save_policy: SavePolicy = save_policy if save_policy is not None else EveryNSteps(1000)
-        if not isinstance(self.save_policy, SavePolicy):
-            raise ConfigError(
-                f"save_policy must have should_save()/record_save() (e.g. tg.EveryNSteps(100)), got "
-                f"{type(save_policy).__name__}"
-            )
+        collective = check_options(
+            save_policy=self.save_policy,
+            when_busy=when_busy,
+            dist_timeout_s=dist_timeout_s,
+            collective=collective,
+            read_only=read_only,
+            staging_buffers=staging_buffers,
+            save_timeout_s=save_timeout_s,
+        )
         self.retention = as_retention(keep)
         validation_options(
             check_finite=check_finite,
@@ -223,87 +237,87 @@ class CheckpointManager:
         self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
         self._trajectory: Recorder | None = None  # set for a writer (below)
         self._scrubber: Scrubber | None = None
+        # with deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
+        # previous save; a shared pack of many small tensors changes whenever any of them does)
         self.options = WriterOptions(
-            chunk_size_bytes=chunk_size_bytes, pack_threshold_bytes=min(1 << 20, chunk_size_bytes)
+            chunk_size_bytes=chunk_size_bytes,
+            pack_threshold_bytes=min((64 << 10) if delta else (1 << 20), chunk_size_bytes),
         )
+        try:
+            self.compression = CompressionChooser(compression, threads=self.options.threads)
+            if isinstance(max_chain, bool) or not isinstance(max_chain, int):
+                raise ValueError(f"max_chain must be an int >= 1, got {max_chain!r}")
+            self.incremental = IncrementalState(delta=bool(delta), max_chain=max_chain)
+        except ValueError as e:
+            raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
+        if delta and compression == "off":
+            raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
-        if when_busy not in ("wait", "skip"):
-            raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if dist_timeout_s is not None and (
-            isinstance(dist_timeout_s, bool)
-            or not isinstance(dist_timeout_s, (int, float))
-            or not 0 < dist_timeout_s < float("inf")
-        ):
-            raise ConfigError(f"dist_timeout_s must be a number of seconds > 0, got {dist_timeout_s!r}")
-        if collective is None:
-            collective = not read_only
-        if not collective and not read_only:
-            raise ConfigError(
-                "a writing manager must be collective under torch.distributed (every rank writes its shards); "
-                "collective=False is for read_only=True"
-            )
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
-        self.run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
-        self._resumed = False
+        run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
+        self.ctx = RootContext(
+            root=self.root,
+            storage=self.storage,
+            store=self.store,
+            dist=self.dist,
+            options=self.options,
+            retention=self.retention,
+            run=run,
+            fsync=fsync,
+            read_only=read_only,
+            new_run=self.new_run,
+            event=self._event,
+            in_flight_since=lambda: self._persister.in_flight_since() if self._persister else time.time(),
+            staging_bytes=lambda: self.staging_bytes,
+            saves=deque(maxlen=SAVES_KEPT),  # the most recent committed saves of this manager, in order
+            compression=self.compression,
+            incremental=self.incremental,
+            host=self,  # validation (issue 11) reads its settings and state from the manager
+        )
         self._run_checked = read_only
-        if self.dist.enabled and when_busy == "skip":
-            raise ConfigError(
-                "when_busy='skip' is not supported under torch.distributed (ranks could skip "
-                "different saves); use 'wait'"
-            )
-        if staging_buffers < 1:
-            raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
-        if save_timeout_s is not None and not (
-            isinstance(save_timeout_s, (int, float))
-            and not isinstance(save_timeout_s, bool)
-            and save_timeout_s > 0
-        ):
-            raise ConfigError(
-                f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}"
-            )
-        if save_timeout_s is not None and self.dist.enabled:
-            raise ConfigError(
-                "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
-                "ranks' collectives out of step); rely on the supervisor's heartbeat timeout"
-            )
+        check_distributed_options(
+            dist_enabled=self.dist.enabled, when_busy=when_busy, save_timeout_s=save_timeout_s
+        )
         self.save_timeout_s = None if save_timeout_s is None else float(save_timeout_s)
         self.async_save = bool(async_save)
         self.when_busy = when_busy
         self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._pending: list[PendingSave] = []
-        self._in_flight: set[int] = set()
-        self._in_flight_t: dict[int, float] = {}  # step -> wall time its save began
-        self._job_lock = threading.Lock()
-        self._current: _worker.Job | None = None  # the job the worker is persisting
-        self._abandoned: list[_worker.Job] = []  # abandoned jobs (their threads may still be stuck)
-        self.last_restore = RestoreTimings()
-        # the most recent SAVES_KEPT committed saves of this manager, in commit order
-        self.saves: deque[SaveResult] = deque(maxlen=SAVES_KEPT)
+        self._persister: AsyncPersister | None = None
+        if (
+            self._stager is not None
+        ):  # the async engine: queue, worker thread, in-flight saves, stall watchdog
+            self._persister = AsyncPersister(
+                self._persist_request,
+                self._stager,
+                save_timeout_s=self.save_timeout_s,
+                last_progress=lambda: self.store.last_progress,
+                event=self._event,
+                on_persisted=lambda step, staging_s, result: self.save_policy.record_save(
+                    step, now_s=time.monotonic(), block_s=staging_s, persist_s=result.persist_s
+                ),
+                rank=self.dist.rank,
+                where=str(self.root),
+            )
         self._exit_flush: Any = None
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
         self._first_step_logged = False
         self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
-        self._manifest_chunks: dict[int, set[str]] = {}
-        self._manifest_runs: dict[int, str] = {}  # step -> id of the run that wrote it (retention's cache)
-        self._manifest_metrics: dict[int, dict[str, Any]] = {}
         self._metrics: Any = None
         if read_only:
             if self.url is not None or tiers:  # the hot root a restore from the tiers copies into
                 self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
-                raise ConfigError(_root_problem(self.root) or f"run root {self.root} is not a directory")
+                raise ConfigError(root_problem(self.root) or f"run root {self.root} is not a directory")
             if tiers:
                 self._open_tiers(tiers, writer=False)
             return
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
-        self._events = _open_root(self.root)
+        self._events = open_root(self.root)
         from .observe.metrics import SaveMetrics
 
         self._metrics = SaveMetrics(metrics_registry)
@@ -317,7 +331,7 @@ class CheckpointManager:
             try:
                 self._lock = RootLock(self.root)
                 self._lock.acquire()
-                self._cleanup_after_crash()
+                cleanup_after_crash(self.ctx)
             except RootLockedError as e:
                 locked = str(e)
             except BaseException:
@@ -346,12 +360,16 @@ class CheckpointManager:
                     self._lock.release()
                 self._events.close()
                 raise
-        self._exit_flush = _worker.register_exit_flush(self)  # an async save is never lost silently at exit
+        self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
         from .validation.trajectory import Recorder
 
         self._trajectory = Recorder(
-            self.root, self.run.run_id, self.trajectory_steps, coordinator=self.dist.is_coordinator
+            self.root,
+            self.run.run_id,
+            self.trajectory_steps,
+            coordinator=self.dist.is_coordinator,
+            world_size=self.dist.world_size,
         )
         if self.scrub_interval_s is not None and self.dist.is_coordinator:
             from .validation.scrub import Scrubber
@@ -379,7 +397,7 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
-        abandoned = sorted(_abandoned(self))
+        abandoned = sorted(self._persister.abandoned_steps()) if self._persister else []
         if abandoned:
             log.error(
                 "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
@@ -394,9 +412,8 @@ class CheckpointManager:
             import atexit
 
             atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        if self._persister is not None:
+            self._persister.stop()
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
@@ -436,9 +453,11 @@ class CheckpointManager:
 
     def _check_writable(self) -> None:
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         if self.read_only:
-            raise TrainguardError("this CheckpointManager was opened with read_only=True; it cannot save")
+            raise ReadOnlyManagerError(
+                "this CheckpointManager was opened with read_only=True; it cannot save"
+            )
 
     def _event(self, name: str, **fields: Any) -> None:
         if self._events is not None:
@@ -454,12 +473,12 @@ class CheckpointManager:
 
         Args:
             event: the event name (not one of trainguard's own:
-                :data:`trainguard.recovery.events.OWN_EVENTS`).
+                :data:`trainguard.eventlog.OWN_EVENTS`).
             **fields: JSON-serializable fields.
 
         Raises:
             ConfigError: an empty name or one of trainguard's own event names.
-            TrainguardError: the manager is read-only or closed (it has no event log then).
+            ReadOnlyManagerError, ManagerClosedError: the manager is read-only or closed (no event log then).
         """
         if not isinstance(event, str) or not event.strip():
             raise ConfigError(f"event must be a non-empty string, got {event!r}")
@@ -469,7 +488,7 @@ class CheckpointManager:
                 "(e.g. 'fault_injected' or 'user_note')"
             )
         if self._events is None or self._closed:
-            raise TrainguardError(
+            raise (ManagerClosedError if self._closed else ReadOnlyManagerError)(
                 "this CheckpointManager has no event log (read_only=True or closed); log from the writer"
             )
         self._events.write(event, **fields)
@@ -520,13 +539,13 @@ class CheckpointManager:
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
 
-            if step not in self._in_flight and not (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+            if not self._in_flight(step) and not is_committed(self.storage, step):
                 self.save(step, state, metrics=metrics)
             self.close()
             exit_after_preemption_save()
         self._raise_background_error()
         if force:
-            if step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists():
+            if self._in_flight(step) or is_committed(self.storage, step):
                 return None  # the policy already saved this step
             return self._save(step, state, metrics=metrics, metadata=None, overwrite=False, block=True)
         if self._should_save(step):
@@ -619,17 +638,15 @@ class CheckpointManager:
                 raise ConfigError(bad_layout)
             self._layout_ok = True
         if not self._run_checked:
-            lineage.check_before_first_save(self, step)
+            lineage.check_before_first_save(self.ctx, step)
             self._run_checked = True
             if self.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
-                apply_retention(self, at_open=True)
-        if not overwrite and (
-            step in self._in_flight or (self.root / step_dir_name(step) / MANIFEST_NAME).exists()
-        ):
+                apply_retention(self.ctx, at_open=True)
+        if not overwrite and (self._in_flight(step) or is_committed(self.storage, step)):
             d = self.root / step_dir_name(step)
-            info = None if step in self._in_flight else inspect_step(self.storage, step, d, self.store)[0]
+            info = None if self._in_flight(step) else inspect_step(self.storage, step, d, self.store)[0]
             if info is not None and info.usable:
-                lineage.check_step_owner(self, step)
+                lineage.check_step_owner(self.ctx, step)
             if info is None or info.usable:
                 raise CheckpointExistsError(
                     f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
@@ -647,20 +664,21 @@ class CheckpointManager:
             flat, paths = per_rank.split(flat, paths, top, self.dist)
             handle = PendingSave(step)
             try:
-                result = _persist.persist(self, step, flat, paths, top, metrics, metadata, t0, blocking=True)
+                result = _persist.persist(
+                    self.ctx, step, flat, paths, top, metrics, metadata, t0, blocking=True
+                )
             except SaveError as e:
-                handle._set_error(e)
-                handle._error_seen = True
+                handle.fail(e, seen=True)
                 raise
             handle.staging_s = result.block_s
-            handle._set_result(result)
+            handle.resolve(result)
             self.save_policy.record_save(step, now_s=now0, block_s=result.block_s, persist_s=None)
             self.save_policy.record_save(
                 step, now_s=time.monotonic(), block_s=result.block_s, persist_s=result.persist_s
             )
             return handle
-        assert self._stager is not None
-        bufset = _worker.acquire(self, block=block)
+        assert self._stager is not None and self._persister is not None
+        bufset = self._persister.acquire(block=block)
         try:
             self._raise_background_error()  # a save abandoned while this one waited for its buffers
         except BaseException:
@@ -691,13 +709,25 @@ class CheckpointManager:
             ) from e
         staging_s = time.perf_counter() - t0
         handle = PendingSave(step, staging_s)
-        self._in_flight.add(step)
-        self._in_flight_t[step] = time.time()
-        self._pending.append(handle)
         self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
-        self._ensure_worker()
-        self._queue.put(_worker.Job(handle, bufset, (staged, paths, top, metrics, metadata, t0)))
+        self._persister.submit(SaveRequest(step, staged, paths, top, metrics, metadata, t0), handle, bufset)
         return handle
+
+    def _persist_request(self, req: SaveRequest, staging_s: float, cancel: threading.Event) -> SaveResult:
+        """The save path of a background save (run by the AsyncPersister's worker thread)."""
+        return _persist.persist(
+            self.ctx,
+            req.step,
+            dict(req.staged),
+            req.paths,
+            req.top,
+            req.metrics,
+            req.metadata,
+            req.t0,
+            blocking=False,
+            staging_s=staging_s,
+            cancel=cancel,
+        )
 
     def _run_probe(self, step: int) -> None:
         """Compute the probe in the caller's thread; its record goes with this step's save."""
@@ -709,40 +739,16 @@ class CheckpointManager:
         outputs = compute(self.probe)
         self._probes[step] = (outputs, time.perf_counter() - t)
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(
-                target=_worker.work, args=(self, self._queue), name="trainguard-persist", daemon=True
-            )
-            self._worker.start()
+    def _in_flight(self, step: int) -> bool:
+        return self._persister is not None and self._persister.in_flight(step)
 
-    def _load(self, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> None:
-        _restore.load(self, step, state, strict=strict)
-
-    def _restored(self, m: Manifest) -> None:
-        lineage.record_resume(self, m)
-
-    def _mark_corrupt(self, step: int, err: CorruptCheckpointError) -> None:
-        _restore.mark_corrupt(self, step, err)
-
-    def _publish(self, m: Manifest, extra: Callable[[bytes], dict[str, bytes]] | None = None) -> None:
-        publish(self.storage, m, fsync=self.fsync, extra=extra)
+    def _pending_steps(self) -> list[int]:
+        return self._persister.pending_steps() if self._persister is not None else []
 
     def _raise_background_error(self) -> None:
-        """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
-        err = None
-        keep = []
-        for h in self._pending:
-            if not h.done():
-                keep.append(h)
-            elif h.error is not None and not h._error_seen and err is None:
-                h._error_seen = True
-                err = h.error
-            elif h.error is not None and not h._error_seen:
-                keep.append(h)
-        self._pending = keep
-        if err is not None:
-            raise err
+        """Raise (once) the error of a background save nobody has seen yet."""
+        if self._persister is not None:
+            self._persister.raise_background_error()
 
     @property
     def metrics_registry(self) -> Any:
@@ -765,22 +771,28 @@ class CheckpointManager:
             SaveError: a background save failed (raised once).
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in list(self._pending):
-            if not _worker.wait_handle(self, h, deadline):
-                raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
-        self._raise_background_error()
+        if self._persister is not None:
+            self._persister.wait(timeout)
 
-    # -- retention (rank 0) -------------------------------------------------------------------------------
-    def _apply_retention(self) -> None:
-        apply_retention(self)
+    # -- state shared with the collaborators (RootContext) ------------------------------------------------
+    @property
+    def run(self) -> RunInfo:
+        """This manager's run identity (its lineage once a restore resumed one)."""
+        return self.ctx.run
 
-    def _cleanup_after_crash(self) -> None:
-        cleanup_after_crash(self)
+    @property
+    def saves(self) -> deque[SaveResult]:
+        """The most recent committed saves of this manager (at most 1000), in commit order."""
+        return self.ctx.saves
 
-    def _oldest_in_flight_t(self) -> float:
-        """Wall time the oldest save still in flight began (now when none)."""
-        return min([t for t in self._in_flight_t.values()] or [time.time()])
+    @property
+    def last_restore(self) -> RestoreTimings:
+        """Timings and bytes of the last restore."""
+        return self.ctx.last_restore
+
+    @last_restore.setter
+    def last_restore(self, value: RestoreTimings) -> None:
+        self.ctx.last_restore = value
 
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -837,12 +849,14 @@ class CheckpointManager:
                 or missing optimizer state); the message lists the checkpoint's and the target's side.
         """
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        if self._tiers is not None:
-            self._tiers.materialize(step)  # chunks missing or corrupt on the hot root are read from a tier
-        self._load(step, state, strict=strict)
+        if self._tiers is not None:  # chunks missing or corrupt on the hot root: read from a tier into memory
+            with self._tiers.restoring(self.ctx, step):
+                _restore.load(self.ctx, step, state, strict=strict)
+        else:
+            _restore.load(self.ctx, step, state, strict=strict)
         load_s = time.perf_counter() - t0
         from .validation.hooks import check_probe
 
@@ -862,115 +876,31 @@ class CheckpointManager:
         passed over). A checkpoint that a writer in another process deletes meanwhile is not an error: the root
         is listed again. A writing manager records the restored checkpoint's run as its parent (its lineage).
 
+        Args:
+            state: name -> object, as given to ``save``; loaded in place.
+            strict: as in :meth:`restore`.
+
         Returns:
             The restored step, or None when the root holds no committed checkpoint at all.
 
         Raises:
             NoValidCheckpointError: checkpoints exist but none is valid (never silently starts from scratch).
             StateMismatchError: the state does not match the checkpoint (not a reason to fall back).
+            ManagerClosedError: the manager is closed.
         """
         if self._closed:
-            raise TrainguardError("this CheckpointManager is closed; create a new one")
+            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        if self._tiers is not None:
-            self._tiers.materialize()  # the newest step restorable from any tier, intact on the hot root
-        step = _restore.restore_latest(self, state, timings, strict=strict)
+        if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: read into memory
+            with self._tiers.restoring(self.ctx):
+                step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+        else:
+            step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:
             self.last_restore = timings
             self._arm_trajectory(step)
         return step
-
-
-def validation_options(
-    *,
-    check_finite: str,
-    probe: Any,
-    probe_rtol: float,
-    probe_atol: float,
-    trajectory_steps: int,
-    scrub_interval_s: float | None,
-) -> None:
-    """Check the validation options (issue 11).
-
-    Raises:
-        ConfigError: naming the option and what it accepts.
-    """
-    from .validation import CHECK_FINITE_MODES
-
-    if check_finite not in CHECK_FINITE_MODES:
-        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
-    if probe is not None and not callable(probe):
-        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
-    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
-    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
-        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
-    if scrub_interval_s is not None and (
-        isinstance(scrub_interval_s, bool)
-        or not isinstance(scrub_interval_s, (int, float))
-        or not 0 < scrub_interval_s < float("inf")
-    ):
-        raise ConfigError(
-            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
-        )
-
-
-def _root_problem(root: Path) -> str | None:
-    """Why ``root`` cannot be a run root (it exists but is not a directory), or None.
-
-    One ``stat`` decides, so a root another rank creates meanwhile is never taken for a file."""
-    import stat as _stat
-
-    try:
-        st = os.stat(root)  # follows a symlink to its target
-    except FileNotFoundError:
-        if os.path.islink(root):
-            return (
-                f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist: fix the link "
-                "or choose another root"
-            )
-        return None
-    except OSError:
-        return None  # the mkdir or the event log that follows reports it
-    if _stat.S_ISDIR(st.st_mode):
-        return None
-    if os.path.islink(root):
-        return (
-            f"run root {root} is a symlink to {os.readlink(root)!r}, which is not a directory: fix the link or "
-            "choose another root"
-        )
-    return f"run root {root} is a file, not a directory: choose another root"
-
-
-def _open_root(root: Path) -> EventLog:
-    """Create the run root of a writer (if missing) and its event log, with clear errors for odd roots."""
-    problem = _root_problem(root)
-    if problem is not None:
-        raise ConfigError(problem)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        return EventLog(root, "manager")
-    except UnsafeFileError:
-        raise
-    except OSError as e:
-        import errno
-
-        if e.errno == errno.EROFS:
-            why = "is on a read-only filesystem"
-        elif e.errno in (errno.EACCES, errno.EPERM):
-            why = "is not writable by this user"
-        else:
-            why = f"cannot be written ({e.strerror or e})"
-        raise ConfigError(
-            f"run root {root} {why}: choose a writable root, or open it with "
-            "CheckpointManager(root, read_only=True) to list and restore only"
-        ) from None
-
-
-def _abandoned(mgr: CheckpointManager) -> set[int]:
-    return {j.handle.step for j in mgr._abandoned}
 
 
 def _cache_root(url: str) -> Path:

@@ -8,7 +8,7 @@ Under torch.distributed every rank must save at the same steps. A policy whose a
 sets ``step_based = True``; for any other policy (time-based, adaptive) the manager broadcasts rank 0's answer.
 
 The manager calls ``policy.bind(root, events)`` once, if the policy has that method, giving it the run root and
-the manager's :class:`~trainguard.recovery.events.EventLog` (adaptive policies read failures from the log and
+the manager's :class:`~trainguard.eventlog.EventLog` (adaptive policies read failures from the log and
 record why they chose an interval).
 """
 

@@ -12,10 +12,12 @@ class SaveResult:
 
     Attributes:
         step: the step saved.
-        bytes: bytes of chunk data the checkpoint references.
+        bytes: stored bytes of every chunk the checkpoint references (delta bases included).
         bytes_written: bytes actually written (chunks already present are not written again).
         block_s: seconds the caller was blocked.
         persist_s: seconds from the start of the save to the commit.
+        new_bytes: stored bytes this save added (fixed at save time; ``bytes_written`` of all ranks).
+        logical_bytes: bytes of the checkpoint's tensors and stored values as in memory.
     """
 
     step: int
@@ -23,6 +25,8 @@ class SaveResult:
     bytes_written: int
     block_s: float
     persist_s: float
+    new_bytes: int = 0
+    logical_bytes: int = 0
 
 
 @dataclass

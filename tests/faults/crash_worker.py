@@ -42,8 +42,9 @@ def install_hook(point: str, at: int, marker: str) -> None:
     """Monkeypatch this process so that it stops at the ``at``-th occurrence of ``point``."""
     from faultlib import is_chunk_tmp
 
-    import trainguard.manager as manager
     import trainguard.storage.local as local
+    from trainguard.format.layout import parse_step_dir
+    from trainguard.storage import LocalStorage
 
     lock = threading.Lock()
     seen = [0]
@@ -86,15 +87,16 @@ def install_hook(point: str, at: int, marker: str) -> None:
                 fire(chunk=str(dst))
 
         os.replace = replace
-    elif point == "before_publish":
-        real_publish = manager.CheckpointManager._publish
+    elif point == "before_publish":  # every chunk durable; the step directory not created yet
+        real_make_dir = LocalStorage.make_dir
 
-        def _publish(self: Any, m: Any) -> None:
-            if hit():
-                fire(step=m.step)
-            real_publish(self, m)
+        def make_dir(self: Any, prefix: str) -> bool:
+            parsed = parse_step_dir(prefix)
+            if parsed is not None and not parsed[1] and hit():
+                fire(step=parsed[0])
+            return real_make_dir(self, prefix)
 
-        manager.CheckpointManager._publish = _publish
+        LocalStorage.make_dir = make_dir  # type: ignore[method-assign]
     elif point == "step_dir_created":
         real_write_file = local.write_file  # what atomic_write calls for the manifest's temporary file
 
@@ -104,15 +106,15 @@ def install_hook(point: str, at: int, marker: str) -> None:
             real_write_file(path, buf, fsync=fsync)
 
         local.write_file = write_file_
-    elif point == "after_commit":
-        real_retention = manager.CheckpointManager._apply_retention
+    elif point == "after_commit":  # the manifest published (committed); retention not run yet
+        real_publish = LocalStorage.publish
 
-        def _apply_retention(self: Any) -> None:
-            if hit():
-                fire(steps=sorted(self._manifest_chunks))
-            real_retention(self)
+        def publish(self: Any, key: str, data: bytes, *, durable: bool = True) -> None:
+            real_publish(self, key, data, durable=durable)
+            if key.endswith("/manifest.json") and hit():
+                fire(step=parse_step_dir(key.split("/", 1)[0]))
 
-        manager.CheckpointManager._apply_retention = _apply_retention
+        LocalStorage.publish = publish  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown kill point {point!r}")
 

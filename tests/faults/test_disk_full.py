@@ -25,6 +25,7 @@ from faultlib import (
     blank_state,
     chunk_files,
     commit_save,
+    faulty_local,
     is_chunk_tmp,
     make_state,
     manifest_path,
@@ -40,6 +41,7 @@ import trainguard.incremental.chunkstore as chunkstore
 import trainguard.storage.local as local
 from trainguard.cli.main import main as cli
 from trainguard.integrity.verify import verify
+from trainguard.storage import Fault
 
 MODES = save_modes()
 
@@ -270,13 +272,12 @@ def test_any_other_failure_in_a_save_raises_save_error_and_commits_nothing(run, 
         monkeypatch.setattr(local, "write_file", inject)
         fired = inject.injections
         cause = OSError
-    else:  # a failure in the commit itself
-
-        def publish(self: Any, m: Any) -> None:
-            fired.append(m.step)
-            raise RuntimeError("injected failure in the commit")
-
-        monkeypatch.setattr(tg.CheckpointManager, "_publish", publish)
+    else:  # a failure in the commit itself: publishing the manifest raises
+        disk = faulty_local(
+            monkeypatch,
+            Fault("write", match="*/manifest.json", exc=RuntimeError("injected failure in the commit")),
+        )
+        fired = disk.injected
         cause = RuntimeError
     with tg.CheckpointManager(root, **mode) as mgr:
         with pytest.raises(tg.SaveError) as ei:

@@ -141,7 +141,7 @@ def test_an_odd_event_log_file_is_skipped_by_ls_and_read_events(root, tmp_path, 
 
 
 def test_an_oversized_event_log_file_is_skipped(root, monkeypatch):
-    import trainguard.recovery.events as events
+    import trainguard.eventlog as events
 
     (root / "events" / "big-1-abc.jsonl").write_text(
         json.dumps({"t": 1.0, "event": "save", "step": 99, "block_s": 1.0}) + "\n" + " " * 4096 + "\n"

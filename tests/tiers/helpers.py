@@ -31,3 +31,18 @@ def weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def save_on_shared_tier(tmp_path: Any, step: int) -> tuple[Any, dict[str, Any]]:
+    """Train 2 steps and save ``step`` from ``tmp_path/node1`` with ``tmp_path/shared`` as a tier (a shared
+    filesystem); returns the tier's path and the state saved."""
+    import trainguard as tg
+
+    shared = tmp_path / "shared"
+    state = make_state()
+    with tg.CheckpointManager(
+        tmp_path / "node1", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK
+    ) as mgr:
+        train(state, 2)
+        mgr.save(step, state).wait()
+    return shared, state

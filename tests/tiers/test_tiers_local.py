@@ -13,7 +13,7 @@ from trainguard.recovery.events import read_events
 from trainguard.storage.objects import FsspecObjects, LocalObjects, ObjectStore, open_objects
 from trainguard.tiers.remote import RemoteRoot
 
-from .helpers import CHUNK, make_state, same, train, weights
+from .helpers import CHUNK, make_state, same, save_on_shared_tier, train, weights
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
@@ -88,13 +88,7 @@ def test_per_tier_retention_keeps_the_tiers_policy_and_frees_only_unreferenced_c
 
 
 def test_a_new_node_with_an_empty_hot_root_restores_from_a_shared_filesystem_tier(tmp_path: Path) -> None:
-    shared = tmp_path / "shared"
-    state = make_state()
-    with tg.CheckpointManager(
-        tmp_path / "node1", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK
-    ) as mgr:
-        train(state, 2)
-        mgr.save(7, state).wait()
+    shared, state = save_on_shared_tier(tmp_path, 7)
     fresh = make_state(seed=11)
     with tg.CheckpointManager(
         tmp_path / "node2", tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK

@@ -347,3 +347,34 @@ def test_both_s3_paths_satisfy_the_object_store_protocol_on_a_real_s3_api(
         store.get("chunks/ab/x")
     with pytest.raises(tg.ConfigError, match="does not exist"):
         objects.open_objects(f"s3://{bucket}-missing/run")
+
+
+def test_verify_of_a_url_honours_max_bandwidth(bucket: str, tmp_path: Path, monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+    from trainguard.validation import scrub
+
+    url = _s3(bucket, "bw")
+    with tg.CheckpointManager(
+        tmp_path / "hot", tiers=[tg.Tier(url, sync=True)], chunk_size_bytes=CHUNK
+    ) as mgr:
+        state = make_state()
+        train(state)
+        mgr.save(1, state).wait()
+    capped: list[tuple[float, int]] = []
+    real = scrub.RateLimiter.consume
+
+    def consume(self, n: int) -> None:  # the cap is asked after every object read, with its bytes
+        capped.append((self.rate, n))
+        real(self, n)
+
+    monkeypatch.setattr(scrub.RateLimiter, "consume", consume)
+    res = CliRunner().invoke(main, ["verify", url, "--json", "--max-bandwidth", "1GB/s"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["ok"] is True and report["bytes_read"] > 0
+    assert len(capped) > 1 and sum(n for _, n in capped) == report["bytes_read"]
+    assert {rate for rate, _ in capped} == {1e9}
+    res = CliRunner().invoke(main, ["verify", url, "--max-bandwidth", "fast"])
+    assert res.exit_code == 2 and "--max-bandwidth" in res.output

@@ -84,7 +84,8 @@ def test_divergence_past_the_failure_point_marks_the_launchs_own_checkpoints(tmp
     with pytest.raises(tg.ResumeDivergedError) as ei:
         launch(tmp_path, 60, scale_from=22, scale=30.0)  # fine until 22, past the last logged step (18)
     err = ei.value
-    assert err.restored_step == 15 and err.steps == [22]
+    # the band judges the median of the last 5 losses past the failure point: 3 of them above it (22-24)
+    assert err.restored_step == 15 and err.steps == [24]
     assert err.suspect_steps == [15, 20]  # the restored checkpoint and the one this launch saved
     st = statuses(tmp_path)
     assert st[15] == "suspect" and st[20] == "suspect" and st[10] == "valid"
@@ -103,15 +104,16 @@ def test_never_loops_when_every_candidate_is_suspect(tmp_path):
 
 
 def test_check_window_and_band():
-    chk = TrajectoryCheck(restored_step=10, window=5, reference={11: 1.0}, median=2.0, mad=0.1)
+    chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0}, median=2.0, mad=0.1)
     assert chk.check(11, 1.0) is None  # bit-exact
     assert chk.check(11, 1.0005) is None  # within REL_TOL
     assert chk.check(11, 1.7) is not None  # beyond 6 MAD of the losses before the checkpoint
     assert chk.check(12, 2.5) is None  # band: 2.0 + 6 * 0.1 + 0.002
-    assert chk.check(13, 2.7) is not None
-    assert chk.check(14, float("nan")) is not None
-    assert chk.check(16, 100.0) is None  # past the window
-    assert chk.done(16) and not chk.done(15)
+    assert chk.check(13, 9.0) is None  # one noisy batch above the band is not a divergence
+    assert chk.check(14, 2.7) is not None  # the median of 2.5, 9.0, 2.7 is above it
+    assert chk.check(15, float("nan")) is not None
+    assert chk.check(17, 100.0) is None  # past the window
+    assert chk.done(17) and not chk.done(16)
     with pytest.raises(tg.ConfigError, match="trajectory_steps"):
         tg.CheckpointManager("/tmp/unused-tg-root", trajectory_steps=-1)
 
@@ -146,3 +148,21 @@ def test_a_loss_on_an_accelerator_is_read_one_step_later(tmp_path):
     rec.record(3, {"loss": torch.tensor(0.5)})  # a CPU tensor is read at once
     rec.close()  # the last deferred loss is logged at close
     assert history(tmp_path) == {1: 1.0, 2: 2.0, 3: 0.5}
+
+
+def test_same_step_losses_are_references_only_at_the_same_world_size(tmp_path):
+    """After a resize (torchrun elastic) a step trains on other samples per rank: the loss logged at world size
+    2 is not a reference at world size 1 (only the band applies), but still is at world size 2."""
+    from trainguard.validation.trajectory import TrajectoryLog
+
+    log = TrajectoryLog(tmp_path, "run-a", world_size=2)
+    for step in range(1, 21):
+        log.append(step, 3.70 + 0.01 * (step % 3))  # the launch that died, at world size 2 (MAD 0.01)
+    log.close()
+    other = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=1)
+    assert other.reference == {} and other.median is not None
+    assert other.check(11, 3.75) is None  # off step 11's loss at world size 2 by 3 MAD: inside the band
+    assert other.check(12, 9.0) is None and other.check(13, 9.0) is not None  # a sustained rise: caught
+    same = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=2)
+    assert same.reference[11] == pytest.approx(3.72)
+    assert same.check(11, 3.75) is None and same.check(12, 3.95) is not None  # 23 MAD off step 12's loss

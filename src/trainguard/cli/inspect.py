@@ -22,8 +22,8 @@ from ..catalog import (
     step_dirs,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
-from ..recovery.events import read_events
 from ..storage.objects import is_url
 from .main import main
 from .remote import ls_url, tier_columns, url_cache, verify_url
@@ -68,7 +68,7 @@ def _save_timings(root: Path) -> dict[int, dict[str, Any]]:
     "--json",
     "as_json",
     is_flag=True,
-    help="Print a JSON array of {step, status, bytes, time, problem, reason}.",
+    help="Print a JSON array of {step, status, bytes, new_bytes, logical_bytes, time, problem, reason}.",
 )
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the checkpoints under ROOT with status (valid / unverified / corrupt / suspect / incomplete), size
@@ -426,7 +426,7 @@ def verify_cmd(
     if step is not None and all_steps:
         raise click.UsageError("give either --step N or --all, not both")
     if is_url(root):
-        return verify_url(root, step, all_steps, as_json)
+        return verify_url(root, step, all_steps, as_json, on_read=limiter.consume if limiter else None)
     p = _root(root)
     if not is_run_root(p):
         message = f"no checkpoints in {p}{_runs_hint(p, 'verify')}; nothing was verified"

@@ -17,16 +17,5 @@ def main() -> None:
     """trainguard: fast, verified, resumable checkpoints for PyTorch training jobs."""
 
 
-def _register() -> None:
-    # Each command module registers itself on `main`; a module that is not there yet is skipped.
-    import importlib
-
-    for mod in ("inspect", "plan", "run", "demo", "observe", "interop", "validate"):
-        try:
-            importlib.import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as e:  # pragma: no cover - only while a command is being built
-            if e.name != f"{__package__}.{mod}":
-                raise
-
-
-_register()
+# Each command module registers itself on `main`.
+from . import demo, inspect, interop, observe, plan, run, validate  # noqa: E402, F401

@@ -45,7 +45,16 @@ def ls_url(url: str, as_json: bool) -> None:
         )
 
 
-def verify_url(url: str, step: int | None, all_steps: bool, as_json: bool) -> None:
+def verify_url(
+    url: str,
+    step: int | None,
+    all_steps: bool,
+    as_json: bool,
+    *,
+    on_read: Any = None,
+) -> None:
+    """``trainguard verify URL``; ``on_read(nbytes)`` is called after each object read (the
+    ``--max-bandwidth`` cap sleeps there)."""
     remote = open_remote(url)
     committed = remote.committed_steps()
     if step is not None:
@@ -58,7 +67,7 @@ def verify_url(url: str, step: int | None, all_steps: bool, as_json: bool) -> No
     if not steps:
         report["error"] = f"no committed checkpoint in {url}; nothing was verified"
     for s in steps:
-        problem, chunk, read = remote.verify(s)
+        problem, chunk, read = remote.verify(s, on_read=on_read)
         report["checked"].append(s)
         report["bytes_read"] += read
         if problem is not None:

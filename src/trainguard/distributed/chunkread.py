@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
 from ..incremental.chunkstore import ChunkStore
+from ..incremental.delta import read_decoded
 from ..state.dtypes import dtype_from_name
 from ..state.values import TAG_JSON, TAG_TORCH, decode_value
 
@@ -46,6 +48,7 @@ class ShardReader:
         self.bytes_read = 0
         self._chunk_cache: dict[str, bytearray] = {}
         self._jobs: list[tuple[ChunkRecord, memoryview]] = []
+        self._lock = threading.Lock()
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
         entry = self.manifest.entries.get(fqn)
@@ -103,7 +106,8 @@ class ShardReader:
             and dest.dtype == dtype
             and dest.is_contiguous()
             and all(
-                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].length for s in shard.segments
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size
+                for s in shard.segments
             )
         ):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
@@ -129,7 +133,10 @@ class ShardReader:
 
         def one(job: tuple[ChunkRecord, memoryview]) -> None:
             rec, view = job
-            self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
+            if rec.encoded:
+                self._decode(rec, view)
+            else:
+                self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
 
         if len(jobs) <= 1 or self.threads <= 1:
             for job in jobs:
@@ -138,7 +145,7 @@ class ShardReader:
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
                 for f in [pool.submit(one, j) for j in jobs]:
                     f.result()
-        self.bytes_read += sum(rec.length for rec, _ in jobs)
+        self.bytes_read += sum(rec.length for rec, _ in jobs if not rec.encoded)
 
     def clear(self) -> None:
         """Drop cached chunk bytes and queued reads."""
@@ -150,10 +157,31 @@ class ShardReader:
         buf = self._chunk_cache.get(h)
         if buf is None:
             rec = self.manifest.chunks[h]
-            buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
-            self.bytes_read += rec.length
+            if rec.encoded:
+                buf = bytearray(rec.decoded_size)
+                self._decode(rec, memoryview(buf))
+            else:
+                buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
+                self.bytes_read += rec.length
             self._chunk_cache[h] = buf
         return buf
+
+    def _decode(self, rec: ChunkRecord, out: memoryview) -> None:
+        """Decode an encoded chunk (and its chain of delta bases, each CRC32C-checked) into ``out``."""
+        read_decoded(
+            self.store,
+            self.manifest.chunks,
+            rec,
+            out,
+            step=self.manifest.step,
+            owners=self.owners.get(rec.hash),
+        )
+        base, n = rec, rec.length
+        while base.base is not None:
+            base = self.manifest.chunks[base.base]
+            n += base.length
+        with self._lock:
+            self.bytes_read += n
 
     def _segments_bytes(self, segs: tuple[Segment, ...]) -> bytearray:
         out = bytearray(sum(s.length for s in segs))

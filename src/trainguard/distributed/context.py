@@ -130,7 +130,3 @@ class DistContext:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.io_group if io else self.ctl_group)
         return bool(t.item())
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier(group=self.ctl_group)

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..incremental.chunkstore import ChunkStore
+from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.values import TAG_JSON
 from .options import WriterOptions
 
@@ -56,6 +58,8 @@ class TrainguardWriter(StorageWriter):
         options: chunking options.
         step: the step being saved (for error messages).
         paths: this rank's ``{fqn: path}`` (see :mod:`trainguard.state.flatten`).
+        encoder: compression and deltas of this save (:mod:`trainguard.incremental.delta`); None stores raw
+            chunks.
     """
 
     def __init__(
@@ -66,8 +70,11 @@ class TrainguardWriter(StorageWriter):
         options: WriterOptions,
         step: int,
         paths: dict[str, Any] | None = None,
+        encoder: SaveEncoder | None = None,
     ) -> None:
         super().__init__()
+        self.encoder = encoder
+        self.write_s = 0.0  # seconds of write_data (chunks written and durable)
         self.store = store
         self.staging = staging
         self.commit = commit
@@ -108,9 +115,11 @@ class TrainguardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
+        t0 = time.perf_counter()
         try:
             results = self._write_all(plan, planner)
             self.store.sync(step=self.step)  # durable and visible under chunks/ before the commit
+            self.write_s = time.perf_counter() - t0
             fut.set_result(results)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             self.store.drop_unpublished(self.staging)
@@ -121,15 +130,24 @@ class TrainguardWriter(StorageWriter):
         self.commit(metadata, results, self.global_paths or self.paths)
 
     # -- writing ------------------------------------------------------------------------------------------
-    def _put(self, view: memoryview) -> tuple[str, dict[str, Any]]:
-        rec, written = self.store.put(view, self.staging, step=self.step)
+    def _put(
+        self, view: memoryview, key: PieceKey | None = None, itemsize: int = 4
+    ) -> tuple[str, dict[str, Any]]:
+        """Store one chunk (a piece of a tensor named by ``key``, or a pack); returns its hash and the write
+        result's ``chunks`` entries (the chunk and the chain of delta bases it needs)."""
+        if self.encoder is not None:
+            chain, written = self.encoder.put_piece(self.store, self.staging, key, view, itemsize, self.step)
+        else:
+            rec0, written = self.store.put(view, self.staging, step=self.step)
+            chain = (rec0,)
+        rec = chain[0]
         with self._lock:
-            self.hashes.append(rec.hash)
+            self.hashes.extend(r.hash for r in chain)
             if written:
                 self.new_hashes.append(rec.hash)
             self.bytes_written += rec.length if written else 0
             self.bytes_total += rec.length
-        return rec.hash, {"length": rec.length, "crc32c": rec.crc32c, "codec": rec.codec}
+        return rec.hash, chunk_info(chain, written)
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         opts = self.options
@@ -140,8 +158,10 @@ class TrainguardWriter(StorageWriter):
         packs: list[tuple[list[tuple[Any, int, int, str | None]], _CFuture[tuple[str, dict[str, Any]]]]] = []
         keep_alive: list[Any] = []  # tensors whose memory the views point into
 
-        def put_many(views: list[memoryview]) -> list[tuple[str, dict[str, Any]]]:
-            return [self._put(v) for v in views]
+        def put_many(
+            views: list[memoryview], fqn: str, offsets: tuple[int, ...], itemsize: int
+        ) -> list[tuple[str, dict[str, Any]]]:
+            return [self._put(v, (fqn, offsets, i), itemsize) for i, v in enumerate(views)]
 
         with ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="trainguard-write") as pool:
 
@@ -179,6 +199,7 @@ class TrainguardWriter(StorageWriter):
                 else:
                     codec = None
                     t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
+                    itemsize = t.element_size()
                     keep_alive.append(t)
                     view = tensor_bytes(t)
                     keep_alive.append(view)
@@ -191,7 +212,10 @@ class TrainguardWriter(StorageWriter):
                     continue
                 if codec is None and n >= max(opts.pack_threshold_bytes, 1):
                     pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
-                    futures.append((item, pool.submit(put_many, pieces), n))
+                    offsets = tuple(item.index.offset or ())
+                    futures.append(
+                        (item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n)
+                    )
                     continue
                 if pack_size + n > opts.chunk_size_bytes:
                     flush_pack()
@@ -201,20 +225,24 @@ class TrainguardWriter(StorageWriter):
             for placed, pfut in packs:
                 h, info = pfut.result()
                 for item, o, n, codec in placed:
-                    sd: dict[str, Any] = {"segments": [[h, o, n]], "chunks": {h: info}}
+                    sd: dict[str, Any] = {"segments": [[h, o, n]], "chunks": info}
                     if codec is not None:
                         sd["codec"] = codec
                     results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=sd))
             for item, fut, n in futures:
                 parts = fut.result()
-                segs = [[h, 0, info["length"]] for h, info in parts]
+                segs = [[h, 0, info[h].get("size", info[h]["length"])] for h, info in parts]
+                chunks: dict[str, Any] = {}
+                for _, info in parts:
+                    for h, d in info.items():  # a chunk new in one piece stays new
+                        chunks[h] = {**d, "new": True} if chunks.get(h, {}).get("new") else d
                 results.append(
                     WriteResult(
                         index=item.index,
                         size_in_bytes=n,
                         storage_data={
                             "segments": segs,
-                            "chunks": dict(parts),
+                            "chunks": chunks,
                             "split": opts.chunk_size_bytes,
                         },
                     )

@@ -56,9 +56,9 @@ def check_shard_segments(
     for s in shard.segments:
         key = (s.chunk, s.offset, s.length)
         if key in seen and not (
-            s.offset == 0 and s.length == chunks[s.chunk].length and s.length in chunk_sizes
+            s.offset == 0 and s.length == chunks[s.chunk].decoded_size and s.length in chunk_sizes
         ):
-            whole = s.offset == 0 and s.length == chunks[s.chunk].length
+            whole = s.offset == 0 and s.length == chunks[s.chunk].decoded_size
             raise _bad(
                 f"{fqn}: shard at {shard.offsets} lists bytes [{s.offset}, {s.offset + s.length}) of chunk "
                 f"{s.chunk} more than once"
@@ -108,6 +108,8 @@ def check_chunk_coverage(
     for s in references:
         if s.length:
             ranges[s.chunk].add((s.offset, s.length))
+    # a delta base is needed whole by its dependent, whose decoded size the parser checked it has
+    bases = {c.base for c in chunks.values() if c.base is not None}
     for h, rs in ranges.items():
         end = 0
         used = 0
@@ -116,9 +118,12 @@ def check_chunk_coverage(
                 raise _bad(f"the byte ranges the entries reference in chunk {h} overlap", step)
             end = off + ln
             used += ln
-        if chunks[h].length > 2 * used + CHUNK_SLACK_BYTES:
+        if h in bases:  # pinned to its dependent's size (checked by the parser), needed whole
+            used = max(used, chunks[h].decoded_size)
+        size = max(chunks[h].length, chunks[h].decoded_size)
+        if size > 2 * used + CHUNK_SLACK_BYTES:
             raise _bad(
-                f"chunk {h} is {chunks[h].length} bytes long but the entries reference only {used} of them; "
+                f"chunk {h} is {size} bytes long but the entries reference only {used} of them; "
                 "a chunk holds the bytes the manifest declares",
                 step,
             )

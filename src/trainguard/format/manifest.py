@@ -35,11 +35,17 @@ FORMAT_VERSION = 1
 PER_RANK_FORMAT_VERSION = (
     2  # written only by manifests holding per-rank entries (a v1 reader would misread them)
 )
-SUPPORTED_VERSIONS = (FORMAT_VERSION, PER_RANK_FORMAT_VERSION)
+ENCODED_FORMAT_VERSION = (
+    3  # written only by manifests holding compressed or delta chunks (and per-rank entries)
+)
+SUPPORTED_VERSIONS = (FORMAT_VERSION, PER_RANK_FORMAT_VERSION, ENCODED_FORMAT_VERSION)
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,40}")
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: anything larger in a manifest is corrupt or malicious
 MAX_NDIM = 64
-CODECS = ("raw",)
+CODECS = ("raw", "blosc2")  # trainguard.incremental.codecs decodes them
+DELTA_OPS = ("xor", "sub")
+DELTA_WORDS = (1, 2, 4, 8)
+MAX_DELTA_CHAIN = 64  # a chunk's chain of delta bases is at most this deep (a save writes at most max_chain)
 VALUE_CODECS = ("json", "torch")
 
 # dtype names on disk <-> torch dtypes are resolved in trainguard.state.dtypes (this module stays torch-free).
@@ -72,13 +78,32 @@ DTYPE_ITEMSIZE = {
 @dataclass(frozen=True)
 class ChunkRecord:
     """One chunk file: ``path`` relative to the run root, stored ``length`` in bytes, ``crc32c`` of the stored
-    bytes (unsigned 32-bit), ``codec`` used to store it ("raw")."""
+    bytes (unsigned 32-bit), ``codec`` used to store it ("raw" or "blosc2", format version 3).
+
+    Format version 3 adds, for encoded chunks: ``size``, the decoded bytes (segments address decoded bytes;
+    None for raw chunks: ``length``), and for a delta chunk its ``base`` (the hash of the chunk whose decoded
+    bytes the delta applies to, listed in the same manifest), the ``delta`` op ("xor" or "sub") and the
+    ``word`` size in bytes it works on (:mod:`trainguard.incremental.codecs`)."""
 
     hash: str
     path: str
     length: int
     crc32c: int
     codec: str = "raw"
+    size: int | None = None
+    base: str | None = None
+    delta: str | None = None
+    word: int = 0
+
+    @property
+    def decoded_size(self) -> int:
+        """Bytes the chunk holds once decoded (what segments address)."""
+        return self.length if self.size is None else self.size
+
+    @property
+    def encoded(self) -> bool:
+        """True for a compressed or delta chunk (format version 3)."""
+        return self.codec != "raw" or self.base is not None or self.size is not None
 
 
 @dataclass(frozen=True)
@@ -156,9 +181,23 @@ class Manifest:
     """Split sizes in bytes (``chunk_size_bytes``) the writers cut large tensors with; None: not recorded (a
     manifest written before trainguard recorded it, read as the default 64 MiB)."""
 
+    new_bytes: int | None = None  # stored bytes the save that wrote it added (fixed at save time)
+
     @property
     def bytes(self) -> int:
+        """Stored bytes of every chunk it references (delta bases included)."""
         return sum(c.length for c in self.chunks.values())
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes of its tensors and stored values as in memory (inline JSON values not counted)."""
+        total = 0
+        for e in self.entries.values():
+            if isinstance(e, TensorEntry):
+                total += sum(sh.nbytes for sh in e.shards)
+            elif e.segments:
+                total += sum(s.length for s in e.segments)
+        return total
 
     def chunk_owners(self) -> dict[str, list[str]]:
         """Map chunk hash -> FQNs of the entries with bytes in it."""
@@ -218,6 +257,15 @@ def _entry_body(e: Entry) -> dict[str, Any]:
     return d
 
 
+def _chunk_to_json(c: ChunkRecord) -> dict[str, Any]:
+    d: dict[str, Any] = {"path": c.path, "length": c.length, "crc32c": c.crc32c, "codec": c.codec}
+    if c.encoded:
+        d["size"] = c.decoded_size
+    if c.base is not None:
+        d.update(base=c.base, delta=c.delta, word=c.word)
+    return d
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -225,8 +273,10 @@ def _canonical(obj: Any) -> bytes:
 def manifest_to_json(m: Manifest) -> bytes:
     """Serialize to UTF-8 JSON bytes with a ``crc32c`` field over the canonical form of everything else."""
     per_rank = any(e.rank is not None for e in m.entries.values())
+    encoded = any(c.encoded for c in m.chunks.values())
+    version = ENCODED_FORMAT_VERSION if encoded else PER_RANK_FORMAT_VERSION if per_rank else m.format_version
     body: dict[str, Any] = {
-        "format_version": PER_RANK_FORMAT_VERSION if per_rank else m.format_version,
+        "format_version": version,
         "step": m.step,
         "t": m.t,
         "time": m.time,
@@ -234,12 +284,11 @@ def manifest_to_json(m: Manifest) -> bytes:
         "metrics": _jsonable(m.metrics),
         "metadata": _jsonable(m.metadata),
         "top_level": m.top_level,
-        "chunks": {
-            h: {"path": c.path, "length": c.length, "crc32c": c.crc32c, "codec": c.codec}
-            for h, c in m.chunks.items()
-        },
+        "chunks": {h: _chunk_to_json(c) for h, c in m.chunks.items()},
         "entries": {fqn: _entry_to_json(e) for fqn, e in m.entries.items()},
     }
+    if m.new_bytes is not None:
+        body["new_bytes"] = m.new_bytes
     if m.run is not None:
         body["run"] = m.run.to_json()
     if m.chunk_sizes is not None:
@@ -288,9 +337,9 @@ def _seg(x: Any, chunks: dict[str, ChunkRecord], what: str) -> Segment:
         raise _bad(f"{what}: segment names chunk {x[0]!r} that is not in the chunk table")
     off = _int(x[1], f"{what} offset")
     ln = _int(x[2], f"{what} length")
-    if off + ln > c.length:
+    if off + ln > c.decoded_size:
         raise _bad(
-            f"{what}: segment [{off}, {off + ln}) runs past the end of chunk {x[0]} ({c.length} bytes)"
+            f"{what}: segment [{off}, {off + ln}) runs past the end of chunk {x[0]} ({c.decoded_size} bytes)"
         )
     return Segment(x[0], off, ln)
 
@@ -311,6 +360,48 @@ def _path(x: Any, what: str) -> tuple[Any, ...]:
             _int(v, f"{what} path index", 0, 1 << 40)
         out.append((tag, v))
     return tuple(out)
+
+
+def _encoding(c: dict[str, Any], h: str, version: int, step: int | None) -> tuple[Any, ...]:
+    """``(size, base, delta, word)`` of a chunk entry (format version 3 fields; absent for raw chunks)."""
+    size = _int(c["size"], f"chunk {h} size") if "size" in c else None
+    base = c.get("base")
+    if base is None:
+        if c.get("codec") != "raw" and size is None:
+            raise _bad(f"chunk {h}: an encoded chunk must declare its decoded size", step)
+        return size, None, None, 0
+    if not isinstance(base, str) or base == h:
+        raise _bad(f"chunk {h}: bad delta base {str(base)[:60]!r}", step)
+    chunk_relpath(base)  # validates the hash
+    delta, word = c.get("delta"), c.get("word")
+    if delta not in DELTA_OPS:
+        raise _bad(f"chunk {h}: unknown delta op {delta!r}", step)
+    if word not in DELTA_WORDS or isinstance(word, bool):
+        raise _bad(f"chunk {h}: delta word must be one of {DELTA_WORDS}, got {word!r}", step)
+    if size is None:
+        raise _bad(f"chunk {h}: a delta chunk must declare its decoded size", step)
+    return size, base, delta, word
+
+
+def _check_delta_chains(chunks: dict[str, ChunkRecord], step: int | None) -> None:
+    """Every delta base is in the chunk table with the same decoded size; chains end within
+    ``MAX_DELTA_CHAIN`` links (no cycle)."""
+    for h, c in chunks.items():
+        depth = 0
+        cur = c
+        while cur.base is not None:
+            base = chunks.get(cur.base)
+            if base is None:
+                raise _bad(f"chunk {cur.hash} has delta base {cur.base} that is not in the chunk table", step)
+            if base.decoded_size != cur.decoded_size:
+                raise _bad(
+                    f"chunk {cur.hash} ({cur.decoded_size} bytes) has a delta base of {base.decoded_size} bytes",
+                    step,
+                )
+            depth += 1
+            if depth > MAX_DELTA_CHAIN:
+                raise _bad(f"chunk {h}: delta chain longer than {MAX_DELTA_CHAIN} (or a cycle)", step)
+            cur = base
 
 
 def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int | None = None) -> Manifest:
@@ -366,13 +457,18 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         codec = c.get("codec")
         if codec not in CODECS:
             raise _bad(f"chunk {h} has unknown codec {codec!r}", step)
-        chunks[h] = ChunkRecord(
+        rec = ChunkRecord(
             h,
             path,
             _int(c.get("length"), f"chunk {h} length"),
             _int(c.get("crc32c"), f"chunk {h} crc32c", 0, 0xFFFFFFFF),
             codec,
+            *_encoding(c, h, version, step),
         )
+        if rec.encoded and version < ENCODED_FORMAT_VERSION:
+            raise _bad(f"chunk {h}: a {codec} chunk needs format_version {ENCODED_FORMAT_VERSION}", step)
+        chunks[h] = rec
+    _check_delta_chains(chunks, step)
     entries: dict[str, Entry] = {}
     raw_entries = body.get("entries")
     if not isinstance(raw_entries, dict):
@@ -491,6 +587,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         top_level=top,
         format_version=version,
         run=run_from_json(body.get("run"), step),
+        new_bytes=_int(body["new_bytes"], "new_bytes", 0, 1 << 62) if "new_bytes" in body else None,
         chunk_sizes=chunk_sizes,
     )
 

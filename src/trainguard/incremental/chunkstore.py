@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
 from ..storage.local import DURABILITY_MODES, LocalStorage
+from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
 # An I/O error (EACCES, EIO, ...) is retried this many times in all, with this first backoff doubling each time;
@@ -51,9 +52,14 @@ READ_ATTEMPTS = 3
 READ_RETRY_BACKOFF_S = 0.05
 
 
-def content_hash(buf: memoryview | bytes) -> str:
-    """xxh3-128 hex digest (32 hex digits) of ``buf``."""
-    return xxhash.xxh3_128_hexdigest(buf)
+def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
+    """xxh3-128 hex digest (32 hex digits) of ``buf`` followed by ``recipe`` (an encoded chunk's decoding
+    recipe, so that one name always means one decoded content; empty for raw chunks)."""
+    if not recipe:
+        return xxhash.xxh3_128_hexdigest(buf)
+    x = xxhash.xxh3_128(buf)
+    x.update(recipe)
+    return x.hexdigest()
 
 
 class ChunkStore:
@@ -174,23 +180,54 @@ class ChunkStore:
         another filesystem (a rename cannot cross filesystems)."""
         return self.storage.staging_prefix(partial, CHUNKS_DIR)
 
+    def pin(self, hashes: Iterable[str]) -> None:
+        """Pin chunks a save references without writing them (e.g. delta bases); undo with :meth:`unpin`."""
+        with self._lock:
+            for h in hashes:
+                self._pins[h] += 1
+
+    def reuse(self, rec: ChunkRecord) -> bool:
+        """Pin ``rec`` and return True when its stored object holds exactly its bytes (verified as for
+        deduplication), else unpin it and return False (the caller writes the content anew)."""
+        self.pin([rec.hash])
+        try:
+            ok = self._reusable(rec)
+        except BaseException:
+            self.unpin([rec.hash])
+            raise
+        if not ok:
+            self.unpin([rec.hash])
+        return ok
+
     def put(
-        self, buf: memoryview | bytes, staging: str, *, step: int | None = None
+        self,
+        buf: memoryview | bytes,
+        staging: str,
+        *,
+        step: int | None = None,
+        encoding: Encoding | None = None,
     ) -> tuple[ChunkRecord, bool]:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
 
         Args:
-            buf: the chunk's bytes.
+            buf: the chunk's stored bytes.
             staging: the staging prefix of the save (:meth:`staging_for`).
             step: the step being saved, for error messages.
+            encoding: how ``buf`` decodes (None: raw bytes).
 
         Raises:
             StorageFullError: ENOSPC while writing.
         """
         view = memoryview(buf).cast("B")
-        h = content_hash(view)
+        enc = encoding or Encoding(size=len(view))
+        h = content_hash(view, enc.recipe())
         rel = chunk_relpath(h)
-        rec = ChunkRecord(h, rel, len(view), crc32c.crc32c(view), "raw")
+        if enc.recipe():
+            rec = ChunkRecord(
+                h, rel, len(view), crc32c.crc32c(view), enc.codec, enc.size, enc.base, enc.delta, enc.word
+            )
+        else:
+            rec = ChunkRecord(h, rel, len(view), crc32c.crc32c(view), "raw")
         with self._lock:
             self._pins[h] += 1
         try:
@@ -434,14 +471,18 @@ class ChunkStore:
         return out
 
     def collect(
-        self, candidates: Iterable[str], referenced: set[str], *, protect_newer_than: float | None = None
+        self,
+        candidates: Iterable[str],
+        referenced: Container[str],
+        *,
+        protect_newer_than: float | None = None,
     ) -> int:
         """Delete chunks in ``candidates`` that are not in ``referenced``, not pinned, and (when
         ``protect_newer_than`` is given, seconds since the epoch) not modified after that time. Returns bytes
         freed. A failed deletion is skipped, never fatal: the chunk is only garbage.
         """
         freed = 0
-        for h in set(candidates) - referenced:
+        for h in {h for h in candidates if h not in referenced}:
             key = chunk_relpath(h)
             with self._lock:  # a put() pins before it checks existence: check pins and delete atomically
                 if h in self._pins:

@@ -247,6 +247,12 @@ def read_value(
     data = bytearray()
     for seg in e.segments:
         if seg.chunk not in cache:
-            cache[seg.chunk] = store.read(m.chunks[seg.chunk], step=m.step)
+            rec = m.chunks[seg.chunk]
+            if rec.encoded:  # packed values of a compressed save
+                from ..incremental.delta import read_decoded
+
+                cache[seg.chunk] = bytearray(read_decoded(store, m.chunks, rec, step=m.step))
+            else:
+                cache[seg.chunk] = store.read(rec, step=m.step)
         data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
     return decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), e.fqn)

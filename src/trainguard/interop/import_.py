@@ -146,11 +146,9 @@ def _check_root(root: str | os.PathLike[str], step: int, overwrite: bool) -> boo
         RunConflictError: the root holds a checkpoint after ``step``: the import would interleave with that run
             (a later resume or retention would mix the two).
     """
-    from ..catalog import step_dirs
-    from ..format import MANIFEST_NAME
+    from ..catalog import committed_split
 
-    dirs, _ = step_dirs(root)
-    committed = sorted(s for s, d in dirs.items() if (d / MANIFEST_NAME).exists())
+    committed, _ = committed_split(root)
     exists = step in committed
     if exists and not overwrite:
         raise CheckpointExistsError(

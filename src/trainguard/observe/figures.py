@@ -397,7 +397,7 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
     """Everything ``trainguard report`` shows, from the event records of one root.
 
     Args:
-        records: every event record of the root, ascending in ``t`` (:func:`trainguard.recovery.events.read_events`).
+        records: every event record of the root, ascending in ``t`` (:func:`trainguard.eventlog.read_events`).
         now: the wall time the figures are taken at (default: the current time); only ``generated_at``.
 
     Returns:
@@ -587,7 +587,7 @@ def report_figures(root: str, *, now: float | None = None) -> dict[str, Any]:
     Returns:
         The figures, with ``root`` added.
     """
-    from ..recovery.events import read_events
+    from ..eventlog import read_events
 
     figs = compute_figures(read_events(root), now=now)
     figs["root"] = str(root)

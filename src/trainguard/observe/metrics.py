@@ -102,7 +102,7 @@ class SaveMetrics:
         """Update from one event record (other events are ignored).
 
         Args:
-            rec: an event record as written by :class:`~trainguard.recovery.events.EventLog`.
+            rec: an event record as written by :class:`~trainguard.eventlog.EventLog`.
         """
         name = rec.get("event")
         if name == "save":

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..catalog import scan, step_dirs
-from ..recovery.events import read_events
+from ..eventlog import read_events
 from ..recovery.heartbeat import MAX_SLOTS, RECORD_SIZE_BYTES, Heartbeat, read_heartbeats
 
 STATUSES = ("valid", "unverified", "suspect", "corrupt", "incomplete")  # the catalog's statuses, ls's order

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..recovery.events import read_events
+from ..eventlog import read_events
 from .interval import Method, daly_interval_s, young_interval_s
 from .units import format_duration
 

@@ -12,55 +12,60 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..catalog import read_manifest, scan, step_keys
+from ..catalog import committed_split, corrupt_marker, read_manifest, scan, step_keys
 from ..errors import TrainguardError
 from ..format import CHUNKS_DIR, MANIFEST_NAME, step_dir_name
-from . import select, uses_metrics
+from . import KeepAll, select, uses_metrics
 
 if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+    from .._context import RootContext
 
 log = logging.getLogger("trainguard")
 GC_GRACE_S = 300.0
 
 
-def chunks_of(mgr: CheckpointManager, step: int) -> set[str] | None:
+def _learn(ctx: RootContext, step: int) -> bool:
+    """Read the manifest of ``step`` into the manager's cache (chunks, run, metrics). False if unreadable."""
+    try:
+        m = read_manifest(ctx.storage, step)
+    except TrainguardError:
+        return False
+    ctx.refs.add(step, m.chunks, run_id=m.run.run_id if m.run is not None else "", metrics=m.metrics)
+    return True
+
+
+def chunks_of(ctx: RootContext, step: int) -> frozenset[str] | None:
     """Chunk hashes the manifest of ``step`` references (cached), or None if it cannot be read."""
-    if step not in mgr._manifest_chunks:
-        try:
-            mgr._manifest_chunks[step] = set(read_manifest(mgr.storage, step).chunks)
-        except TrainguardError:
-            return None
-    return mgr._manifest_chunks[step]
+    if step not in ctx.refs.chunks and not _learn(ctx, step):
+        return None
+    return ctx.refs.chunks[step]
 
 
-def metrics_of(mgr: CheckpointManager, step: int) -> dict[str, Any] | None:
+def metrics_of(ctx: RootContext, step: int) -> dict[str, Any] | None:
     """The metrics the manifest of ``step`` recorded (cached with its chunks), or None if it cannot be read."""
-    if step not in mgr._manifest_metrics:
-        try:
-            m = read_manifest(mgr.storage, step)
-        except TrainguardError:
-            return None
-        mgr._manifest_metrics[step] = dict(m.metrics)
-        mgr._manifest_chunks.setdefault(step, set(m.chunks))
-    return mgr._manifest_metrics[step]
+    if step not in ctx.refs.metrics and not _learn(ctx, step):
+        return None
+    return ctx.refs.metrics[step]
 
 
-def referenced_chunks(mgr: CheckpointManager) -> set[str] | None:
-    """Every chunk a committed manifest references; None if a manifest cannot be read."""
-    referenced: set[str] = set()
-    steps, _ = step_keys(mgr.storage)
+def referenced_chunks(ctx: RootContext) -> Mapping[str, int] | None:
+    """Every chunk a committed manifest references (hash -> references); None if a manifest cannot be read.
+
+    One listing of the root; only manifests not cached yet are read (at open: all of them; then none, unless
+    a checkpoint was copied in), so the cost per save does not grow with the number of checkpoints."""
+    steps, _ = step_keys(ctx.storage)
+    for s in ctx.refs.steps() - set(steps):  # deleted meanwhile (by hand): its chunks are unreferenced
+        ctx.refs.drop(s)
     for s, d in steps.items():
-        chunks = chunks_of(mgr, s)
-        if chunks is None and mgr.storage.exists(f"{d}/{MANIFEST_NAME}"):
+        if s not in ctx.refs.chunks and not _learn(ctx, s) and ctx.storage.exists(f"{d}/{MANIFEST_NAME}"):
             return None  # an unreadable manifest: its chunks are unknown, collect nothing
-        referenced |= chunks or set()
-    return referenced
+    return ctx.refs.referenced()
 
 
-def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
+def apply_retention(ctx: RootContext, *, at_open: bool = False) -> None:
     """Delete the valid checkpoints of this run's lineage that the policy does not keep (never the newest valid
     one), then their chunks. Other runs' checkpoints are neither counted nor deleted.
 
@@ -71,69 +76,76 @@ def apply_retention(mgr: CheckpointManager, *, at_open: bool = False) -> None:
     """
     from ..lineage import own
 
-    valid = own(mgr, [i.step for i in scan(mgr.storage, mgr.store) if i.usable])  # valid or unverified
+    if isinstance(ctx.retention, KeepAll):  # nothing is ever deleted: no need to look at the checkpoints
+        return
+    if len(ctx.store.repaired) != ctx.refs.repairs_seen:  # a save rewrote damaged chunks: the checkpoints
+        ctx.refs.repairs_seen = len(ctx.store.repaired)  # sharing them may be valid again
+        ctx.refs.invalidate()
+    if at_open or ctx.refs.usable is None:  # a full scan (once per writer, and after a restore condemned one)
+        ctx.refs.usable = {i.step for i in scan(ctx.storage, ctx.store) if i.usable}
+    valid = own(ctx, sorted(ctx.refs.usable))  # valid or unverified
     if not valid:
         return
     metrics: dict[int, dict[str, Any]] = {}
-    if uses_metrics(mgr.retention):
-        metrics = {s: m for s in valid if (m := metrics_of(mgr, s)) is not None}
-    keep = select(mgr.retention, valid, metrics) | {max(valid)}
-    if getattr(mgr, "_tiers", None) is not None:
-        keep |= mgr._tiers.protected()  # still to be sent to a tier
-    doomed = [s for s in valid if s not in keep]
+    if uses_metrics(ctx.retention):
+        metrics = {s: m for s in valid if (m := metrics_of(ctx, s)) is not None}
+    keep = select(ctx.retention, valid, metrics) | {max(valid)}
+    tiers = getattr(ctx.host, "_tiers", None)
+    if tiers is not None:
+        keep |= tiers.protected()  # still to be sent to a tier
+    # one cheap check per doomed step: a checkpoint condemned meanwhile by another process is not retention's
+    doomed = [s for s in valid if s not in keep and corrupt_marker(ctx.storage, s) is None]
     if not doomed:
         return
-    if at_open and not _intact(mgr, max(valid)):
+    if at_open and not _intact(ctx, max(valid)):
         return
     candidates: set[str] = set()
     for s in doomed:
-        candidates |= chunks_of(mgr, s) or set()
+        candidates |= chunks_of(ctx, s) or set()
         d = step_dir_name(s)
-        mgr.storage.delete(f"{d}/{MANIFEST_NAME}")  # uncommit first
-        mgr.storage.delete_prefix(d)
-        mgr._manifest_chunks.pop(s, None)
-        mgr._manifest_runs.pop(s, None)
-        mgr._manifest_metrics.pop(s, None)
-        mgr._event("retention_delete", step=s)
-    referenced = referenced_chunks(mgr)
+        ctx.storage.delete(f"{d}/{MANIFEST_NAME}")  # uncommit first
+        ctx.storage.delete_prefix(d)
+        ctx.refs.drop(s)
+        ctx.event("retention_delete", step=s)
+    referenced = referenced_chunks(ctx)
     if referenced is None:
-        log.warning("a manifest under %s is unreadable; not deleting chunks", mgr.root)
+        log.warning("a manifest under %s is unreadable; not deleting chunks", ctx.root)
         return
     protect = None
-    if mgr.dist.enabled:
-        candidates = mgr.store.all_hashes()  # also sweeps chunks spared by earlier passes
-        protect = mgr._oldest_in_flight_t() - GC_GRACE_S
-    freed = mgr.store.collect(candidates, referenced, protect_newer_than=protect)
+    if ctx.dist.enabled:
+        candidates = ctx.store.all_hashes()  # also sweeps chunks spared by earlier passes
+        protect = ctx.in_flight_since() - GC_GRACE_S
+    freed = ctx.store.collect(candidates, referenced, protect_newer_than=protect)
     log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
 
 
-def _intact(mgr: CheckpointManager, step: int) -> bool:
+def _intact(ctx: RootContext, step: int) -> bool:
     """Re-read every chunk of ``step`` (retention at open deletes nothing unless the checkpoint it keeps is
     intact); records the check like ``verify`` does."""
     from ..catalog import record_check
 
     try:
-        m = read_manifest(mgr.storage, step)
+        m = read_manifest(ctx.storage, step)
         owners = m.chunk_owners()
         for h, rec in m.chunks.items():
-            mgr.store.verify(rec, step=step, owners=owners.get(h))
+            ctx.store.verify(rec, step=step, owners=owners.get(h))
     except TrainguardError as e:
         log.warning(
             "retention at open deletes nothing: the newest checkpoint (step %d) is not intact: %s", step, e
         )
-        mgr._event("retention_deferred", step=step, problem=str(e))
+        ctx.event("retention_deferred", step=step, problem=str(e))
         return False
-    record_check(mgr.storage, step, by="verify")
+    record_check(ctx.storage, step, by="verify")
     return True
 
 
-def cleanup_after_crash(mgr: CheckpointManager) -> None:
+def cleanup_after_crash(ctx: RootContext) -> None:
     """With the lock held, before any save: remove partial directories and step directories without a manifest
     (commits killed midway), and collect every orphan chunk (left by a killed or failed save, or by step
     directories deleted by hand)."""
-    storage = mgr.storage
+    storage = ctx.storage
     steps, partials = step_keys(storage)
-    dead = [s for s, d in steps.items() if not storage.exists(f"{d}/{MANIFEST_NAME}")]
+    dead = committed_split(storage)[1]
     # temporary chunk files of killed saves when chunks/ is on another filesystem (ChunkStore.staging_for)
     for e in storage.list(CHUNKS_DIR):
         if e.is_dir and fnmatch.fnmatchcase(e.name, ".step-*.partial-*"):
@@ -147,14 +159,14 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
     for ps in partials.values():
         for p in ps:
             storage.delete_prefix(p)
-    referenced = referenced_chunks(mgr)
+    referenced = referenced_chunks(ctx)
     if referenced is None:
-        log.warning("a manifest under %s is unreadable; not collecting orphan chunks", mgr.root)
+        log.warning("a manifest under %s is unreadable; not collecting orphan chunks", ctx.root)
         return
-    freed = mgr.store.collect(mgr.store.all_hashes(), referenced)
+    freed = ctx.store.collect(ctx.store.all_hashes(), referenced)
     if not (partials or dead or freed):
         return
-    mgr._event(
+    ctx.event(
         "cleanup",
         partials=sum(len(v) for v in partials.values()),
         uncommitted_steps=dead,
@@ -163,10 +175,10 @@ def cleanup_after_crash(mgr: CheckpointManager) -> None:
     )
 
 
-def space_hint(mgr: CheckpointManager) -> str:
+def space_hint(ctx: RootContext) -> str:
     """What reopening with ``keep=1`` would free, naming the step it keeps (for a StorageFullError)."""
     try:
-        usable = sorted(i.step for i in scan(mgr.storage, mgr.store) if i.usable)
+        usable = sorted(i.step for i in scan(ctx.storage, ctx.store) if i.usable)
     except OSError:
         return ""
     if not usable:
@@ -175,7 +187,7 @@ def space_hint(mgr: CheckpointManager) -> str:
     if not older:
         return f" The only checkpoint is step {newest}: free space on the device."
     try:
-        manifests = {s: read_manifest(mgr.storage, s) for s in usable}
+        manifests = {s: read_manifest(ctx.storage, s) for s in usable}
     except TrainguardError:
         return ""
     kept = set(manifests[newest].chunks)

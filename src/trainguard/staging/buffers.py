@@ -122,7 +122,3 @@ class Stager:
                     self._free.sort(key=lambda b: b.index)
                     self._cond.notify_all()
                     return
-
-    def busy(self) -> int:
-        with self._cond:
-            return len(self.sets) - len(self._free)

@@ -1,4 +1,4 @@
-"""``PendingSave``: the handle ``save`` returns; the background persist resolves it."""
+"""``PendingSave``: the handle ``save`` returns; the save path resolves it (``resolve``/``fail``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..manager import SaveResult
+    from ..results import SaveResult
 
 
 class PendingSave:
@@ -29,14 +29,33 @@ class PendingSave:
         if skipped:
             self._event.set()
 
-    # -- resolution (background thread) -------------------------------------------------------------------
-    def _set_result(self, result: SaveResult) -> None:
+    # -- resolution (the save path) ----------------------------------------------------------------------
+    def resolve(self, result: SaveResult) -> None:
+        """The save committed: ``wait`` returns ``result`` from now on."""
         self._result = result
         self._event.set()
 
-    def _set_error(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, *, seen: bool = False) -> None:
+        """The save failed: ``wait`` raises ``error``. ``seen``: it was already raised to the caller (a
+        synchronous save), so the manager does not raise it again from a later call."""
         self._error = error
+        self._error_seen = seen
         self._event.set()
+
+    def take_error(self) -> BaseException | None:
+        """The error, marked as seen (the manager raises a background error once)."""
+        if self._error is not None:
+            self._error_seen = True
+        return self._error
+
+    @property
+    def error_seen(self) -> bool:
+        """True once the error was raised to the caller (by ``wait`` or by the manager)."""
+        return self._error_seen
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until the save committed, failed or was skipped, at most ``timeout`` seconds; True if done."""
+        return self._event.wait(timeout)
 
     # -- caller side --------------------------------------------------------------------------------------
     def done(self) -> bool:

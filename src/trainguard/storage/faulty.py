@@ -45,6 +45,7 @@ class Fault:
         nth: the first matching call it affects (1-based).
         times: how many matching calls from the ``nth`` on it affects (None: every one).
         errno: raise ``OSError(errno)`` (ENOSPC/EDQUOT become StorageFullError as a real disk's would).
+        exc: raise this exception instead (e.g. a ``RuntimeError`` standing for a bug in a backend).
         truncate_to: ``write`` only: store just the first ``truncate_to`` bytes and report success.
         stall: block the call first: a ``threading.Event`` to wait for, or seconds to sleep.
         flip_byte: ``read`` only: XOR the byte at this offset of the object with ``0x01`` in what is returned.
@@ -58,6 +59,7 @@ class Fault:
     nth: int = 1
     times: int | None = 1
     errno: int | None = None
+    exc: BaseException | None = None
     truncate_to: int | None = None
     stall: threading.Event | float | None = None
     flip_byte: int | None = None
@@ -137,6 +139,9 @@ class FaultyStorage:
                 f.stall.wait()
             else:
                 time.sleep(f.stall)
+        if f.exc is not None:
+            self._record(op, key, f"raised {type(f.exc).__name__}")
+            raise f.exc
         if f.errno is not None:
             self._record(op, key, f"errno {f.errno}")
             err = OSError(f.errno, os.strerror(f.errno), self.inner.location(key))

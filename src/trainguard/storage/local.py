@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import StorageFullError
 from .base import Entry, ObjectInfo, Staged
@@ -32,7 +32,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def raise_if_full(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> None:
+def raise_if_full(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> NoReturn:
     """Turn ENOSPC/EDQUOT into StorageFullError (with the fix in the message); re-raise anything else."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         full = StorageFullError(
@@ -43,6 +43,16 @@ def raise_if_full(e: OSError, path: str | os.PathLike[str], step: int | None = N
         full.errno, full.strerror, full.filename = e.errno, e.strerror, str(path)
         raise full from e
     raise e
+
+
+def _fail_write(e: OSError, tmp: Path, path: str | os.PathLike[str]) -> NoReturn:
+    """After a failed write: remove the partial file ``tmp`` (best effort), then raise ``e`` (StorageFullError
+    for ENOSPC/EDQUOT, naming ``path``)."""
+    try:
+        tmp.unlink()
+    except OSError:
+        pass
+    raise_if_full(e, path)
 
 
 def write_file(path: Path, buffers: list[memoryview] | memoryview | bytes, *, fsync: bool = True) -> None:
@@ -73,11 +83,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync: bool = Tru
         write_file(tmp, data, fsync=fsync)
         os.replace(tmp, path)
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise_if_full(e, path)
+        _fail_write(e, tmp, path)
     if fsync:
         fsync_dir(path.parent)
 
@@ -221,11 +227,7 @@ class LocalStorage:
         except FileExistsError:
             raise
         except OSError as e:
-            try:
-                p.unlink()
-            except OSError:
-                pass
-            raise_if_full(e, p)
+            _fail_write(e, p, p)
 
     def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
         atomic_write(self.path(key), data, fsync=durable and self.fsync)
@@ -259,11 +261,7 @@ class LocalStorage:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp, final)
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise_if_full(e, final)
+            _fail_write(e, tmp, final)
         return Staged(key, tmp_key if batched else None, staging)
 
     def commit_staged(self, staged: list[Staged]) -> None:

@@ -11,6 +11,8 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,9 @@ from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
 from ..storage.objects import ObjectStore, is_url, open_objects
+from . import intent
 from .config import Tier
-from .repair import materialize
+from .repair import Fetched, fetch_newest, materialize, write_hot
 from .upload import TierLink, Uploader
 
 log = logging.getLogger("trainguard")
@@ -70,8 +73,9 @@ class TierSet:
         self.links = links
         self.event = event
         self.fsync = fsync
-        self.uploader = Uploader(hot, links, event)
+        self.uploader = Uploader(hot, links, event, fsync=fsync)
         self._resume: threading.Thread | None = None
+        self._hot_write: threading.Thread | None = None  # a restore's chunks going to the hot root
 
     # -- writer hooks ------------------------------------------------------------------------------------
     def record(self) -> None:
@@ -110,7 +114,9 @@ class TierSet:
         return self.uploader.after_commit(step)
 
     def protected(self) -> set[int]:
-        """Hot steps retention must keep: still to be sent to some tier."""
+        """Hot steps retention must keep: still to be sent to some tier. Waits for a restore's background
+        write to the hot root first (retention must see its manifest, or it would free its chunks)."""
+        self.settle()
         return self.uploader.pending()
 
     # -- listing -----------------------------------------------------------------------------------------
@@ -125,6 +131,7 @@ class TierSet:
             except (OSError, TrainguardError) as e:
                 log.warning("cannot list tier %s: %s", link.key, e)
                 chunks, committed = {}, set()
+            busy |= intent.uploading(self.hot, link.key) - committed  # another process's uploads too
             for s in steps:
                 if s in busy:
                     out[s][link.key] = "uploading"
@@ -152,7 +159,64 @@ class TierSet:
     # -- restore -----------------------------------------------------------------------------------------
     def materialize(self, step: int | None = None) -> int | None:
         """Make ``step`` (default: the newest restorable one) intact on the hot root, repairing from tiers."""
+        self.settle()
         return materialize(self.hot, self.links, self.event, step=step, fsync=self.fsync)
+
+    @contextmanager
+    def restoring(self, ctx: Any, step: int | None = None) -> Iterator[int | None]:
+        """Around a restore: what the hot root lacks of ``step`` (default: the newest step restorable from the
+        hot root or any tier) is read from the tiers into memory (in parallel, CRC32C checked) and the
+        restore reads it from there (a :class:`~trainguard.tiers.overlay.MemoryOverlay` as ``ctx.storage``,
+        with a chunk store on it as ``ctx.store``, while the block runs; ``ctx``: the manager's RootContext); afterwards a background thread writes it to the hot root (chunks, then the
+        manifest), so the hot root is repaired without its disk on the restore's critical path.
+
+        Yields:
+            The step made available, or None when no candidate could be.
+        """
+        self.settle()
+        got = fetch_newest(self.hot, self.links, step)
+        if got is None or not got.files:
+            if got is not None:
+                write_hot(self.hot, got, self.event, self.fsync)  # only the check record: nothing to copy
+            yield None if got is None else got.step
+            return
+        from ..incremental.chunkstore import ChunkStore
+        from .overlay import MemoryOverlay
+
+        saved = ctx.storage, ctx.store
+        ctx.storage = MemoryOverlay(saved[0], got.files)
+        ctx.store = ChunkStore(ctx.storage)
+        t0 = time.perf_counter()
+        try:
+            yield got.step
+        finally:
+            ctx.storage, ctx.store = saved
+            self.event(
+                "tier_restore",
+                step=got.step,
+                bytes=got.nbytes,
+                chunks=len(got.sources),
+                seconds=round(time.perf_counter() - t0, 6),
+            )
+            self._write_behind(got)
+
+    def _write_behind(self, got: Fetched) -> None:
+        def run() -> None:
+            try:
+                write_hot(self.hot, got, self.event, self.fsync)
+            except (OSError, TrainguardError) as e:  # the hot copy is a cache: the tiers still hold the step
+                log.warning("writing step %d to the hot root %s failed: %s", got.step, self.hot, e)
+                self.event("tier_repair_failed", step=got.step, error=f"{type(e).__name__}: {e}")
+
+        self._hot_write = threading.Thread(target=run, name="trainguard-hot-write", daemon=True)
+        self._hot_write.start()
+
+    def settle(self) -> None:
+        """Wait for a restore's background write to the hot root (if any)."""
+        t = self._hot_write
+        if t is not None:
+            t.join()
+            self._hot_write = None
 
     # -- close -------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -161,6 +225,7 @@ class TierSet:
         Raises:
             TierUploadError: naming the steps and tiers not uploaded (the hot checkpoints are intact).
         """
+        self.settle()
         timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
         t0 = time.monotonic()
         if self._resume is not None:
@@ -307,8 +372,8 @@ def listing(tierset: TierSet, hot_scan: Any, *, url: str | None = None) -> list[
                     r.t,
                     r.problem or "only on tiers (restore copies it to the hot root)",
                     f"{link.key}/{step_dir_name(step)}",
-                    r.chunk,
-                    extra.get(step, {}),
+                    chunk=r.chunk,
+                    tiers=extra.get(step, {}),
                 )
             )
     return sorted(out, key=lambda i: i.step)

@@ -12,6 +12,7 @@ Status of a step on a tier (``checkpoints()[i].tiers``):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
@@ -142,8 +143,15 @@ class RemoteRoot:
             return None
         return data
 
-    def verify(self, step: int) -> tuple[str | None, str | None, int]:
+    def verify(
+        self, step: int, *, on_read: Callable[[int], None] | None = None
+    ) -> tuple[str | None, str | None, int]:
         """Read every chunk of ``step`` and check length and CRC32C.
+
+        Args:
+            step: the step.
+            on_read: called with the bytes of each chunk read, after the read (a rate cap such as
+                ``verify --max-bandwidth`` sleeps there: the average read rate stays below it).
 
         Returns:
             ``(problem, chunk, bytes_read)``: problem None when intact (then recorded on the store as
@@ -162,6 +170,8 @@ class RemoteRoot:
             except FileNotFoundError:
                 return f"chunk {rec.path} missing", rec.path, read
             read += len(data)
+            if on_read is not None:
+                on_read(len(data))
             if len(data) != rec.length:
                 return f"chunk {rec.path} has {len(data)} bytes, expected {rec.length}", rec.path, read
             if crc32c.crc32c(data) != rec.crc32c:

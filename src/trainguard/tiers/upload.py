@@ -35,6 +35,7 @@ from ..format.manifest import ChunkRecord
 from ..retention import KeepAll, select
 from ..storage.objects import ObjectStore
 from ..storage.safeio import MAX_MANIFEST_BYTES, read_bounded
+from . import intent
 from .config import Tier
 from .remote import CHECK_NAME, RemoteRoot, manifest_name
 
@@ -97,13 +98,17 @@ class Uploader:
         hot_root: the local run root checkpoints commit to first.
         links: the tiers, in order.
         event: ``event(name, **fields)`` writes to the hot root's event log.
+        fsync: make the upload markers (:mod:`.intent`) durable.
 
     Thread safety: :meth:`submit`, :meth:`pending`, :meth:`wait` are called from the training thread (or the
     persist worker); each async tier has one upload thread; chunk PUTs run in a shared pool.
     """
 
-    def __init__(self, hot_root: Path, links: list[TierLink], event: Callable[..., None]) -> None:
+    def __init__(
+        self, hot_root: Path, links: list[TierLink], event: Callable[..., None], *, fsync: bool = True
+    ) -> None:
         self.hot = Path(hot_root)
+        self.fsync = fsync
         self.links = links
         self.event = event
         self.cond = threading.Condition()
@@ -118,6 +123,7 @@ class Uploader:
         err: SaveError | None = None
         for link in self.links:
             if link.tier.sync:
+                intent.mark(self.hot, link.key, step, fsync=self.fsync)
                 try:
                     self.upload(link, step)
                 except (OSError, TrainguardError) as e:
@@ -139,8 +145,10 @@ class Uploader:
                 for s in sorted(link.failed):
                     if s not in link.queue and self._committed(s):
                         link.queue.append(s)
+                        intent.mark(self.hot, link.key, s, fsync=self.fsync)
                 link.failed.clear()
                 if step is not None and not link.tier.sync and step not in link.queue:
+                    intent.mark(self.hot, link.key, step, fsync=self.fsync)  # before anything is sent
                     link.queue.append(step)
                 if link.queue and (link.thread is None or not link.thread.is_alive()):
                     link.thread = threading.Thread(
@@ -197,6 +205,8 @@ class Uploader:
             try:
                 if self._committed(step):
                     self.upload(link, step)
+                else:  # deleted from the hot root meanwhile: nothing left to send
+                    intent.clear(self.hot, link.key, step)
             except BaseException as e:  # noqa: BLE001 - one failed upload must not kill the tier's thread
                 with self.cond:
                     link.failed[step] = f"{type(e).__name__}: {e}"
@@ -247,6 +257,7 @@ class Uploader:
 
         sent = sum(f.result() for f in [self.pool.submit(put, rec) for rec in todo])
         with_retries("manifest", lambda: link.store.put(manifest_name(step), man), failed, self.stop)
+        intent.clear(self.hot, link.key, step)  # committed on the tier
         link.remote.forget(step)
         link.failed.pop(step, None)
         self.event(

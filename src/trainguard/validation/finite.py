@@ -42,6 +42,8 @@ def count_nonfinite(t: torch.Tensor) -> int:
     bad = 0
     for start in range(0, flat.numel(), BLOCK_ELEMS):
         block = flat[start : start + BLOCK_ELEMS]
+        if block.element_size() == 1:  # float8: CPU has no reductions for it; float32 holds every value
+            block = block.float()
         # Fast path: one reduction, no temporary: a NaN or Inf anywhere makes the sum non-finite. A non-finite
         # sum of finite values (overflow) falls through to the exact count, which then finds none.
         if bool(torch.isfinite(block.sum())):

@@ -5,14 +5,48 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from ..errors import NonFiniteStateError, ResumeDivergedError, SuspectCheckpointError
 from . import finite
 from .suspect import mark_suspect
 
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+
+class CheckpointManager(Protocol):
+    """What these hooks use of the manager (its validation settings and state); never the manager module."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def fsync(self) -> bool: ...
+
+    @property
+    def dist(self) -> Any: ...
+
+    @property
+    def check_finite(self) -> str: ...
+
+    @property
+    def probe(self) -> Any: ...
+
+    @property
+    def probe_rtol(self) -> float: ...
+
+    @property
+    def probe_atol(self) -> float: ...
+
+    @property
+    def saves(self) -> Any: ...
+
+    @property
+    def _trajectory(self) -> Any: ...
+
+    def _event(self, name: str, **fields: Any) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> None: ...
+
 
 log = logging.getLogger("trainguard")
 
@@ -144,11 +178,16 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
     except Exception:  # noqa: BLE001 - their failure is not this error; it was logged by the worker
         pass
     v = chk.violations
-    first = v[0]
-    reason = (
-        f"the loss diverged {first.step - chk.restored_step} step(s) after resuming from step "
-        f"{chk.restored_step}: step {first.step} loss {first.loss:.6g}, {first.how}"
-    )
+    if v:
+        first = v[0]
+        reason = (
+            f"the loss diverged {first.step - chk.restored_step} step(s) after resuming from step "
+            f"{chk.restored_step}: step {first.step} loss {first.loss:.6g}, {first.how}"
+        )
+    else:  # judged on the coordinator, whose losses are the logged reference
+        reason = (
+            f"the loss diverged by step {step} after resuming from step {chk.restored_step} (found by rank 0)"
+        )
     own = sorted({r.step for r in mgr.saves if r.step > chk.restored_step})
     marked = [chk.restored_step, *own]
     if mgr.dist.is_coordinator:

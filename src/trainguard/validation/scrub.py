@@ -11,10 +11,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+
+class CheckpointManager(Protocol):
+    """What the scrubber uses of the manager: its root and its event log (never the manager module)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def _event(self, name: str, **fields: Any) -> None: ...
+
 
 log = logging.getLogger("trainguard")
 

@@ -8,9 +8,12 @@ compared with:
 
 - the loss recorded for the same step by the launches before this one (the newest launch that logged the step
   wins: the launch that died); equal when resume is bit-exact, so the tolerance only absorbs a resume that is
-  not (another world size or device): ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``;
+  not (another device): ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``. Only launches at the same world
+  size are references for the same step (each log starts with ``{"world_size": N}``): at another world size a
+  step trains on other samples per rank, so its loss is not comparable and only the band below applies;
 - past the failure point (steps no earlier launch logged): a robust band around the last ``BAND_WINDOW``
-  losses logged at or before S: ``loss <= median + K * MAD + REL_TOL * |median|``.
+  losses logged at or before S: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must
+  stay ``<= median + K * MAD + REL_TOL * |median|`` (one noisy batch above the band is not a divergence).
 
 MAD is the median absolute deviation of those same losses. A NaN/Inf loss always violates. A launch that
 tripped the check writes ``{"diverged": true}`` into its own log, which is then never used as a reference.
@@ -38,6 +41,10 @@ BAND_WINDOW = 50
 """Losses at or before the restored step that define the band."""
 MIN_BAND = 5
 """Fewer losses than this before the restored step: no band check past the failure point."""
+BAND_RUN = 5
+"""Past the failure point the band judges the median of the last ``BAND_RUN`` losses (at least
+``MIN_RUN``), not one step: a single noisy batch above the band is not a divergence, a sustained rise is."""
+MIN_RUN = 3
 
 
 def loss_value(metrics: Any) -> Any:
@@ -58,7 +65,8 @@ def loss_value(metrics: Any) -> Any:
 class TrajectoryLog:
     """This launch's append-only loss log (rank 0 of a writer)."""
 
-    def __init__(self, root: str | os.PathLike[str], run_id: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], run_id: str, world_size: int | None = None) -> None:
+        self.world_size = world_size
         self.dir = Path(root) / TRAJECTORY_DIR
         self.path = self.dir / f"{time.time_ns():020d}-{run_id}.jsonl"
         self._f: Any = None
@@ -72,6 +80,8 @@ class TrajectoryLog:
                 self.dir.mkdir(exist_ok=True)
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
                 self._f = os.fdopen(fd, "a", buffering=1)  # line-buffered: one write per line
+                if self.world_size is not None:
+                    self._f.write(json.dumps({"world_size": self.world_size}) + "\n")
             self._f.write(json.dumps(rec, allow_nan=True) + "\n")
         except OSError:
             self.failed = True  # the log is advisory: training goes on without it
@@ -91,13 +101,14 @@ class TrajectoryLog:
             self._f = None
 
 
-def _read_log(path: Path) -> tuple[dict[int, float], bool]:
+def _read_log(path: Path) -> tuple[dict[int, float], bool, int | None]:
     steps: dict[int, float] = {}
     diverged = False
+    world_size: int | None = None
     try:
         text = read_bounded(path, MAX_EVENT_FILE_BYTES, what="trajectory log").decode("utf-8", "replace")
     except OSError:
-        return steps, False
+        return steps, False, None
     for line in text.splitlines():
         try:
             rec = json.loads(line)
@@ -107,14 +118,21 @@ def _read_log(path: Path) -> tuple[dict[int, float], bool]:
             continue
         if rec.get("diverged") is True:
             diverged = True
+        ws = rec.get("world_size")
+        if isinstance(ws, int) and not isinstance(ws, bool) and world_size is None:
+            world_size = ws
         s, x = rec.get("step"), rec.get("loss")
         if isinstance(s, int) and not isinstance(s, bool) and isinstance(x, (int, float)):
             steps[s] = float(x)
-    return steps, diverged
+    return steps, diverged, world_size
 
 
-def history(root: str | os.PathLike[str], *, exclude: Path | None = None) -> dict[int, float]:
-    """step -> loss from every earlier launch's log that did not diverge; the newest launch wins a step."""
+def history(
+    root: str | os.PathLike[str], *, exclude: Path | None = None, world_size: int | None = None
+) -> dict[int, float]:
+    """step -> loss from every earlier launch's log that did not diverge; the newest launch wins a step.
+
+    With ``world_size``: only launches that ran at that world size (or did not record one)."""
     d = Path(root) / TRAJECTORY_DIR
     try:
         names = sorted(e.name for e in os.scandir(d) if e.name.endswith(".jsonl"))
@@ -125,7 +143,9 @@ def history(root: str | os.PathLike[str], *, exclude: Path | None = None) -> dic
         p = d / name
         if exclude is not None and p == exclude:
             continue
-        steps, diverged = _read_log(p)
+        steps, diverged, ws = _read_log(p)
+        if world_size is not None and ws is not None and ws != world_size:
+            continue
         if not diverged:
             merged.update(steps)
     return merged
@@ -135,8 +155,17 @@ class Recorder:
     """A writer's trajectory state: its log (rank 0), the check armed after a restore, and a loss held on an
     accelerator until the next step."""
 
-    def __init__(self, root: str | os.PathLike[str], run_id: str, window: int, *, coordinator: bool) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        run_id: str,
+        window: int,
+        *,
+        coordinator: bool,
+        world_size: int | None = None,
+    ) -> None:
         self.root = root
+        self.world_size = world_size
         self.run_id = run_id
         self.window = window
         self.coordinator = coordinator
@@ -149,7 +178,9 @@ class Recorder:
         if self.window <= 0:
             return
         own = self.log.path if self.log is not None else None
-        self.check = TrajectoryCheck.arm(self.root, restored_step, self.window, exclude=own)
+        self.check = TrajectoryCheck.arm(
+            self.root, restored_step, self.window, exclude=own, world_size=self.world_size
+        )
 
     def record(self, step: int, metrics: Any) -> bool:
         """Log the loss of ``step`` (and of a deferred earlier step); True when the armed check found a violation."""
@@ -167,9 +198,11 @@ class Recorder:
             v = float(v)
             if self.coordinator:
                 if self.log is None:
-                    self.log = TrajectoryLog(self.root, self.run_id)
+                    self.log = TrajectoryLog(self.root, self.run_id, self.world_size)
                 self.log.append(s, v)
-            if self.check is not None and self.check.check(s, v) is not None:
+            # only the coordinator's losses are logged, so only they have a reference: under torch.distributed
+            # each rank's loss is its own batch's (the verdict is shared with every rank by the caller)
+            if self.coordinator and self.check is not None and self.check.check(s, v) is not None:
                 bad = True
         return bad
 
@@ -183,7 +216,7 @@ class Recorder:
             step, x = self._pending
             self._pending = None
             if self.log is None:
-                self.log = TrajectoryLog(self.root, self.run_id)
+                self.log = TrajectoryLog(self.root, self.run_id, self.world_size)
             self.log.append(step, float(x))
         if self.log is not None:
             self.log.close()
@@ -207,13 +240,21 @@ class TrajectoryCheck:
     median: float | None
     mad: float | None
     violations: list[Violation] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
 
     @classmethod
     def arm(
-        cls, root: str | os.PathLike[str], restored_step: int, window: int, *, exclude: Path | None = None
+        cls,
+        root: str | os.PathLike[str],
+        restored_step: int,
+        window: int,
+        *,
+        exclude: Path | None = None,
+        world_size: int | None = None,
     ) -> TrajectoryCheck:
         hist = history(root, exclude=exclude)
-        reference = {s: x for s, x in hist.items() if restored_step < s <= restored_step + window}
+        same = history(root, exclude=exclude, world_size=world_size) if world_size is not None else hist
+        reference = {s: x for s, x in same.items() if restored_step < s <= restored_step + window}
         before = [hist[s] for s in sorted(s for s in hist if s <= restored_step)][-BAND_WINDOW:]
         before = [x for x in before if math.isfinite(x)]
         median = mad = None
@@ -242,13 +283,15 @@ class TrajectoryCheck:
                 )
         elif self.median is not None:
             upper = self.median + spread + REL_TOL * abs(self.median)
-            if loss > upper:
+            self.recent = [*self.recent, loss][-BAND_RUN:]
+            run = statistics.median(self.recent)
+            if len(self.recent) >= MIN_RUN and run > upper:
                 v = Violation(
                     step,
                     loss,
                     upper,
-                    f"above the band of the losses before step {self.restored_step} "
-                    f"(median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
+                    f"the median of the last {len(self.recent)} losses ({run:.6g}) is above the band of the "
+                    f"losses before step {self.restored_step} (median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
                 )
         if v is not None:
             self.violations.append(v)

@@ -1,0 +1,184 @@
+"""Checking ``CheckpointManager``'s arguments and opening its run root, with errors that name the fix."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, UnsafeFileError
+from .eventlog import EventLog
+from .policies import SavePolicy
+from .storage.base import Storage
+from .storage.local import LocalStorage
+
+
+def open_storage(root: str | os.PathLike[str] | Storage, *, fsync: bool, durability: str) -> Storage:
+    """The storage of a manager's ``root`` argument.
+
+    Raises:
+        ConfigError: a URL (object stores are not run roots yet), an unknown ``durability``, or a storage
+            without a local directory.
+    """
+    if isinstance(root, str) and "://" in root:
+        raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
+    if isinstance(root, (str, os.PathLike)):
+        try:
+            return LocalStorage(root, fsync=fsync, durability=durability)
+        except ValueError as e:  # the storage checks its own options
+            raise ConfigError(str(e)) from None
+    if isinstance(root, Storage) and root.local_path is not None:
+        return root
+    raise ConfigError(
+        f"root must be a directory path or a trainguard.storage.Storage with a local directory, got {root!r}"
+    )
+
+
+def check_options(
+    *,
+    save_policy: Any,
+    when_busy: str,
+    dist_timeout_s: Any,
+    collective: bool | None,
+    read_only: bool,
+    staging_buffers: int,
+    save_timeout_s: Any,
+) -> bool:
+    """Check the manager's options that do not depend on torch.distributed; returns ``collective`` resolved
+    (default: True for a writer, False for a read-only manager).
+
+    Raises:
+        ConfigError: naming the argument, the value given and what is accepted.
+    """
+    if not isinstance(save_policy, SavePolicy):
+        raise ConfigError(
+            f"save_policy must have should_save()/record_save() (e.g. tg.EveryNSteps(100)), got "
+            f"{type(save_policy).__name__}"
+        )
+    if when_busy not in ("wait", "skip"):
+        raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+    if dist_timeout_s is not None and (
+        isinstance(dist_timeout_s, bool)
+        or not isinstance(dist_timeout_s, (int, float))
+        or not 0 < dist_timeout_s < float("inf")
+    ):
+        raise ConfigError(f"dist_timeout_s must be a number of seconds > 0, got {dist_timeout_s!r}")
+    if collective is None:
+        collective = not read_only
+    if not collective and not read_only:
+        raise ConfigError(
+            "a writing manager must be collective under torch.distributed (every rank writes its shards); "
+            "collective=False is for read_only=True"
+        )
+    if staging_buffers < 1:
+        raise ConfigError(f"staging_buffers must be >= 1, got {staging_buffers}")
+    if save_timeout_s is not None and not (
+        isinstance(save_timeout_s, (int, float))
+        and not isinstance(save_timeout_s, bool)
+        and save_timeout_s > 0
+    ):
+        raise ConfigError(f"save_timeout_s must be a number of seconds > 0 or None, got {save_timeout_s!r}")
+    return collective
+
+
+def check_distributed_options(*, dist_enabled: bool, when_busy: str, save_timeout_s: Any) -> None:
+    """The options torch.distributed does not support yet.
+
+    Raises:
+        ConfigError: ``when_busy='skip'`` or ``save_timeout_s`` under torch.distributed.
+    """
+    if dist_enabled and when_busy == "skip":
+        raise ConfigError(
+            "when_busy='skip' is not supported under torch.distributed (ranks could skip "
+            "different saves); use 'wait'"
+        )
+    if save_timeout_s is not None and dist_enabled:
+        raise ConfigError(
+            "save_timeout_s is not supported under torch.distributed yet (an abandoned save would leave the "
+            "ranks' collectives out of step); rely on the supervisor's heartbeat timeout"
+        )
+
+
+def root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot be a run root (it exists but is not a directory), or None.
+
+    One ``stat`` decides, so a root another rank creates meanwhile is never taken for a file."""
+    try:
+        st = os.stat(root)  # follows a symlink to its target
+    except FileNotFoundError:
+        if os.path.islink(root):
+            return (
+                f"run root {root} is a symlink to {os.readlink(root)!r}, which does not exist: fix the link "
+                "or choose another root"
+            )
+        return None
+    except OSError:
+        return None  # the mkdir or the event log that follows reports it
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    if os.path.islink(root):
+        return (
+            f"run root {root} is a symlink to {os.readlink(root)!r}, which is not a directory: fix the link or "
+            "choose another root"
+        )
+    return f"run root {root} is a file, not a directory: choose another root"
+
+
+def open_root(root: Path) -> EventLog:
+    """Create the run root of a writer (if missing) and its event log, with clear errors for odd roots."""
+    problem = root_problem(root)
+    if problem is not None:
+        raise ConfigError(problem)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return EventLog(root, "manager")
+    except UnsafeFileError:
+        raise
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            why = "is on a read-only filesystem"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "is not writable by this user"
+        else:
+            why = f"cannot be written ({e.strerror or e})"
+        raise ConfigError(
+            f"run root {root} {why}: choose a writable root, or open it with "
+            "CheckpointManager(root, read_only=True) to list and restore only"
+        ) from None
+
+
+def validation_options(
+    *,
+    check_finite: str,
+    probe: Any,
+    probe_rtol: float,
+    probe_atol: float,
+    trajectory_steps: int,
+    scrub_interval_s: float | None,
+) -> None:
+    """Check the validation options (issue 11).
+
+    Raises:
+        ConfigError: naming the option and what it accepts.
+    """
+    from .validation import CHECK_FINITE_MODES
+
+    if check_finite not in CHECK_FINITE_MODES:
+        raise ConfigError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {check_finite!r}")
+    if probe is not None and not callable(probe):
+        raise ConfigError(f"probe must be a callable returning a tensor or a dict of tensors, got {probe!r}")
+    for name, v in (("probe_rtol", probe_rtol), ("probe_atol", probe_atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    if isinstance(trajectory_steps, bool) or not isinstance(trajectory_steps, int) or trajectory_steps < 0:
+        raise ConfigError(f"trajectory_steps must be an int >= 0 (0: off), got {trajectory_steps!r}")
+    if scrub_interval_s is not None and (
+        isinstance(scrub_interval_s, bool)
+        or not isinstance(scrub_interval_s, (int, float))
+        or not 0 < scrub_interval_s < float("inf")
+    ):
+        raise ConfigError(
+            f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
+        )

@@ -1,0 +1,78 @@
+"""``RootContext``: what the save path, the restore path, retention and lineage work with, instead of the manager.
+
+The manager builds one per run root and hands it to its collaborators (``_persist``, ``_restore``,
+``retention.apply``, ``lineage``); none of them imports the manager. Each field is an explicit dependency:
+the storage and the chunk store on it, the distributed context, the run's identity, retention's policy and
+cache, the event log (``event``), and the few callbacks into the manager's async engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .distributed.context import DistContext
+from .distributed.options import WriterOptions
+from .format.run import RunInfo
+from .incremental.auto import CompressionChooser
+from .incremental.chunkstore import ChunkStore
+from .incremental.delta import IncrementalState
+from .results import RestoreTimings, SaveResult
+from .retention import RetentionPolicy
+from .retention.refs import ManifestCache
+from .storage.base import Storage
+
+
+def _no_event(name: str, **fields: Any) -> None:
+    return None
+
+
+@dataclass(eq=False)
+class RootContext:
+    """Everything one run root's save, restore and retention need (built and owned by the manager).
+
+    Attributes:
+        root: the run root directory.
+        storage: its storage; ``store``: the chunk store on it.
+        dist: the distributed context (rank, world size, collectives).
+        options: chunking options of the writer.
+        retention: the preservation policy; ``refs``: retention's cache of committed steps.
+        fsync: make saves durable. read_only: no writes (restore records no quarantine).
+        new_run: the manager was opened with ``new_run=True``.
+        run: this manager's run identity (replaced when a restore resumes a lineage).
+        resumed: a restore resumed a lineage.
+        event: writes one event to the run root's event log (a no-op for read-only managers).
+        in_flight_since: wall time the oldest save still in flight began (now when none).
+        staging_bytes: host memory held by staging buffers, in bytes.
+        saves: the most recent committed saves, in commit order.
+        last_restore: timings of the last restore.
+        compression: decides per save whether chunks are compressed (:class:`~trainguard.incremental.auto.CompressionChooser`).
+        incremental: the previous save's pieces, the delta bases (:class:`~trainguard.incremental.delta.IncrementalState`).
+        host: the manager's validation settings and state (``check_finite``, ``probe``, ``_probes``,
+            ``_validate_s``), which :mod:`trainguard.validation.hooks` still reads from the manager object.
+    """
+
+    root: Path
+    storage: Storage
+    store: ChunkStore
+    dist: DistContext
+    options: WriterOptions
+    retention: RetentionPolicy
+    run: RunInfo
+    fsync: bool = True
+    read_only: bool = False
+    new_run: bool = False
+    resumed: bool = False
+    refs: ManifestCache = field(default_factory=ManifestCache)
+    event: Callable[..., None] = _no_event
+    in_flight_since: Callable[[], float] = time.time
+    staging_bytes: Callable[[], int] = lambda: 0
+    saves: deque[SaveResult] = field(default_factory=lambda: deque(maxlen=1000))
+    last_restore: RestoreTimings = field(default_factory=RestoreTimings)
+    compression: CompressionChooser | None = None
+    incremental: IncrementalState | None = None
+    host: Any = None
