@@ -43,7 +43,8 @@ def sample(dtype: torch.dtype, shape=(5, 7)) -> torch.Tensor:
 
 
 def roundtrip(tmp_path, state: dict, fresh: dict) -> dict:
-    with tg.CheckpointManager(tmp_path / "run") as mgr:
+    # arbitrary bit patterns include NaN/Inf: this is about storing them exactly, not about check_finite
+    with tg.CheckpointManager(tmp_path / "run", check_finite="off") as mgr:
         mgr.save(1, state)
         assert mgr.restore_latest(fresh) == 1
     return fresh

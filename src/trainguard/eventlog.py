@@ -66,6 +66,8 @@ OWN_EVENTS = frozenset(
         "resume_diverged",
         "scrub",
         "tier_upload",
+        "tier_restore",
+        "tier_repair_failed",
         "tier_upload_failed",
         "tier_upload_incomplete",
         "tier_repair",
