@@ -149,11 +149,12 @@ def test_random_states_restore_bitwise_or_raise_naming_every_difference(
     before_plain = {k: v.clone() for k, v in flat(target).items()}
     before_optim = optimizer_state(live_optim)
     with tempfile.TemporaryDirectory() as root:
-        with tg.CheckpointManager(root, async_save=False, fsync=False) as mgr:
+        # random fp16 moments may overflow to Inf: this property is about matching, not check_finite
+        with tg.CheckpointManager(root, async_save=False, fsync=False, check_finite="off") as mgr:
             mgr.save(1, {"p": saved_plain, "optim": saved_optim})
         state = {"p": target, "optim": live_optim}
         try:
-            tg.CheckpointManager(root, read_only=True).restore(1, state)
+            tg.CheckpointManager(root, read_only=True, check_finite="off").restore(1, state)
         except tg.StateMismatchError as e:
             assert diffs, f"no difference, yet: {e}"
             for name in diffs:
