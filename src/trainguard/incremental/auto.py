@@ -38,6 +38,10 @@ WINDOW = 5
 EXPLORE = 16
 SAMPLE_BYTES = 4 << 20
 MIN_MEASURED_BYTES = 1 << 20  # a smaller save measures latency, not bandwidth
+AUTO_MIN_BYTES = 64 << 20
+"""``compression="auto"`` leaves a save of fewer tensor bytes than this (64 MiB) uncompressed: its durable time
+is dominated by fixed costs (planning, fsync, manifest), so compressing cannot pay, and a decision from timings
+that small would follow the machine's noise. ``compression="zstd"`` compresses any size."""
 
 
 @dataclass
@@ -128,6 +132,8 @@ class CompressionChooser:
             + min(piece_bytes, logical_bytes) / self.codec_Bps
         )
         inputs.update(t_off_s=t_off, t_on_s=t_on)
+        if logical_bytes < AUTO_MIN_BYTES:
+            return Decision(False, "auto: a state under 64 MiB is not compressed (fixed costs dominate)", inputs)
         if t_on < MARGIN * t_off:
             return Decision(
                 True, "auto: the model says compressing lowers the durable time (measuring it)", inputs
