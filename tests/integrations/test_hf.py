@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ..conftest import REPO, run_env
+from ._example import losses, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -35,16 +36,7 @@ STEPS, SAVE_EVERY = 30, 4
 
 
 def train(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(SCRIPT), "--root", str(root), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-           "--losses", str(out / "losses.jsonl"), "--final", str(out / "final.pt"), *extra]  # fmt: skip
-    env = run_env() | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-
-
-def losses(out: Path) -> dict[int, str]:
-    """Step -> loss (float.hex); a step redone after a resume keeps its last value."""
-    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return run_example(SCRIPT, root, out, STEPS, SAVE_EVERY, *extra)
 
 
 def flip_bit_only_in(root: Path, step: int, older: int) -> Path:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ..conftest import REPO, run_env
+from ._example import losses, run_example
 
 pytest.importorskip("pytorch_lightning")
 
@@ -31,16 +32,7 @@ STEPS, SAVE_EVERY = 25, 4  # 10 batches per epoch: the kills land mid-epoch 0 an
 
 
 def train(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(SCRIPT), "--root", str(root), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-           "--losses", str(out / "losses.jsonl"), "--final", str(out / "final.pt"), *extra]  # fmt: skip
-    env = run_env() | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-
-
-def losses(out: Path) -> dict[int, str]:
-    """Step -> loss (float.hex); a step redone after a resume keeps its last value."""
-    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return run_example(SCRIPT, root, out, STEPS, SAVE_EVERY, *extra)
 
 
 @pytest.fixture(scope="module")
