@@ -128,7 +128,10 @@ def test_background_scrubber_repairs_hot_chunks_from_a_tier(tmp_path: Path) -> N
 
     hot, shared = tmp_path / "hot", tmp_path / "shared"
     mgr = tg.CheckpointManager(
-        hot, save_policy=tg.EveryNSteps(1), scrub_interval_s=3600, chunk_size_bytes=CHUNK,
+        hot,
+        save_policy=tg.EveryNSteps(1),
+        scrub_interval_s=3600,
+        chunk_size_bytes=CHUNK,
         tiers=[tg.Tier(str(shared), sync=True)],
     )
     mgr.save(1, {"w": torch.arange(4096, dtype=torch.float32), "v": torch.ones(4096)}).wait()

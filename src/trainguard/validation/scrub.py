@@ -154,7 +154,9 @@ class Scrubber:
         try:
             got = fetch_step(self.root, tiers.links, step)
             if got is None:
-                log.error("scrub: step %d under %s is intact on no tier; left marked corrupt", step, self.root)
+                log.error(
+                    "scrub: step %d under %s is intact on no tier; left marked corrupt", step, self.root
+                )
                 return False
             for key, src in got.sources.items():
                 write_chunk(self.root, self._event, tiers.fsync, step, key, got.files[key], src)
@@ -166,7 +168,9 @@ class Scrubber:
             limiter = RateLimiter(self.max_bytes_per_s, stop=self._stop) if self.max_bytes_per_s else None
             ok = verify(self.root, [step], limiter=limiter).ok  # records verified.json / corrupt.json
         except (OSError, TrainguardError) as e:
-            log.warning("scrub: repairing step %d under %s failed: %s: %s", step, self.root, type(e).__name__, e)
+            log.warning(
+                "scrub: repairing step %d under %s failed: %s: %s", step, self.root, type(e).__name__, e
+            )
             return False
         if ok:
             log.warning("scrub: step %d under %s repaired from the tiers", step, self.root)
