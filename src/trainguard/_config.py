@@ -157,8 +157,12 @@ def validation_options(
     probe_atol: float,
     trajectory_steps: int,
     scrub_interval_s: float | None,
-) -> None:
+    scrub_max_bandwidth: float | str | None = None,
+) -> float | None:
     """Check the validation options (issue 11).
+
+    Returns:
+        ``scrub_max_bandwidth`` in bytes per second (None: uncapped).
 
     Raises:
         ConfigError: naming the option and what it accepts.
@@ -182,3 +186,27 @@ def validation_options(
         raise ConfigError(
             f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
         )
+    return scrub_bandwidth(scrub_max_bandwidth)
+
+
+def scrub_bandwidth(value: float | str | None) -> float | None:
+    """``scrub_max_bandwidth`` in bytes per second: a number (bytes per second) or a rate with a unit as
+    ``trainguard verify --max-bandwidth`` takes it (``"200MB/s"``, ``"1GiB/s"``); None is uncapped.
+
+    Raises:
+        ConfigError: not a finite rate > 0 (naming the accepted forms).
+    """
+    if value is None:
+        return None
+    from .planning.units import parse_bandwidth_bytes_per_s
+
+    fix = "give bytes per second > 0 or a rate such as '200MB/s' (None: uncapped)"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"scrub_max_bandwidth must be a number or a string, got {value!r}; {fix}")
+    try:
+        rate = parse_bandwidth_bytes_per_s(value, what="scrub_max_bandwidth")
+    except ConfigError as e:
+        raise ConfigError(f"{e}; {fix}") from None
+    if not 0 < rate < float("inf"):  # NaN and inf pass the parser's sign check
+        raise ConfigError(f"scrub_max_bandwidth must be a finite rate > 0, got {value!r}; {fix}")
+    return rate

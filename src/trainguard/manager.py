@@ -130,7 +130,13 @@ class CheckpointManager:
             many steps are compared with those logged before the failure; a divergence raises
             ResumeDivergedError and marks the checkpoints suspect (0: off).
         scrub_interval_s: re-verify the committed checkpoints in a background thread every this many seconds
-            (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it.
+            (None: off); damage found is recorded (``corrupt``) and logged before a restore needs it. With
+            ``tiers``, a chunk found corrupt or missing on the hot root is re-fetched from the first tier
+            holding it with the recorded CRC32C and rewritten (``tier_repair`` event); the step is re-verified
+            and its ``corrupt`` marker cleared only when every damaged chunk was repaired.
+        scrub_max_bandwidth: cap on the background scrubber's read rate, in bytes per second (a number) or a
+            rate with a unit as ``trainguard verify --max-bandwidth`` takes it (``"200MB/s"``, ``"1GiB/s"``,
+            ``"800Mbps"``); None (default): uncapped.
         compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
             that measured faster on this storage: the write time of this manager's own saves both ways; before
             compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
@@ -180,6 +186,7 @@ class CheckpointManager:
         probe_atol: float = 0.0,
         trajectory_steps: int = 50,
         scrub_interval_s: float | None = None,
+        scrub_max_bandwidth: float | str | None = None,
         tiers: list[Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         compression: str = "auto",
@@ -218,13 +225,14 @@ class CheckpointManager:
             save_timeout_s=save_timeout_s,
         )
         self.retention = as_retention(keep)
-        validation_options(
+        self.scrub_max_bandwidth: float | None = validation_options(
             check_finite=check_finite,
             probe=probe,
             probe_rtol=probe_rtol,
             probe_atol=probe_atol,
             trajectory_steps=trajectory_steps,
             scrub_interval_s=scrub_interval_s,
+            scrub_max_bandwidth=scrub_max_bandwidth,
         )
         self.check_finite: str = check_finite
         self.probe: Callable[[], Any] | None = probe
@@ -374,7 +382,12 @@ class CheckpointManager:
         if self.scrub_interval_s is not None and self.dist.is_coordinator:
             from .validation.scrub import Scrubber
 
-            self._scrubber = Scrubber(self, self.scrub_interval_s)
+            self._scrubber = Scrubber(
+                self,
+                self.scrub_interval_s,
+                max_bytes_per_s=self.scrub_max_bandwidth,
+                tiers=self._tiers,
+            )
             self._scrubber.start()
 
     # -- context manager ----------------------------------------------------------------------------------

@@ -117,3 +117,67 @@ def test_hot_retention_keeps_a_checkpoint_still_to_be_uploaded(tmp_path: Path) -
     assert sorted(s for s in (1, 2, 3) if (hot / f"step-00000000{s}/manifest.json").exists()) == [1, 2, 3]
     with pytest.raises(tg.TierUploadError):
         mgr.close()
+
+
+def test_background_scrubber_repairs_hot_chunks_from_a_tier(tmp_path: Path) -> None:
+    import os
+
+    import torch
+
+    from trainguard.catalog import corrupt_marker, read_manifest
+
+    hot, shared = tmp_path / "hot", tmp_path / "shared"
+    mgr = tg.CheckpointManager(
+        hot,
+        save_policy=tg.EveryNSteps(1),
+        scrub_interval_s=3600,
+        chunk_size_bytes=CHUNK,
+        tiers=[tg.Tier(str(shared), sync=True)],
+    )
+    mgr.save(1, {"w": torch.arange(4096, dtype=torch.float32), "v": torch.ones(4096)}).wait()
+    recs = sorted(read_manifest(hot, 1).chunks.values(), key=lambda r: r.path)
+    assert len(recs) >= 2
+    good = {r.path: (hot / r.path).read_bytes() for r in recs}
+    flipped, removed = hot / recs[0].path, hot / recs[1].path
+    os.chmod(flipped, 0o644)
+    data = bytearray(flipped.read_bytes())
+    data[7] ^= 1
+    flipped.write_bytes(bytes(data))  # bit rot on the hot root
+    removed.unlink()  # and a chunk lost there
+    mgr._scrubber.scrub_once()
+    assert corrupt_marker(hot, 1) is None  # every damaged chunk repaired and re-verified
+    for r in recs:
+        assert (hot / r.path).read_bytes() == good[r.path]
+    rep = list(read_events(hot, event="tier_repair"))
+    assert {e["chunk"] for e in rep} == {recs[0].path, recs[1].path}
+    assert all(e["from"] == str(shared) and e["step"] == 1 for e in rep)
+    assert list(read_events(hot, event="scrub"))[-1]["repaired"] == [1]
+    assert tg.CheckpointManager(hot, read_only=True).checkpoints()[0].status != "corrupt"
+    # damage no tier can repair stays marked: the tier's copy rotted too
+    tier_chunk = shared / recs[0].path
+    os.chmod(tier_chunk, 0o644)
+    tier_chunk.write_bytes(b"x" * len(good[recs[0].path]))
+    flipped.write_bytes(bytes(data))  # the same bit flip again on the hot root
+    mgr._scrubber.scrub_once()
+    assert corrupt_marker(hot, 1) is not None
+    assert list(read_events(hot, event="scrub"))[-1]["repaired"] == []
+    mgr.close()
+    st = {i.step: i for i in tg.CheckpointManager(hot, read_only=True).checkpoints()}
+    assert st[1].status == "corrupt"
+
+
+def test_background_scrubber_without_tiers_only_reports(tmp_path: Path) -> None:
+    import torch
+
+    from trainguard.catalog import corrupt_marker, read_manifest
+
+    mgr = tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), scrub_interval_s=3600)
+    mgr.save(1, {"w": torch.ones(1000)}).wait()
+    chunk = tmp_path / next(iter(read_manifest(tmp_path, 1).chunks.values())).path
+    chunk.chmod(0o644)
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)  # bit rot
+    mgr._scrubber.scrub_once()
+    mgr.close()
+    assert corrupt_marker(tmp_path, 1) is not None
+    assert not list(read_events(tmp_path, event="tier_repair"))
+    assert "repaired" not in list(read_events(tmp_path, event="scrub"))[-1]

@@ -138,3 +138,22 @@ def test_mark_works_while_a_job_holds_the_lock_and_refuses_a_symlinked_marker(tm
     marker.symlink_to(target)
     info = {i.step: i for i in tg.CheckpointManager(tmp_path, read_only=True).checkpoints()}[1]
     assert info.status == "suspect" and "unreadable marker" in info.reason  # counted, never followed
+
+
+def test_scrub_max_bandwidth_caps_the_background_scrubber_and_is_checked(tmp_path):
+    mgr = tg.CheckpointManager(
+        tmp_path, save_policy=tg.EveryNSteps(1), scrub_interval_s=3600, scrub_max_bandwidth="200MB/s"
+    )
+    assert mgr.scrub_max_bandwidth == 200e6 and mgr._scrubber.max_bytes_per_s == 200e6
+    mgr.save(1, {"w": torch.ones(1000)}).wait()
+    mgr._scrubber.scrub_once()
+    mgr.close()
+    assert list(read_events(tmp_path, event="scrub"))[-1]["corrupt"] == []
+    with tg.CheckpointManager(tmp_path / "n", scrub_interval_s=3600, scrub_max_bandwidth=5e6) as m:
+        assert m._scrubber.max_bytes_per_s == 5e6  # a number is bytes per second
+    with tg.CheckpointManager(tmp_path / "d") as m:
+        assert m.scrub_max_bandwidth is None  # default: uncapped
+    for bad in ("fast", 0, -1, "200MB", float("nan"), float("inf"), True, [1]):
+        with pytest.raises(tg.ConfigError, match="scrub_max_bandwidth") as e:
+            tg.CheckpointManager(tmp_path / "x", scrub_interval_s=3600, scrub_max_bandwidth=bad)
+        assert "200MB/s" in str(e.value)  # the fix is named

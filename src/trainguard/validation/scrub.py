@@ -63,12 +63,33 @@ class Scrubber:
     committed checkpoints (chunks shared by several are read once) with :func:`trainguard.integrity.verify`,
     which records what it finds (``verified.json``, ``corrupt.json``) so the next restore skips a damaged
     checkpoint without reading it; findings are logged as ``scrub`` events. It runs at low CPU priority and
-    stops with ``close()``."""
+    stops with ``close()``.
 
-    def __init__(self, mgr: CheckpointManager, interval_s: float, *, max_bytes_per_s: float | None = None):
+    With tiers, each damaged step is repaired (:meth:`repair`): every chunk missing or corrupt on the hot
+    root is read from the first tier holding it with the recorded length and CRC32C
+    (:func:`trainguard.tiers.repair.fetch_step`) and rewritten atomically (a ``tier_repair`` event per
+    chunk); the step is then verified again, which clears its ``corrupt.json`` only when every chunk now
+    matches.
+
+    Args:
+        mgr: the manager (its root and event log).
+        interval_s: seconds between passes.
+        max_bytes_per_s: read-rate cap in bytes per second (None: uncapped).
+        tiers: the manager's :class:`trainguard.tiers.attach.TierSet` (None: report only).
+    """
+
+    def __init__(
+        self,
+        mgr: CheckpointManager,
+        interval_s: float,
+        *,
+        max_bytes_per_s: float | None = None,
+        tiers: Any = None,
+    ):
         self.root = mgr.root
         self.interval_s = interval_s
         self.max_bytes_per_s = max_bytes_per_s
+        self.tiers = tiers
         self._event = mgr._event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-scrub", daemon=True)
@@ -105,13 +126,55 @@ class Scrubber:
             log.error(
                 "background scrub found damaged checkpoints %s under %s: %s", bad, self.root, report.corrupt
             )
+        repaired = [s for s in bad if self.repair(s)] if self.tiers is not None else []
+        extra = {"repaired": repaired} if self.tiers is not None else {}
         self._event(
             "scrub",
             checked=report.checked,
             corrupt=bad,
             bytes_read=report.bytes_read,
             seconds=time.monotonic() - t0,
+            **extra,
         )
+
+    def repair(self, step: int) -> bool:
+        """Make ``step`` intact on the hot root from the tiers, then verify it again.
+
+        Returns:
+            True when the step was re-verified intact (its ``corrupt.json`` cleared); False when a chunk is
+            intact on no tier, the step was deleted meanwhile, or the re-verification still finds damage.
+        """
+        from ..errors import TrainguardError
+        from ..format import MANIFEST_NAME, step_dir_name
+        from ..integrity.verify import verify
+        from ..storage.local import atomic_write
+        from ..tiers.repair import fetch_step, write_chunk
+
+        tiers = self.tiers
+        try:
+            got = fetch_step(self.root, tiers.links, step)
+            if got is None:
+                log.error(
+                    "scrub: step %d under %s is intact on no tier; left marked corrupt", step, self.root
+                )
+                return False
+            for key, src in got.sources.items():
+                write_chunk(self.root, self._event, tiers.fsync, step, key, got.files[key], src)
+            if got.manifest is not None:  # the hot manifest was damaged: the tier's, checked against it
+                d = self.root / step_dir_name(step)
+                if not d.is_dir():
+                    return False  # deleted by retention meanwhile: nothing to repair
+                atomic_write(d / MANIFEST_NAME, got.manifest, fsync=tiers.fsync)
+            limiter = RateLimiter(self.max_bytes_per_s, stop=self._stop) if self.max_bytes_per_s else None
+            ok = verify(self.root, [step], limiter=limiter).ok  # records verified.json / corrupt.json
+        except (OSError, TrainguardError) as e:
+            log.warning(
+                "scrub: repairing step %d under %s failed: %s: %s", step, self.root, type(e).__name__, e
+            )
+            return False
+        if ok:
+            log.warning("scrub: step %d under %s repaired from the tiers", step, self.root)
+        return ok
 
 
 @dataclass
