@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 _real_replace = os.replace
-MAX_STEPS = 500  # a victim that was never killed stops by itself
+MAX_STEPS = 500  # saves at full speed; then one save per 50 ms until the parent kills it
+MAX_LIFE_S = 120.0  # a victim that was never killed stops by itself
 
 
 def emit(log_fd: int, **rec: Any) -> None:
@@ -156,11 +157,18 @@ def victim(args: dict[str, Any]) -> None:
         emit(log_fd, ev="holding", step=step, helper_pid=helper)
         time.sleep(120)
         return
-    for step in range(args["start"], args["start"] + MAX_STEPS):
+    # a fast writer can finish MAX_STEPS saves before the parent kills it (500 saves of a small state take ~2 s
+    # on 2 cores): it must still be alive and saving when killed, so it slows down instead of exiting
+    deadline = time.monotonic() + MAX_LIFE_S
+    step = args["start"]
+    while time.monotonic() < deadline:
+        if step >= args["start"] + MAX_STEPS:
+            time.sleep(0.05)
         state = make_state(step)
         emit(log_fd, ev="begin", step=step)
         commit_save(mgr, step, state)
         emit(log_fd, ev="done", step=step, sha256=sha256_file(manifest_path(root, step)))
+        step += 1
 
 
 def serve() -> None:
