@@ -133,22 +133,32 @@ def history(
     """step -> loss from every earlier launch's log that did not diverge; the newest launch wins a step.
 
     With ``world_size``: only launches that ran at that world size (or did not record one)."""
+    return _histories(root, exclude=exclude, world_size=world_size)[1]
+
+
+def _histories(
+    root: str | os.PathLike[str], *, exclude: Path | None, world_size: int | None
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Reads each log once: ``(every launch's losses, those of launches at world_size)`` (see :func:`history`;
+    the second is the first when ``world_size`` is None)."""
     d = Path(root) / TRAJECTORY_DIR
+    every: dict[int, float] = {}
+    same: dict[int, float] = {}
     try:
         names = sorted(e.name for e in os.scandir(d) if e.name.endswith(".jsonl"))
     except OSError:
-        return {}
-    merged: dict[int, float] = {}
+        return every, same
     for name in names:  # oldest first (the name starts with the launch's start time)
         p = d / name
         if exclude is not None and p == exclude:
             continue
         steps, diverged, ws = _read_log(p)
-        if world_size is not None and ws is not None and ws != world_size:
+        if diverged:
             continue
-        if not diverged:
-            merged.update(steps)
-    return merged
+        every.update(steps)
+        if world_size is None or ws is None or ws == world_size:
+            same.update(steps)
+    return every, same
 
 
 class Recorder:
@@ -252,8 +262,7 @@ class TrajectoryCheck:
         exclude: Path | None = None,
         world_size: int | None = None,
     ) -> TrajectoryCheck:
-        hist = history(root, exclude=exclude)
-        same = history(root, exclude=exclude, world_size=world_size) if world_size is not None else hist
+        hist, same = _histories(root, exclude=exclude, world_size=world_size)
         reference = {s: x for s, x in same.items() if restored_step < s <= restored_step + window}
         before = [hist[s] for s in sorted(s for s in hist if s <= restored_step)][-BAND_WINDOW:]
         before = [x for x in before if math.isfinite(x)]
