@@ -120,10 +120,11 @@ class TierSet:
         return self.uploader.pending()
 
     # -- listing -----------------------------------------------------------------------------------------
-    def status(self, steps: list[int]) -> dict[int, dict[str, str]]:
-        """step -> {tier url: "valid" | "uploading" | "missing" | "corrupt"}; does not wait for uploads."""
+    def status(self, steps: list[int], links: list[TierLink] | None = None) -> dict[int, dict[str, str]]:
+        """step -> {tier url: "valid" | "uploading" | "missing" | "corrupt"} over ``links`` (default: every
+        tier); does not wait for uploads."""
         out: dict[int, dict[str, str]] = {s: {} for s in steps}
-        for link in self.links:
+        for link in self.links if links is None else links:
             busy = self.uploader.uploading(link)
             try:
                 chunks = link.store.list(CHUNKS_DIR + "/")
@@ -347,13 +348,9 @@ def listing(tierset: TierSet, hot_scan: Any, *, url: str | None = None) -> list[
             for r in first.remote.scan()
         ]
         busy = tierset.uploader.uploading(first)
-        rest = TierSet.__new__(TierSet)
-        rest.__dict__.update(tierset.__dict__)
-        rest.links = links[1:]
-        mapping = rest.status([i.step for i in infos]) if rest.links else {}
-        out = [
-            replace(i, tiers=mapping.get(i.step) if rest.links else None) for i in infos if i.step not in busy
-        ]
+        rest = links[1:]
+        mapping = tierset.status([i.step for i in infos], rest) if rest else {}
+        out = [replace(i, tiers=mapping.get(i.step) if rest else None) for i in infos if i.step not in busy]
         return out
     infos = list(hot_scan())
     mapping = tierset.status([i.step for i in infos])
