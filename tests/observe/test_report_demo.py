@@ -19,18 +19,8 @@ from trainguard.demo import DemoConfig, run_demo
 from trainguard.planning import optimal_interval_s
 from trainguard.recovery.events import read_events
 
-TINY = (
-    "--n-layer",
-    "2",
-    "--n-embd",
-    "64",
-    "--n-head",
-    "2",
-    "--block-size",
-    "32",
-    "--corpus-bytes",
-    str(1 << 20),
-)
+from ..test_demo_e2e import TINY  # the demo's small GPT, as in the end-to-end test
+
 KINDS = {"kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption"}
 CHROMIUM = shutil.which("chromium")
 
