@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,10 @@ def main() -> None:
                 time.sleep(0.5)
     mgr.close()
     dist.destroy_process_group()
+    # no interpreter finalization after gloo collectives (pytorch/pytorch#179291; see worker.py's main)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

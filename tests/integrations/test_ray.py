@@ -112,6 +112,9 @@ from tests.integrations.test_ray import train_loop
 dist.init_process_group("gloo")
 train_loop({{"root": {root!r}, "steps": {steps}, "report": False}})
 dist.destroy_process_group()
+import os, sys
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)  # no interpreter finalization after gloo collectives: pytorch/pytorch#179291
 """
 
 
