@@ -293,7 +293,7 @@ def load(
     reader: ShardReader
     try:
         if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
-            reader = ShardReader(ctx.store, m)
+            reader = ShardReader(ctx.store, m, threads=getattr(ctx.store, "read_threads", 4))
             load_local(template, reader)
         else:
             import torch.distributed.checkpoint as dcp

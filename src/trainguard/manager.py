@@ -865,9 +865,10 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         t0 = time.perf_counter()
-        if self._tiers is not None:  # chunks missing or corrupt on the hot root: read from a tier into memory
-            with self._tiers.restoring(self.ctx, step):
+        if self._tiers is not None:  # chunks missing or corrupt on the hot root: read from a tier
+            with self._tiers.restoring(self.ctx) as session:
                 _restore.load(self.ctx, step, state, strict=strict)
+                session.step = step
         else:
             _restore.load(self.ctx, step, state, strict=strict)
         load_s = time.perf_counter() - t0
@@ -905,9 +906,9 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: read into memory
-            with self._tiers.restoring(self.ctx):
-                step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+        if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: read from a tier
+            with self._tiers.restoring(self.ctx) as session:
+                step = session.step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         else:
             step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
         if step is not None:

@@ -10,6 +10,10 @@ retries. ``storage_options`` take s3fs's names, so the same options work on both
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError, TransientStorageError
@@ -22,6 +26,44 @@ def _code(e: BaseException) -> str:
         err = resp.get("Error") or {}
         return str(err.get("Code") or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
     return ""
+
+
+CLIENT_CACHE_SIZE = 16
+_clients: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_clients_lock = threading.Lock()
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+
+def client_for(cfg: dict[str, Any], client_kwargs: dict[str, Any]) -> Any:
+    """A boto3 S3 client for this configuration, shared by the stores of one process that ask for the same one.
+
+    Creating a client loads botocore's service and endpoint models (0.2-0.7 s on the project's 2-core VM, most
+    of a restore's start-up); a client is thread-safe, so stores with the same configuration share one. The
+    key is the configuration, the client arguments and every ``AWS_*`` environment variable (credentials and
+    endpoint come from there), so a changed environment gets a new client. At most ``CLIENT_CACHE_SIZE`` are
+    kept (least recently used dropped).
+    """
+    import boto3
+    from botocore.config import Config
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (_frozen(cfg), _frozen(client_kwargs), env)
+    with _clients_lock:  # a boto3 Session is not thread-safe: create clients one at a time
+        client = _clients.get(key)
+        if client is None:
+            client = boto3.session.Session().client("s3", config=Config(**cfg), **client_kwargs)
+            _clients[key] = client
+            while len(_clients) > CLIENT_CACHE_SIZE:
+                _clients.popitem(last=False)
+        _clients.move_to_end(key)
+        return client
 
 
 class S3Objects:
@@ -43,9 +85,6 @@ class S3Objects:
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, *, stall_timeout_s: float = 60.0
     ) -> None:
-        import boto3
-        from botocore.config import Config
-
         self.url = url.rstrip("/")
         path = self.url.split("://", 1)[1]
         self.bucket, _, prefix = path.partition("/")
@@ -76,7 +115,7 @@ class S3Objects:
                 client_kwargs.setdefault(theirs, opts.pop(ours))
         opts.pop("skip_instance_cache", None)
         opts.pop("use_listings_cache", None)
-        self.client = boto3.session.Session().client("s3", config=Config(**cfg), **client_kwargs)
+        self.client = client_for(cfg, client_kwargs)
         self._probe()
 
     def _key(self, name: str) -> str:
@@ -129,6 +168,24 @@ class S3Objects:
             if size > MAX_OBJECT_BYTES:
                 raise TransientStorageError(f"{self.url}/{name}: {size} bytes, more than an object may have")
             return bytes(self._read(body))
+        finally:
+            body.close()
+
+    def stream(self, name: str, block_bytes: int = 8 << 20) -> Iterator[bytes]:
+        """The object's bytes in blocks of at most ``block_bytes`` as they arrive (a download to a file writes
+        each block while the next one is on the wire). FileNotFoundError when missing; a dropped connection or
+        a read timeout mid-body raises TransientStorageError."""
+        resp = self._call(self.client.get_object, Bucket=self.bucket, Key=self._key(name))
+        body = resp["Body"]
+        try:
+            while True:
+                try:
+                    block = body.read(block_bytes)
+                except Exception as e:  # noqa: BLE001 - a read timeout or a dropped connection mid-body
+                    raise TransientStorageError(f"{self.url}: {type(e).__name__}: {e}") from e
+                if not block:
+                    return
+                yield block
         finally:
             body.close()
 

@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..storage.local import atomic_write
 from ..storage.objects import ObjectStore, is_url, open_objects
 from . import intent
 from .config import Tier
-from .repair import Fetched, fetch_newest, materialize, write_hot
+from .repair import fetch_step, materialize, write_hot
 from .upload import TierLink, Uploader
 
 log = logging.getLogger("trainguard")
@@ -56,6 +57,23 @@ def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) 
             event("tier_unreachable", tier=t.key, error=str(unreachable))
         links.append(TierLink(t, store))
     return links
+
+
+@dataclass
+class RestoreSession:
+    """One restore through the tiers (:meth:`TierSet.restoring`); the caller sets ``step`` to the step it
+    restored."""
+
+    step: int | None = None
+
+
+def committed_steps_of(storage: Any) -> list[int]:
+    from ..catalog import committed_split
+
+    try:
+        return committed_split(storage)[0]
+    except OSError:
+        return []
 
 
 class TierSet:
@@ -164,50 +182,71 @@ class TierSet:
         return materialize(self.hot, self.links, self.event, step=step, fsync=self.fsync)
 
     @contextmanager
-    def restoring(self, ctx: Any, step: int | None = None) -> Iterator[int | None]:
-        """Around a restore: what the hot root lacks of ``step`` (default: the newest step restorable from the
-        hot root or any tier) is read from the tiers into memory (in parallel, CRC32C checked) and the
-        restore reads it from there (a :class:`~trainguard.tiers.overlay.MemoryOverlay` as ``ctx.storage``,
-        with a chunk store on it as ``ctx.store``, while the block runs; ``ctx``: the manager's RootContext); afterwards a background thread writes it to the hot root (chunks, then the
-        manifest), so the hot root is repaired without its disk on the restore's critical path.
+    def restoring(self, ctx: Any) -> Iterator[RestoreSession]:
+        """Around a restore: the loader reads through the tiers (a :class:`~trainguard.tiers.overlay.TierOverlay`
+        as ``ctx.storage`` listing the steps the tiers hold, a :class:`~trainguard.tiers.overlay.TierChunkStore`
+        as ``ctx.store`` reading each chunk the hot root lacks, or holds corrupt, from the first tier holding it
+        intact, straight into its tensor, CRC32C checked once); ``ctx``: the manager's RootContext. The caller
+        sets ``session.step`` to the step it restored; afterwards a background thread makes that step intact on
+        the hot root (the chunks read from tiers, any other chunk it lacks, then the manifest), so the hot root
+        is repaired without its disk on the restore's critical path.
 
         Yields:
-            The step made available, or None when no candidate could be.
+            The session (``step``: set by the caller to the step restored, None when none was).
         """
         self.settle()
-        got = fetch_newest(self.hot, self.links, step)
-        if got is None or not got.files:
-            if got is not None:
-                write_hot(self.hot, got, self.event, self.fsync)  # only the check record: nothing to copy
-            yield None if got is None else got.step
-            return
-        from ..incremental.chunkstore import ChunkStore
-        from .overlay import MemoryOverlay
+        from .overlay import TierChunkStore, TierOverlay
 
+        hot_steps = set(committed_steps_of(ctx.storage))
+        tier_steps: dict[int, list[TierLink]] = {}
+        for link in self.links:
+            try:
+                steps = link.remote.committed_steps()
+            except (OSError, TrainguardError) as e:
+                log.warning("cannot list tier %s: %s", link.key, e)
+                continue
+            for s in steps:
+                if s not in hot_steps:
+                    tier_steps.setdefault(s, []).append(link)
         saved = ctx.storage, ctx.store
-        ctx.storage = MemoryOverlay(saved[0], got.files)
-        ctx.store = ChunkStore(ctx.storage)
+        overlay = TierOverlay(saved[0], self.links, tier_steps)
+        store = TierChunkStore(overlay, self.links)
+        ctx.storage, ctx.store = overlay, store
+        session = RestoreSession()
         t0 = time.perf_counter()
         try:
-            yield got.step
+            yield session
         finally:
             ctx.storage, ctx.store = saved
-            self.event(
-                "tier_restore",
-                step=got.step,
-                bytes=got.nbytes,
-                chunks=len(got.sources),
-                seconds=round(time.perf_counter() - t0, 6),
-            )
-            self._write_behind(got)
+            step = session.step
+            if step is not None:
+                with store._lock:
+                    fetched = dict(store.fetched)
+                    hot_ok = set(store.hot_ok)
+                if fetched or step in tier_steps:
+                    self.event(
+                        "tier_restore",
+                        step=step,
+                        bytes=sum(len(d) for d, _ in fetched.values()),
+                        chunks=len(fetched),
+                        seconds=round(time.perf_counter() - t0, 6),
+                    )
+                    manifest = overlay.manifests.get(step) if step in tier_steps else None
+                    self._write_behind(step, fetched, hot_ok, manifest)
 
-    def _write_behind(self, got: Fetched) -> None:
+    def _write_behind(
+        self, step: int, fetched: dict[str, tuple[bytes, str]], hot_ok: set[str], manifest: bytes | None
+    ) -> None:
         def run() -> None:
             try:
+                got = fetch_step(self.hot, self.links, step, have=fetched, hot_ok=hot_ok, manifest=manifest)
+                if got is None:
+                    log.warning("step %d could not be made intact on the hot root %s", step, self.hot)
+                    return
                 write_hot(self.hot, got, self.event, self.fsync)
             except (OSError, TrainguardError) as e:  # the hot copy is a cache: the tiers still hold the step
-                log.warning("writing step %d to the hot root %s failed: %s", got.step, self.hot, e)
-                self.event("tier_repair_failed", step=got.step, error=f"{type(e).__name__}: {e}")
+                log.warning("writing step %d to the hot root %s failed: %s", step, self.hot, e)
+                self.event("tier_repair_failed", step=step, error=f"{type(e).__name__}: {e}")
 
         self._hot_write = threading.Thread(target=run, name="trainguard-hot-write", daemon=True)
         self._hot_write.start()
