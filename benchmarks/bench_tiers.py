@@ -1,18 +1,23 @@
 """Tiers on an object store: trainguard vs the raw S3 client on the same moto server, side by side.
 
-    .venv/bin/python benchmarks/bench_tiers.py --gib 1 --repeat 2
+    .venv/bin/python benchmarks/bench_tiers.py --gib 1 --repeat 3
 
-Starts moto's S3 server on 127.0.0.1 (a free port). Measures, best of ``--repeat``:
+Starts moto's S3 server on 127.0.0.1 (a free port). Every comparison is a pair measured back to back, the order
+alternating between repetitions (ours first in odd ones); each target is the MEDIAN over ``--repeat`` pairs of
+the pair's ratio (a shared machine's load changes between pairs, rarely within one). Measures:
 - upload: sending one committed checkpoint (``--gib`` of fp32 tensors in 64 MiB chunks) from the hot root to
-  an S3 tier (``Uploader.upload``: read + CRC32C check + parallel PUT + manifest) vs the raw client (boto3
-  ``put_object`` of the same chunk bytes from memory, 8 threads). Target >= 0.9x the raw throughput.
-- download: an empty hot root made intact from the tier (``prefetch``: parallel GET + CRC32C + write) vs the raw
-  client (boto3 ``get_object`` of the same objects, 8 threads, into memory). Target >= 0.9x. Also printed: the
-  raw client getting and writing the same objects to files (the disk work a download to the hot root does).
-- restore from S3 alone: ``restore_latest`` on a new node (empty hot root: parallel GET into memory + CRC32C +
-  load into the model; the hot root is written behind it) vs raw GET, timed from the manager's construction
-  to ``restore_latest`` returning (when training may go on). Target >= 0.9x. Also printed: ``tg restore+hot``,
-  the same until ``close()`` returned (the background copy to the hot root finished).
+  an S3 tier (``Uploader.upload``: read + CRC32C check + parallel PUT with the CRC32C as the object's checksum
+  + manifest) vs the raw client (boto3 ``put_object`` of the same chunk bytes from memory, 8 threads).
+  Target >= 0.9x the raw throughput.
+- download: an empty hot root made intact from the tier (``prefetch``: parallel GET streamed to the chunk
+  files, CRC32C checked on the bytes written) vs the raw client (boto3 ``get_object`` of the same objects,
+  8 threads, into memory). Target >= 0.9x. Also printed: the raw client getting and writing the same objects
+  to files (the disk work a download to the hot root does).
+- restore from S3 alone: ``restore_latest`` on a new node (empty hot root: each chunk read from the tier
+  straight into its tensor, CRC32C checked once; the hot root is written behind it) into initialized tensors
+  (as a constructed model's are) vs raw GET, timed from the manager's construction to ``restore_latest`` returning (when training may go on). Target >= 0.9x. Also
+  printed: ``tg restore+hot``, the same until ``close()`` returned (the background copy to the hot root
+  finished).
 - training-visible save time with an async S3 tier attached vs without (sum of ``PendingSave.staging_s`` over
   ``--saves`` async saves of a smaller state, each followed by ``wait()``). Target <= 1.05x.
 moto keeps objects in memory in one Python process: it, not the network, is the bottleneck here, for both
@@ -24,12 +29,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +49,8 @@ from _common import log, machine_info, print_targets  # noqa: E402
 
 import trainguard as tg  # noqa: E402
 from tiers.netfaults import moto_server  # noqa: E402
+
+METHODS = ("raw put", "tg upload", "raw get", "tg restore", "tg restore+hot", "tg prefetch", "raw get+write")
 
 
 def state_of(nbytes: int) -> dict[str, torch.Tensor]:
@@ -65,7 +75,7 @@ class Holder:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--saves", type=int, default=6)
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30))
@@ -95,51 +105,98 @@ def main() -> None:
         chunk_files = sorted(p for p in (hot / "chunks").rglob("*") if p.is_file())
         blobs = [p.read_bytes() for p in chunk_files]
         total = sum(len(b) for b in blobs)
-        print(f"# checkpoint: {total / (1 << 30):.2f} GiB in {len(blobs)} chunks; best of {args.repeat}")
-        best = {
-            "raw put": 1e9,
-            "tg upload": 1e9,
-            "raw get": 1e9,
-            "raw get+write": 1e9,
-            "tg prefetch": 1e9,
-            "tg restore": 1e9,
-            "tg restore+hot": 1e9,
-        }
-        for r in range(args.repeat):
-            bucket = f"bench-{uuid.uuid4().hex[:10]}"
-            s3.create_bucket(Bucket=bucket)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(8) as pool:
-                list(
-                    pool.map(
-                        lambda ib, bucket=bucket: s3.put_object(
-                            Bucket=bucket, Key=f"raw/{ib[0]}", Body=ib[1]
-                        ),
-                        enumerate(blobs),
-                    )
-                )
-            best["raw put"] = min(best["raw put"], time.perf_counter() - t0)
-            tier_url = f"s3://{bucket}/run"
-            from trainguard.storage.objects import open_objects
-            from trainguard.tiers.upload import TierLink, Uploader
+        print(
+            f"# checkpoint: {total / (1 << 30):.2f} GiB in {len(blobs)} chunks; median of {args.repeat} pairs, "
+            "order alternating"
+        )
+        times: dict[str, list[float]] = {k: [] for k in METHODS}
+        ratios: dict[str, list[float]] = {k: [] for k in ("upload", "download", "restore", "download_disk")}
+        from trainguard.storage.objects import open_objects
+        from trainguard.tiers.upload import TierLink, Uploader
 
-            link = TierLink(tg.Tier(tier_url), open_objects(tier_url))
-            up = Uploader(hot, [link], lambda *a, **k: None)
-            t0 = time.perf_counter()
-            up.upload(link, 1)
-            best["tg upload"] = min(best["tg upload"], time.perf_counter() - t0)
-            up.close()
+        def raw_get(bucket: str) -> float:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
                 got = list(
                     pool.map(
-                        lambda i, bucket=bucket: s3.get_object(Bucket=bucket, Key=f"raw/{i}")["Body"].read(),
+                        lambda i: s3.get_object(Bucket=bucket, Key=f"raw/{i}")["Body"].read(),
                         range(len(blobs)),
                     )
                 )
-            best["raw get"] = min(best["raw get"], time.perf_counter() - t0)
+            t = time.perf_counter() - t0
             assert sum(len(g) for g in got) == total
-            del got
+            return t
+
+        def pair(ours_first: bool, ours: Any, raw: Any) -> tuple[float, float]:
+            if ours_first:
+                a = ours()
+                return a, raw()
+            b = raw()
+            return ours(), b
+
+        for r in range(args.repeat):
+            ours_first = r % 2 == 1
+            bucket = f"bench-{uuid.uuid4().hex[:10]}"
+            s3.create_bucket(Bucket=bucket)
+            tier_url = f"s3://{bucket}/run"
+
+            def raw_put(bucket: str = bucket) -> float:
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(8) as pool:
+                    list(
+                        pool.map(
+                            lambda ib: s3.put_object(Bucket=bucket, Key=f"raw/{ib[0]}", Body=ib[1]),
+                            enumerate(blobs),
+                        )
+                    )
+                return time.perf_counter() - t0
+
+            def tg_upload(tier_url: str = tier_url) -> float:
+                link = TierLink(tg.Tier(tier_url), open_objects(tier_url))
+                up = Uploader(hot, [link], lambda *a, **k: None)
+                t0 = time.perf_counter()
+                up.upload(link, 1)
+                t = time.perf_counter() - t0
+                up.close()
+                return t
+
+            t_up, t_put = pair(ours_first, tg_upload, raw_put)
+            times["raw put"].append(t_put)
+            times["tg upload"].append(t_up)
+            ratios["upload"].append(t_put / t_up)
+
+            def tg_restore(r: int = r, tier_url: str = tier_url) -> float:
+                node = scratch / f"node{r}"
+                # a model's tensors are initialized before a restore loads into them (pages already mapped)
+                target = Holder({k: torch.full_like(v, 0.5) for k, v in data.d.items()})
+                t0 = time.perf_counter()
+                with tg.CheckpointManager(node, tiers=[tg.Tier(tier_url)], fsync=False, read_only=True) as m3:
+                    assert m3.restore_latest({"model": target}) == 1
+                    t = time.perf_counter() - t0  # training may go on
+                # close() waits for the hot root's background copy
+                times["tg restore+hot"].append(time.perf_counter() - t0)
+                assert all(torch.equal(target.d[k], data.d[k]) for k in data.d)
+                shutil.rmtree(node)
+                return t
+
+            t_rs, t_get = pair(ours_first, tg_restore, partial(raw_get, bucket))
+            times["raw get"].append(t_get)
+            times["tg restore"].append(t_rs)
+            ratios["restore"].append(t_get / t_rs)
+
+            def tg_prefetch(r: int = r, tier_url: str = tier_url) -> float:
+                node = scratch / f"pre{r}"
+                t0 = time.perf_counter()
+                with tg.CheckpointManager(node, tiers=[tg.Tier(tier_url)], fsync=False) as m2:
+                    assert m2.prefetch() == 1
+                t = time.perf_counter() - t0
+                shutil.rmtree(node)
+                return t
+
+            t_pf, t_get = pair(ours_first, tg_prefetch, partial(raw_get, bucket))
+            times["raw get"].append(t_get)
+            times["tg prefetch"].append(t_pf)
+            ratios["download"].append(t_get / t_pf)
             rawdir = scratch / f"raw{r}"
             rawdir.mkdir()
 
@@ -150,41 +207,31 @@ def main() -> None:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(get_to_file, range(len(blobs))))
-            best["raw get+write"] = min(best["raw get+write"], time.perf_counter() - t0)
+            times["raw get+write"].append(time.perf_counter() - t0)
+            ratios["download_disk"].append(times["raw get+write"][-1] / t_pf)
             shutil.rmtree(rawdir)
-            node = scratch / f"node{r}"
-            t0 = time.perf_counter()
-            with tg.CheckpointManager(node, tiers=[tg.Tier(tier_url)], fsync=False) as m2:
-                assert m2.prefetch() == 1
-            best["tg prefetch"] = min(best["tg prefetch"], time.perf_counter() - t0)
-            shutil.rmtree(node)
-            target = Holder({k: torch.empty_like(v) for k, v in data.d.items()})
-            t0 = time.perf_counter()
-            with tg.CheckpointManager(node, tiers=[tg.Tier(tier_url)], fsync=False, read_only=True) as m3:
-                assert m3.restore_latest({"model": target}) == 1
-                best["tg restore"] = min(best["tg restore"], time.perf_counter() - t0)  # training may go on
-            # close() waits for the hot root's background copy
-            best["tg restore+hot"] = min(best["tg restore+hot"], time.perf_counter() - t0)
-            assert all(torch.equal(target.d[k], data.d[k]) for k in data.d)
-            shutil.rmtree(node)
-            log(f"repetition {r + 1}: {best}")
+            log(f"repetition {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}x" for k, v in ratios.items()))
         gib = total / (1 << 30)
-        print(f"{'method':<14}{'seconds':>9}{'GiB/s':>8}")
-        for k, v in best.items():
-            print(f"{k:<14}{v:>9.2f}{gib / v:>8.3f}")
-        up_ratio = best["raw put"] / best["tg upload"]
-        down_ratio = best["raw get"] / best["tg prefetch"]
-        restore_ratio = best["raw get"] / best["tg restore"]
-        down_disk_ratio = best["raw get+write"] / best["tg prefetch"]
+        print(f"{'method':<16}{'median s':>9}{'GiB/s':>8}   all (s)")
+        for k, v in times.items():
+            med = statistics.median(v)
+            print(f"{k:<16}{med:>9.2f}{gib / med:>8.3f}   {' '.join(f'{x:.2f}' for x in v)}")
+        up_ratio = statistics.median(ratios["upload"])
+        down_ratio = statistics.median(ratios["download"])
+        restore_ratio = statistics.median(ratios["restore"])
+        down_disk_ratio = statistics.median(ratios["download_disk"])
+        print("pair ratios (raw s / ours s; >1: ours faster):")
+        for k, v in ratios.items():
+            print(f"  {k:<14} median {statistics.median(v):.2f}x   all {' '.join(f'{x:.2f}' for x in v)}")
         print(f"download vs raw get + write to files (the same disk work): {down_disk_ratio:.2f}x")
-        # training-visible time: async saves of a smaller state with and without an async S3 tier
+        # training-visible time: async saves of a smaller state with and without an async S3 tier, in pairs
         small = Holder(state_of(min(nbytes, 256 << 20))["model"])
-        visible = {}
-        for label in ("without tier", "with async S3 tier", "without tier ", "with async S3 tier "):
+
+        def visible(with_tier: bool) -> float:
             bucket = f"vis-{uuid.uuid4().hex[:10]}"
             s3.create_bucket(Bucket=bucket)
             root = scratch / f"vis-{uuid.uuid4().hex[:6]}"
-            tiers = [tg.Tier(f"s3://{bucket}/run")] if "with" in label else None
+            tiers = [tg.Tier(f"s3://{bucket}/run")] if with_tier else None
             with tg.CheckpointManager(root, tiers=tiers, fsync=False) as m:
                 block = 0.0
                 for s in range(1, args.saves + 1):
@@ -193,13 +240,19 @@ def main() -> None:
                     h = m.save(s, {"model": small})
                     block += h.staging_s
                     h.wait()
-            visible[label.strip()] = min(visible.get(label.strip(), 1e9), block)
             shutil.rmtree(root)
-        vis_ratio = visible["with async S3 tier"] / visible["without tier"]
+            return block
+
+        vis: list[tuple[float, float]] = []
+        for r in range(args.repeat):
+            with_s, without_s = pair(r % 2 == 1, lambda: visible(True), lambda: visible(False))
+            vis.append((without_s, with_s))
+        vis_ratio = statistics.median(w / wo for wo, w in vis)
         print(
-            f"training-visible save time over {args.saves} saves: without {visible['without tier']:.3f} s, "
-            f"with async S3 tier {visible['with async S3 tier']:.3f} s"
+            f"training-visible save time over {args.saves} saves (without, with async S3 tier), per pair: "
+            + ", ".join(f"({wo:.3f} s, {w:.3f} s)" for wo, w in vis)
         )
+        print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
         print_targets(
             [
                 ("upload >= 0.9x raw parallel put", up_ratio >= 0.9, f"{up_ratio:.2f}x"),

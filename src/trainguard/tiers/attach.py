@@ -198,18 +198,18 @@ class TierSet:
         from .overlay import TierChunkStore, TierOverlay
 
         hot_steps = set(committed_steps_of(ctx.storage))
-        tier_steps: dict[int, list[TierLink]] = {}
+        tier_steps: dict[int, list[tuple[TierLink, int]]] = {}
         for link in self.links:
             try:
-                steps = link.remote.committed_steps()
+                sizes = link.remote.committed_sizes()
             except (OSError, TrainguardError) as e:
                 log.warning("cannot list tier %s: %s", link.key, e)
                 continue
-            for s in steps:
+            for s, size in sizes.items():
                 if s not in hot_steps:
-                    tier_steps.setdefault(s, []).append(link)
+                    tier_steps.setdefault(s, []).append((link, size))
         saved = ctx.storage, ctx.store
-        overlay = TierOverlay(saved[0], self.links, tier_steps)
+        overlay = TierOverlay(saved[0], tier_steps)
         store = TierChunkStore(overlay, self.links)
         ctx.storage, ctx.store = overlay, store
         session = RestoreSession()

@@ -41,13 +41,12 @@ class TierOverlay:
 
     Args:
         base: the hot root's storage (every write and every other key goes there).
-        links: the tiers, in restore order.
-        tier_steps: step -> the tiers that list its manifest (from one listing per tier).
+        tier_steps: step -> ``(tier, size of the manifest there)`` for every tier, in restore order, that lists
+            its manifest (from one listing per tier).
     """
 
-    def __init__(self, base: Storage, links: list[TierLink], tier_steps: dict[int, list[TierLink]]) -> None:
+    def __init__(self, base: Storage, tier_steps: dict[int, list[tuple[TierLink, int]]]) -> None:
         self.base = base
-        self.links = links
         self.tier_steps = tier_steps
         self.dirs = {step_dir_name(s): s for s in tier_steps}
         self.manifests: dict[int, bytes] = {}  # tier manifests read (bytes as published on the tier)
@@ -78,9 +77,9 @@ class TierOverlay:
             if step in self.manifests:
                 return self.manifests[step]
         first: bytes | None = None
-        for link in self.tier_steps.get(step, []):
+        for link, size in self.tier_steps.get(step, []):
             try:
-                data = link.remote.manifest_bytes(step)
+                data = link.remote.manifest_bytes(step, size)
             except (OSError, TrainguardError) as e:
                 log.warning("reading the manifest of step %d from %s failed: %s", step, link.key, e)
                 continue
@@ -220,14 +219,16 @@ class TierChunkStore(ChunkStore):
                 log.warning("reading chunk %s from %s failed: %s", rec.path, link.key, e)
                 problems.append(f"unreadable on {link.key}")
                 continue
-            if len(data) != rec.length or crc32c.crc32c(data) != rec.crc32c:
-                log.warning("chunk %s on %s does not match its length or CRC32C", rec.path, link.key)
-                problems.append(f"corrupt on {link.key}")
-                continue
-            out[: rec.length] = data
-            with self._lock:
-                self.fetched[rec.path] = (data, link.key)
-            return
+            if len(data) != rec.length:
+                problems.append(f"corrupt on {link.key}: {len(data)} bytes, expected {rec.length}")
+            elif crc32c.crc32c(data) != rec.crc32c:
+                problems.append(f"corrupt on {link.key}: fails CRC32C")
+            else:
+                out[: rec.length] = data
+                with self._lock:
+                    self.fetched[rec.path] = (data, link.key)
+                return
+            log.warning("chunk %s: %s", rec.path, problems[-1])
         if hot_err is not None:
             raise hot_err
         damaged = any(p.startswith("corrupt") for p in problems)
@@ -238,8 +239,3 @@ class TierChunkStore(ChunkStore):
             owners,
             damaged=damaged,
         )
-
-    @property
-    def fetched_bytes(self) -> int:
-        with self._lock:
-            return sum(len(d) for d, _ in self.fetched.values())

@@ -66,7 +66,13 @@ class RemoteRoot:
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists on the store, ascending (one listing)."""
-        return sorted(self._committed(self.store.list("step-")))
+        return sorted(self.committed_sizes())
+
+    def committed_sizes(self) -> dict[int, int]:
+        """Step -> the size of its manifest in bytes, for every step whose manifest exists on the store (one
+        listing; the sizes let :meth:`manifest_bytes` skip a HEAD request)."""
+        names = self.store.list("step-")
+        return {s: names[manifest_name(s)] for s in self._committed(names)}
 
     @staticmethod
     def _committed(names: dict[str, int]) -> set[int]:
@@ -78,8 +84,15 @@ class RemoteRoot:
                 steps.add(parsed[0])
         return steps
 
-    def manifest_bytes(self, step: int) -> bytes:
-        size = self.store.size(manifest_name(step))
+    def manifest_bytes(self, step: int, size: int | None = None) -> bytes:
+        """The manifest of ``step`` as stored (size checked first: ``size`` from a listing, else one HEAD).
+
+        Raises:
+            FileNotFoundError: no manifest of that step on the store.
+            CorruptCheckpointError: larger than a manifest may be.
+        """
+        if size is None:
+            size = self.store.size(manifest_name(step))
         if size is None:
             raise FileNotFoundError(f"{self.url}/{manifest_name(step)}")
         if size > MAX_MANIFEST_BYTES:

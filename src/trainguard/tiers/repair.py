@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -185,7 +186,9 @@ def stream_chunk(hot: Path, link: TierLink, rec: ChunkRecord, fsync: bool) -> bo
         OSError: the hot root could not be written (StorageFullError on ENOSPC); the tier's errors propagate
             (TransientStorageError) after the temporary file is removed.
     """
-    stream = getattr(link.store, "stream", None)
+    # a method of the store's class only: a wrapper that forwards unknown names (a fault injector) is not bypassed
+    store: Any = link.store
+    stream = store.stream if hasattr(type(store), "stream") else None
     path = hot / rec.path
     path.parent.mkdir(parents=True, exist_ok=True)
     if stream is None:
