@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument(
+        "--only", choices=("all", "transfer", "visible"), default="all", help="a part (when iterating)"
+    )
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30))
     import boto3
@@ -134,7 +137,7 @@ def main() -> None:
             b = raw()
             return ours(), b
 
-        for r in range(args.repeat):
+        for r in range(args.repeat if args.only != "visible" else 0):
             ours_first = r % 2 == 1
             bucket = f"bench-{uuid.uuid4().hex[:10]}"
             s3.create_bucket(Bucket=bucket)
@@ -214,15 +217,14 @@ def main() -> None:
         gib = total / (1 << 30)
         print(f"{'method':<16}{'median s':>9}{'GiB/s':>8}   all (s)")
         for k, v in times.items():
-            med = statistics.median(v)
-            print(f"{k:<16}{med:>9.2f}{gib / med:>8.3f}   {' '.join(f'{x:.2f}' for x in v)}")
-        up_ratio = statistics.median(ratios["upload"])
-        down_ratio = statistics.median(ratios["download"])
-        restore_ratio = statistics.median(ratios["restore"])
-        down_disk_ratio = statistics.median(ratios["download_disk"])
+            m = statistics.median(v) if v else float("nan")
+            print(f"{k:<16}{m:>9.2f}{gib / m:>8.3f}   {' '.join(f'{x:.2f}' for x in v)}")
+        med = {k: statistics.median(v) if v else float("nan") for k, v in ratios.items()}
+        up_ratio, down_ratio, restore_ratio = med["upload"], med["download"], med["restore"]
+        down_disk_ratio = med["download_disk"]
         print("pair ratios (raw s / ours s; >1: ours faster):")
         for k, v in ratios.items():
-            print(f"  {k:<14} median {statistics.median(v):.2f}x   all {' '.join(f'{x:.2f}' for x in v)}")
+            print(f"  {k:<14} median {med[k]:.2f}x   all {' '.join(f'{x:.2f}' for x in v)}")
         print(f"download vs raw get + write to files (the same disk work): {down_disk_ratio:.2f}x")
         # training-visible time: async saves of a smaller state with and without an async S3 tier, in pairs
         small = Holder(state_of(min(nbytes, 256 << 20))["model"])
@@ -244,10 +246,10 @@ def main() -> None:
             return block
 
         vis: list[tuple[float, float]] = []
-        for r in range(args.repeat):
+        for r in range(args.repeat if args.only != "transfer" else 0):
             with_s, without_s = pair(r % 2 == 1, lambda: visible(True), lambda: visible(False))
             vis.append((without_s, with_s))
-        vis_ratio = statistics.median(w / wo for wo, w in vis)
+        vis_ratio = statistics.median(w / wo for wo, w in vis) if vis else float("nan")
         print(
             f"training-visible save time over {args.saves} saves (without, with async S3 tier), per pair: "
             + ", ".join(f"({wo:.3f} s, {w:.3f} s)" for wo, w in vis)

@@ -47,6 +47,19 @@ ATTEMPTS = 5
 BACKOFF_S = 0.5
 BACKOFF_MAX_S = 8.0
 POOL_WORKERS = 8
+BACKGROUND_NICE = 10
+"""Nice increment of the threads uploading to async tiers (Linux, per thread): under CPU contention they yield
+to the training process's other threads (an async tier must never slow training); idle CPU they still use."""
+
+
+def lower_thread_priority(increment: int = BACKGROUND_NICE) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: a thread is a task with its own nice
+    value). Best effort: a no-op where the platform has no per-thread priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError):  # not Linux / not permitted: priorities stay as they are
+        pass
 
 
 def with_retries(
@@ -143,7 +156,11 @@ class Uploader:
         self.event = event
         self.cond = threading.Condition()
         self.stop = threading.Event()
-        self.pool = ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="trainguard-tier-put")
+        # async tiers: background priority; sync tiers (dual write, ``wait()`` waits for them): normal
+        self.pool = ThreadPoolExecutor(
+            POOL_WORKERS, thread_name_prefix="trainguard-tier-put", initializer=lower_thread_priority
+        )
+        self.sync_pool = ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="trainguard-tier-sync-put")
 
     # -- caller side ----------------------------------------------------------------------------------------
     def after_commit(self, step: int) -> SaveError | None:
@@ -218,12 +235,14 @@ class Uploader:
         with self.cond:
             self.cond.notify_all()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sync_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- upload thread -----------------------------------------------------------------------------------
     def _committed(self, step: int) -> bool:
         return (self.hot / step_dir_name(step) / MANIFEST_NAME).exists()
 
     def _run(self, link: TierLink) -> None:
+        lower_thread_priority()
         while not self.stop.is_set():
             with self.cond:
                 if not link.queue:
@@ -295,7 +314,8 @@ class Uploader:
             have[rec.path] = rec.length
             return rec.length
 
-        sent = sum(f.result() for f in [self.pool.submit(put, rec) for rec in todo])
+        pool = self.sync_pool if link.tier.sync else self.pool
+        sent = sum(f.result() for f in [pool.submit(put, rec) for rec in todo])
         with_retries("manifest", lambda: link.store.put(manifest_name(step), man), failed, self.stop)
         intent.clear(self.hot, link.key, step)  # committed on the tier
         link.remote.forget(step)
