@@ -291,10 +291,17 @@ def load(
     if memory_error is not None:
         raise memory_error
     reader: ShardReader
+    known: dict[str, int] | None = None  # tensors the reading threads scanned for NaN/Inf as they landed
     try:
         if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
-            reader = ShardReader(ctx.store, m, threads=getattr(ctx.store, "read_threads", 4))
+            reader = ShardReader(
+                ctx.store,
+                m,
+                threads=getattr(ctx.store, "read_threads", 4),
+                scan_finite=getattr(ctx.host, "check_finite", "off") != "off",
+            )
             load_local(template, reader)
+            known = reader.scanned()
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -315,7 +322,7 @@ def load(
             mark_corrupt(ctx, step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
     ctx.host._validate_s = scan_loaded(  # before the state's objects take the tensors
-        ctx.host, step, template, m.metadata
+        ctx.host, step, template, m.metadata, known
     )
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     record_resume(ctx, m)

@@ -208,3 +208,34 @@ def test_stores_with_the_same_configuration_share_one_client_and_a_new_environme
     assert c.client is not a.client
     c.put("x", b"1")  # the new client works
     assert c.get("x") == b"1"
+
+
+def test_the_nan_scan_after_a_load_runs_per_chunk_as_the_chunks_land_and_still_catches_a_nan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from trainguard.validation import finite
+
+    good = {"w": torch.randn(64, 1024), "b": torch.randn(16)}
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["w"][40, 7] = float("nan")  # in the last of the weight's 16 KiB chunks
+    with tg.CheckpointManager(tmp_path, check_finite="off", chunk_size_bytes=CHUNK) as mgr:
+        mgr.save(1, {"model": good}).wait()
+        mgr.save(2, {"model": bad}).wait()
+    scanned_whole: list[int] = []
+    real = finite.count_nonfinite
+
+    def spy(t: Any) -> int:
+        scanned_whole.append(t.numel())
+        return real(t)
+
+    monkeypatch.setattr(finite, "count_nonfinite", spy)  # the scan after the load (not the reading threads')
+    target = {"model": {k: torch.zeros_like(v) for k, v in good.items()}}
+    with tg.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(target) == 1  # step 2's NaN found, the restore fell back
+        assert (
+            mgr.last_restore.skipped[0]["step"] == 2 and "model.w" in mgr.last_restore.skipped[0]["problem"]
+        )
+    assert torch.equal(target["model"]["w"], good["w"])
+    assert 64 * 1024 not in scanned_whole  # the weight was scanned chunk by chunk as it was read

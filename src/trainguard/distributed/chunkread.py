@@ -26,6 +26,7 @@ from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import read_decoded
 from ..state.dtypes import dtype_from_name
 from ..state.values import TAG_JSON, TAG_TORCH, decode_value
+from ..validation.finite import count_nonfinite
 
 
 class ShardReader:
@@ -36,18 +37,28 @@ class ShardReader:
         manifest: the checkpoint's manifest.
         threads: threads reading whole chunks into destination memory.
 
+        scan_finite: count NaN/Inf of each tensor read whole, chunk by chunk in the reading threads as its
+            bytes land (overlapping the reads still in flight); see :meth:`scanned`.
+
     Attributes:
         bytes_read: bytes read from chunks so far.
     """
 
-    def __init__(self, store: ChunkStore, manifest: Manifest, *, threads: int = 4) -> None:
+    def __init__(
+        self, store: ChunkStore, manifest: Manifest, *, threads: int = 4, scan_finite: bool = False
+    ) -> None:
         self.threads = threads
         self.store = store
         self.manifest = manifest
         self.owners = manifest.chunk_owners()
         self.bytes_read = 0
+        self.scan_finite = scan_finite
+        self.nonfinite: dict[
+            str, int
+        ] = {}  # fqn -> NaN/Inf count, for tensors scanned as their chunks landed
+        self._unscanned: set[str] = set()  # fqns read (partly) another way: the caller scans them
         self._chunk_cache: dict[str, bytearray] = {}
-        self._jobs: list[tuple[ChunkRecord, memoryview]] = []
+        self._jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]] = []
         self._lock = threading.Lock()
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
@@ -112,10 +123,13 @@ class ShardReader:
         ):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
             off = 0
+            if len(entry.shards) != 1 or any(seg.length % dtype.itemsize for seg in shard.segments):
+                self._unscanned.add(fqn)  # scanned per chunk only when the chunks hold whole elements
             for seg in shard.segments:
-                self._jobs.append((self.manifest.chunks[seg.chunk], raw[off : off + seg.length]))
+                self._jobs.append((self.manifest.chunks[seg.chunk], raw[off : off + seg.length], fqn, dtype))
                 off += seg.length
             return True
+        self._unscanned.add(fqn)
         data = self._segments_bytes(shard.segments)
         src = (
             torch.frombuffer(data, dtype=torch.uint8).view(dtype) if numel else torch.empty(0, dtype=dtype)
@@ -131,12 +145,17 @@ class ShardReader:
         jobs, self._jobs = sorted(self._jobs, key=lambda j: -j[0].length), []
         step = self.manifest.step
 
-        def one(job: tuple[ChunkRecord, memoryview]) -> None:
-            rec, view = job
+        def one(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
+            rec, view, fqn, dtype = job
             if rec.encoded:
                 self._decode(rec, view)
             else:
                 self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
+            if self.scan_finite and fqn not in self._unscanned and len(view):
+                # the NaN/Inf scan of these elements, while other chunks are still being read
+                bad = count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
+                with self._lock:
+                    self.nonfinite[fqn] = self.nonfinite.get(fqn, 0) + bad
 
         if len(jobs) <= 1 or self.threads <= 1:
             for job in jobs:
@@ -145,7 +164,12 @@ class ShardReader:
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
                 for f in [pool.submit(one, j) for j in jobs]:
                     f.result()
-        self.bytes_read += sum(rec.length for rec, _ in jobs if not rec.encoded)
+        self.bytes_read += sum(job[0].length for job in jobs if not job[0].encoded)
+
+    def scanned(self) -> dict[str, int]:
+        """fqn -> NaN/Inf count for the tensors the reading threads scanned whole (``scan_finite``); a tensor
+        read any other way (resharded, packed with others, converted) is not here: the caller scans it."""
+        return {k: v for k, v in self.nonfinite.items() if k not in self._unscanned}
 
     def clear(self) -> None:
         """Drop cached chunk bytes and queued reads."""

@@ -1,11 +1,13 @@
-"""Restore across tiers: make the newest step valid on any tier present and intact on the hot root.
+"""Repair across tiers: make a step present and intact on the hot root (``prefetch``, the scrubber, and the
+write-behind of a restore).
 
 For each candidate step, newest first (steps committed on the hot root or on any tier): the manifest is read
 from the hot root, else from the first tier holding one that parses; every chunk is checked on the hot root
-(length and CRC32C, one full read); a chunk missing or corrupt there is read, into memory and in parallel,
-from the first tier, in order, that holds it with the recorded length and CRC32C (:func:`fetch_step`). A step
-with a chunk that no tier holds intact is passed over (``restore_latest`` then falls back to an older step).
-Nothing is ever loaded from bytes whose CRC32C was not checked.
+(length and CRC32C, one full read) unless the caller already read it; a chunk missing or corrupt there is
+read, in parallel, from the first tier, in order, that holds it with the recorded length and CRC32C
+(:func:`fetch_step`; ``prefetch`` streams it straight to its file, :func:`download_chunk`). A step with a
+chunk that no tier holds intact is passed over (``prefetch`` then tries an older step). Nothing is ever
+written to the hot root from bytes whose CRC32C was not checked.
 
 :func:`write_hot` then writes the fetched chunks to the hot root atomically (a ``tier_repair`` event names the
 chunk, the tier it came from and the hot root) and the manifest last. ``prefetch`` writes before returning

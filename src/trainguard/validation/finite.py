@@ -52,13 +52,17 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return bad
 
 
-def scan(flat: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, int]:
+def scan(
+    flat: Mapping[str, Any], only: Sequence[str] | None = None, known: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Every floating tensor of ``flat`` holding NaN or Inf, with its count of bad values.
 
     Args:
         flat: fully qualified name -> value (tensors, DTensors; other values are ignored).
         only: scan only the names equal to or under one of these entries (``"lightning.state_dict"`` covers
             ``"lightning.state_dict.layer.weight"``); None: every name. See :func:`in_scope`.
+        known: name -> count for tensors already scanned (a restore's reading threads scan each tensor as
+            its chunks land): taken as is, not scanned again.
 
     Returns:
         name -> count of non-finite values, only for tensors with at least one (empty when all are finite).
@@ -67,10 +71,13 @@ def scan(flat: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str
     for name, v in flat.items():
         if not in_scope(name, only):
             continue
-        t = _local(v)
-        if t is None:
-            continue
-        n = count_nonfinite(t)
+        if known is not None and name in known:
+            n = known[name]
+        else:
+            t = _local(v)
+            if t is None:
+                continue
+            n = count_nonfinite(t)
         if n:
             out[name] = n
     return out

@@ -109,10 +109,15 @@ def finite_scope(mgr: Any, metadata: Mapping[str, Any] | None = None) -> tuple[s
 
 
 def scan_loaded(
-    mgr: CheckpointManager, step: int, loaded: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+    mgr: CheckpointManager,
+    step: int,
+    loaded: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
+    known: Mapping[str, int] | None = None,
 ) -> float:
     """The non-finite scan of every restored floating tensor (before the state's objects take them), within
-    :func:`finite_scope` (``metadata``: the checkpoint's manifest metadata).
+    :func:`finite_scope` (``metadata``: the checkpoint's manifest metadata; ``known``: fqn -> NaN/Inf count
+    of the tensors the reading threads already scanned, see :class:`~trainguard.distributed.chunkread.ShardReader`).
 
     Returns:
         The seconds it took.
@@ -125,7 +130,7 @@ def scan_loaded(
     if mode == "off":
         return 0.0
     t0 = time.perf_counter()
-    bad = finite.scan(loaded, finite_scope(mgr, metadata))
+    bad = finite.scan(loaded, finite_scope(mgr, metadata), known)
     any_bad = mgr.dist.any(bool(bad)) if mgr.dist.enabled else bool(bad)
     took = time.perf_counter() - t0
     if not any_bad:
