@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, UnsafeFileError
+from ._lock import RootLock
+from .errors import ConfigError, RootLockedError, UnsafeFileError
 from .eventlog import EventLog
 from .policies import SavePolicy
 from .storage.base import Storage
@@ -147,6 +149,36 @@ def open_root(root: Path) -> EventLog:
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"
         ) from None
+
+
+def lock_writer(root: Path, dist: Any, events: EventLog, cleanup: Callable[[], None]) -> RootLock | None:
+    """One writer per root: rank 0 takes the root's write lock and cleans up after a crash (``cleanup``);
+    every rank learns whether it succeeded.
+
+    Returns:
+        The held lock on rank 0 (None on the other ranks).
+
+    Raises:
+        RootLockedError: another process holds the lock (on every rank; ``events`` is closed first).
+    """
+    locked, lock = "", None
+    if dist.is_coordinator:
+        try:
+            lock = RootLock(root)
+            lock.acquire()
+            cleanup()
+        except RootLockedError as e:
+            locked = str(e)
+        except BaseException:
+            events.close()
+            raise
+    if dist.enabled and dist.any(bool(locked)):
+        events.close()
+        raise RootLockedError(locked or f"rank 0 could not lock {root} (another writer holds it)")
+    if locked:
+        events.close()
+        raise RootLockedError(locked)
+    return lock
 
 
 def validation_options(
