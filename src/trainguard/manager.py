@@ -24,10 +24,10 @@ from . import _restore
 from ._config import (
     check_distributed_options,
     check_options,
-    lock_writer,
-    open_root,
     open_storage,
+    open_writer,
     root_problem,
+    save_options,
     validation_options,
 )
 from ._context import RootContext
@@ -35,13 +35,10 @@ from ._lock import RootLock
 from ._save import SavePath
 from .catalog import CheckpointInfo, scan
 from .distributed.context import DistContext
-from .distributed.options import WriterOptions
 from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError
 from .eventlog import EventLog, check_user_event
 from .format.run import RunInfo, new_run_id
-from .incremental.auto import CompressionChooser
 from .incremental.chunkstore import ChunkStore
-from .incremental.delta import IncrementalState
 from .policies import SavePolicy
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
@@ -209,21 +206,9 @@ class CheckpointManager:
             scrub_interval_s=scrub_interval_s,
             scrub_max_bandwidth=scrub_max_bandwidth,
         )
-        # with deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
-        # previous save; a shared pack of many small tensors changes whenever any of them does)
-        self.options = WriterOptions(
-            chunk_size_bytes=chunk_size_bytes,
-            pack_threshold_bytes=min((64 << 10) if delta else (1 << 20), chunk_size_bytes),
+        self.options, self.compression, self.incremental = save_options(
+            chunk_size_bytes=chunk_size_bytes, compression=compression, delta=delta, max_chain=max_chain
         )
-        try:
-            self.compression = CompressionChooser(compression, threads=self.options.threads)
-            if isinstance(max_chain, bool) or not isinstance(max_chain, int):
-                raise ValueError(f"max_chain must be an int >= 1, got {max_chain!r}")
-            self.incremental = IncrementalState(delta=bool(delta), max_chain=max_chain)
-        except ValueError as e:
-            raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
-        if delta and compression == "off":
-            raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
@@ -295,14 +280,9 @@ class CheckpointManager:
             if tier_list:
                 self._open_tiers(tier_list, writer=False)
             return
-        self._events = open_root(self.root)
-        from .observe.metrics import SaveMetrics
-
-        self._metrics = SaveMetrics(metrics_registry)
-        self._events.listeners.append(self._metrics.observe)
-        if self.dist.enabled:
-            self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
-        self._lock = lock_writer(self.root, self.dist, self._events, lambda: cleanup_after_crash(self.ctx))
+        self._events, self._metrics, self._lock = open_writer(
+            self.root, self.dist, metrics_registry, cleanup=lambda: cleanup_after_crash(self.ctx)
+        )
         bind = getattr(self.save_policy, "bind", None)
         if callable(bind):
             bind(str(self.root), self._events)
