@@ -21,6 +21,7 @@ from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
 from ..storage.objects import ObjectStore, is_url, open_objects
+from ..storage.objectstorage import StorageObjects
 from . import intent
 from .config import Tier
 from .repair import Fetched, fetch_newest, materialize, write_hot
@@ -46,9 +47,15 @@ def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) 
         if t.key in seen:
             raise ConfigError(f"tier {t.key!r} is given twice")
         seen.add(t.key)
-        if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
-            raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
-        store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
+        store: ObjectStore
+        if not isinstance(t.url, str):  # a Storage (tg.Tier(FaultyStorage(...))): driven through the protocol
+            if t.url.local_path is not None and Path(t.url.local_path).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = StorageObjects(t.url)
+        else:
+            if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
         unreachable = getattr(store, "unreachable", None)
         if unreachable:
             msg = f"tier {t.key} cannot be reached now ({unreachable}); uploads are retried in the background"
