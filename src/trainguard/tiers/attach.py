@@ -97,6 +97,7 @@ class TierSet:
             for link in self.links:
                 try:
                     have = set(link.remote.committed_steps())
+                    broken = self._held_corrupt(link, have & set(hot_steps))
                 except (OSError, TrainguardError) as e:
                     log.warning(
                         "cannot list tier %s: %s; its missing steps are sent after the next save", link.key, e
@@ -108,7 +109,7 @@ class TierSet:
                 wanted = set(hot_steps)
                 if policy is not None and not isinstance(policy, KeepAll):
                     wanted = select(policy, sorted(have | wanted), {}) & wanted
-                missing = sorted(wanted - have)
+                missing = sorted((wanted - have) | (wanted & broken))
                 if missing:
                     with self.uploader.cond:
                         link.failed.update({s: "missing at start" for s in missing})
@@ -116,6 +117,15 @@ class TierSet:
 
         self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)
         self._resume.start()
+
+    @staticmethod
+    def _held_corrupt(link: TierLink, steps: set[int]) -> set[int]:
+        """Of ``steps`` (committed on the tier), those the tier holds corrupt (a manifest that does not parse,
+        a chunk missing or of the wrong length, e.g. a torn PUT): sent again like missing ones."""
+        if not steps:
+            return set()
+        chunks = link.store.list(CHUNKS_DIR + "/")
+        return {s for s in steps if link.remote.status(s, chunks).status != "valid"}
 
     def after_commit(self, step: int) -> SaveError | None:
         return self.uploader.after_commit(step)
