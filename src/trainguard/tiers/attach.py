@@ -20,7 +20,7 @@ from ..errors import ConfigError, RootLockedError, SaveError, TierUploadError, T
 from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
-from ..storage.objects import ObjectStore, is_url, open_objects
+from ..storage.objects import ObjectStore, _classify, is_url, nonce, open_objects
 from ..storage.objectstorage import StorageObjects
 from . import intent
 from .config import Tier
@@ -32,8 +32,36 @@ TIERS_RECORD = "tiers.json"
 LOCK_OBJECT = ".lock"
 
 
-def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) -> list[TierLink]:
-    """Open every tier's store (configuration errors raise here, at construction).
+def check_writable(store: ObjectStore, key: str) -> None:
+    """A writing manager's construction check of a reachable tier: PUT and DELETE a small probe object, so that
+    credentials that may read but not write fail now, not in a background upload.
+
+    Raises:
+        ConfigError: the store refused the PUT (access denied); names the permissions needed.
+    """
+    name = f".trainguard-write-probe-{nonce()}"
+    try:
+        store.put(name, b"")
+    except OSError as e:  # TransientStorageError included: a store that stalls now is retried later
+        cause = e.__cause__ or e
+        if _classify(cause) == "denied":
+            raise ConfigError(
+                f"tier {key!r}: access denied for writing ({cause}): the credentials may list the bucket but "
+                "not write to it; a writing manager needs s3:PutObject, s3:GetObject and s3:DeleteObject on "
+                "the prefix (or open the manager with read_only=True)"
+            ) from None
+        return
+    try:
+        store.delete(name)
+    except OSError as e:
+        log.warning("tier %s: could not delete the probe object %s (%s); retention there will fail", key, name, e)
+
+
+def open_links(
+    hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True, writer: bool = False
+) -> list[TierLink]:
+    """Open every tier's store (configuration errors raise here, at construction); for a ``writer``, also
+    check that each reachable tier accepts writes (:func:`check_writable`).
 
     Raises:
         ConfigError: a bad Tier, a duplicate tier, a tier that is the hot root, or what the store reports
@@ -61,6 +89,8 @@ def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) 
             msg = f"tier {t.key} cannot be reached now ({unreachable}); uploads are retried in the background"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             event("tier_unreachable", tier=t.key, error=str(unreachable))
+        elif writer:
+            check_writable(store, t.key)
         links.append(TierLink(t, store))
     return links
 
