@@ -61,6 +61,9 @@ class Fault:
             the ``nth`` on counts, ``times`` is ignored); a write that does not fit stores nothing and raises
             ``errno`` (default ENOSPC, hence StorageFullError). Change it (``math.inf``) to free space.
         call: a function called with the key first (e.g. to look at the store when the Nth write starts).
+        staging: ``write`` only: an ``fnmatch`` pattern on the staging prefix of :meth:`Storage.stage` (a
+            save's partial directory, ``"step-000000001.partial-*"``): the fault affects only the objects that
+            save stages (never ``write_new`` or ``publish``).
 
     Attributes:
         seen: matching calls so far.
@@ -81,6 +84,7 @@ class Fault:
     flip_byte: int | None = None
     budget_bytes: float | None = None
     call: Callable[[str], None] | None = None
+    staging: str | None = None
     enabled: bool = True
     seen: int = field(default=0, init=False)
     written: int = field(default=0, init=False)
@@ -92,13 +96,15 @@ class Fault:
             raise ValueError("truncate_to applies to op='write' only")
         if self.flip_byte is not None and self.op != "read":
             raise ValueError("flip_byte applies to op='read' only")
-        if self.budget_bytes is not None and self.op != "write":
-            raise ValueError("budget_bytes applies to op='write' only")
+        if (self.budget_bytes is not None or self.staging is not None) and self.op != "write":
+            raise ValueError("budget_bytes and staging apply to op='write' only")
 
-    def hits(self, key: str, size: int = 0) -> bool:
-        """Count a call for ``key`` (writing ``size`` bytes); True when this call is one the fault affects.
-        Not thread-safe on its own: :class:`FaultyStorage` calls it under its lock."""
+    def hits(self, key: str, size: int = 0, staging: str | None = None) -> bool:
+        """Count a call for ``key`` (writing ``size`` bytes, staged under ``staging``); True when this call is
+        one the fault affects. Not thread-safe on its own: :class:`FaultyStorage` calls it under its lock."""
         if not self.enabled or not fnmatch.fnmatchcase(key, self.match):
+            return False
+        if self.staging is not None and (staging is None or not fnmatch.fnmatchcase(staging, self.staging)):
             return False
         self.seen += 1
         if self.seen < self.nth:
@@ -155,17 +161,17 @@ class FaultyStorage:
         with self._lock:
             self.faults.clear()
 
-    def _fault(self, op: str, key: str, size: int) -> Fault | None:
+    def _fault(self, op: str, key: str, size: int, staging: str | None) -> Fault | None:
         with self._lock:
             self.calls[op] += 1
             for f in self.faults:
-                if f.op == op and f.hits(key, size):
+                if f.op == op and f.hits(key, size, staging):
                     return f
         return None
 
-    def _apply(self, op: str, key: str, data: Any = None) -> Fault | None:
+    def _apply(self, op: str, key: str, data: Any = None, staging: str | None = None) -> Fault | None:
         """Call, stall and raise as the fault of this call says; return it (for truncation and bit flips)."""
-        f = self._fault(op, key, _nbytes(data) if data is not None else 0)
+        f = self._fault(op, key, _nbytes(data) if data is not None else 0, staging)
         if f is None:
             return None
         if f.call is not None:
@@ -225,7 +231,7 @@ class FaultyStorage:
         self.inner.publish(key, self._truncated("write", key, f, data), durable=durable)
 
     def stage(self, key: str, data: Any, *, staging: str) -> Staged:
-        f = self._apply("write", key, data)
+        f = self._apply("write", key, data, staging)
         return self.inner.stage(key, self._truncated("write", key, f, data), staging=staging)
 
     def commit_staged(self, staged: list[Staged]) -> None:
