@@ -199,25 +199,24 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
         urllib.request.urlopen(url, timeout=2)
 
 
-def test_the_manager_exports_its_save_metrics_in_its_own_registry(tmp_path, monkeypatch):
+def test_the_manager_exports_its_save_metrics_in_its_own_registry(tmp_path):
     import torch
 
-    import trainguard.storage.local as local
+    from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
-    mgr = tg.CheckpointManager(tmp_path, async_save=False)
+    disk = FaultyStorage(LocalStorage(tmp_path))
+    mgr = tg.CheckpointManager(disk, async_save=False)
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     for step in (1, 2, 3):
         state["w"] += 1
         mgr.save(step, state)
 
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(local, "write_file", full)
+    full = disk.add(Fault("write", times=None, errno=errno.ENOSPC))
     state["w"] += 1
     with pytest.raises(tg.SaveError):
         mgr.save(4, state)
-    monkeypatch.undo()
+    assert disk.injected
+    full.enabled = False
     samples = {
         s.name: s.value
         for f in text_string_to_metric_families(generate_latest(mgr.metrics_registry).decode())
