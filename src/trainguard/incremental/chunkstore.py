@@ -43,13 +43,13 @@ from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
 from ..storage.local import DURABILITY_MODES, LocalStorage
+from ..storage.retry import READ_ATTEMPTS, READ_RETRY_BACKOFF_S
 from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
-# An I/O error (EACCES, EIO, ...) is retried this many times in all, with this first backoff doubling each time;
-# a CRC32C or length mismatch is confirmed by one more read before it condemns a chunk.
-READ_ATTEMPTS = 3
-READ_RETRY_BACKOFF_S = 0.05
+# An I/O error (EACCES, EIO, a TransientStorageError, ...) is retried READ_ATTEMPTS times in all, with a first
+# backoff of READ_RETRY_BACKOFF_S doubling each time (as every read of committed data: storage/retry.py); a CRC32C
+# or length mismatch is confirmed by one more read before it condemns a chunk.
 
 
 def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:

@@ -283,7 +283,7 @@ def _undecodable(
 
 def chunk_info(chain: tuple[ChunkRecord, ...], written: bool) -> dict[str, dict[str, Any]]:
     """The write result's ``chunks`` entries for a piece: its chunk (``new`` when this save wrote it) and its
-    chain of bases (:func:`trainguard.commit.build_manifest` turns them into records)."""
+    chain of bases (:func:`trainguard.distributed.manifest.build_manifest` turns them into records)."""
     out: dict[str, dict[str, Any]] = {}
     for i, r in enumerate(chain):
         d: dict[str, Any] = {"length": r.length, "crc32c": r.crc32c, "codec": r.codec}

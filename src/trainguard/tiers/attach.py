@@ -21,7 +21,8 @@ from ..errors import ConfigError, RootLockedError, SaveError, TierUploadError, T
 from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
-from ..storage.objects import ObjectStore, is_url, open_objects
+from ..storage.objects import ObjectStore, _classify, is_url, nonce, open_objects
+from ..storage.objectstorage import StorageObjects
 from . import intent
 from .config import Tier
 from .repair import fetch_step, materialize, write_hot
@@ -32,8 +33,36 @@ TIERS_RECORD = "tiers.json"
 LOCK_OBJECT = ".lock"
 
 
-def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) -> list[TierLink]:
-    """Open every tier's store (configuration errors raise here, at construction).
+def check_writable(store: ObjectStore, key: str) -> None:
+    """A writing manager's construction check of a reachable tier: PUT and DELETE a small probe object, so that
+    credentials that may read but not write fail now, not in a background upload.
+
+    Raises:
+        ConfigError: the store refused the PUT (access denied); names the permissions needed.
+    """
+    name = f".trainguard-write-probe-{nonce()}"
+    try:
+        store.put(name, b"")
+    except OSError as e:  # TransientStorageError included: a store that stalls now is retried later
+        cause = e.__cause__ or e
+        if _classify(cause) == "denied":
+            raise ConfigError(
+                f"tier {key!r}: access denied for writing ({cause}): the credentials may list the bucket but "
+                "not write to it; a writing manager needs s3:PutObject, s3:GetObject and s3:DeleteObject on "
+                "the prefix (or open the manager with read_only=True)"
+            ) from None
+        return
+    try:
+        store.delete(name)
+    except OSError as e:
+        log.warning("tier %s: could not delete the probe object %s (%s); retention there will fail", key, name, e)
+
+
+def open_links(
+    hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True, writer: bool = False
+) -> list[TierLink]:
+    """Open every tier's store (configuration errors raise here, at construction); for a ``writer``, also
+    check that each reachable tier accepts writes (:func:`check_writable`).
 
     Raises:
         ConfigError: a bad Tier, a duplicate tier, a tier that is the hot root, or what the store reports
@@ -47,14 +76,22 @@ def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) 
         if t.key in seen:
             raise ConfigError(f"tier {t.key!r} is given twice")
         seen.add(t.key)
-        if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
-            raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
-        store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
+        store: ObjectStore
+        if not isinstance(t.url, str):  # a Storage (tg.Tier(FaultyStorage(...))): driven through the protocol
+            if t.url.local_path is not None and Path(t.url.local_path).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = StorageObjects(t.url)
+        else:
+            if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
         unreachable = getattr(store, "unreachable", None)
         if unreachable:
             msg = f"tier {t.key} cannot be reached now ({unreachable}); uploads are retried in the background"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             event("tier_unreachable", tier=t.key, error=str(unreachable))
+        elif writer:
+            check_writable(store, t.key)
         links.append(TierLink(t, store))
     return links
 
@@ -92,6 +129,7 @@ class TierSet:
         self.event = event
         self.fsync = fsync
         self.uploader = Uploader(hot, links, event, fsync=fsync)
+        self.store_lock: ObjectStore | None = None  # the URL root's lock object, held by this writer
         self._resume: threading.Thread | None = None
         self._hot_write: threading.Thread | None = None  # a restore's chunks going to the hot root
 
@@ -108,6 +146,7 @@ class TierSet:
             for link in self.links:
                 try:
                     have = set(link.remote.committed_steps())
+                    broken = self._held_corrupt(link, have & set(hot_steps))
                 except (OSError, TrainguardError) as e:
                     log.warning(
                         "cannot list tier %s: %s; its missing steps are sent after the next save", link.key, e
@@ -119,7 +158,7 @@ class TierSet:
                 wanted = set(hot_steps)
                 if policy is not None and not isinstance(policy, KeepAll):
                     wanted = select(policy, sorted(have | wanted), {}) & wanted
-                missing = sorted(wanted - have)
+                missing = sorted((wanted - have) | (wanted & broken))
                 if missing:
                     with self.uploader.cond:
                         link.failed.update({s: "missing at start" for s in missing})
@@ -127,6 +166,15 @@ class TierSet:
 
         self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)
         self._resume.start()
+
+    @staticmethod
+    def _held_corrupt(link: TierLink, steps: set[int]) -> set[int]:
+        """Of ``steps`` (committed on the tier), those the tier holds corrupt (a manifest that does not parse,
+        a chunk missing or of the wrong length, e.g. a torn PUT): sent again like missing ones."""
+        if not steps:
+            return set()
+        chunks = link.store.list(CHUNKS_DIR + "/")
+        return {s for s in steps if link.remote.status(s, chunks).status != "valid"}
 
     def after_commit(self, step: int) -> SaveError | None:
         return self.uploader.after_commit(step)
@@ -262,16 +310,23 @@ class TierSet:
     def close(self) -> None:
         """Wait up to the largest ``upload_timeout_s`` for uploads, then stop.
 
+        Releases the URL root's lock object (if held) in any case.
+
         Raises:
             TierUploadError: naming the steps and tiers not uploaded (the hot checkpoints are intact).
         """
-        self.settle()
-        timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
-        t0 = time.monotonic()
-        if self._resume is not None:
-            self._resume.join(timeout)  # the steps a tier missed at start are queued by now
-        missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
-        self.uploader.close()
+        try:
+            self.settle()
+            timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
+            t0 = time.monotonic()
+            if self._resume is not None:
+                self._resume.join(timeout)  # the steps a tier missed at start are queued by now
+            missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
+            self.uploader.close()
+        finally:
+            if self.store_lock is not None:
+                release_store_lock(self.store_lock)
+                self.store_lock = None
         if missing:
             detail = "; ".join(f"{url}: steps {steps}" for url, steps in missing.items())
             self.event("tier_upload_incomplete", missing=missing)
@@ -280,6 +335,86 @@ class TierSet:
                 "are intact and a new manager with the same tiers uploads what is missing",
                 missing=missing,
             )
+
+
+def url_root(
+    root: Any, keep: Any, tiers: list[Any], storage_options: dict[str, Any] | None
+) -> tuple[Any, Any, list[Any], str | None]:
+    """Resolve a manager's ``root`` argument: an object-store URL becomes a local cache as the hot root (see
+    :func:`cache_root`) with the URL as its first tier, a sync replica keeping ``keep`` (the cache keeps the
+    newest only).
+
+    Returns:
+        (hot root, the hot root's keep, the tiers, the URL or None).
+
+    Raises:
+        ConfigError: ``storage_options`` given with a local root.
+    """
+    if not is_url(root):
+        if storage_options is not None:
+            raise ConfigError(
+                "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
+            )
+        return root, keep, tiers, None
+    url = str(root).rstrip("/")
+    tiers = [Tier(url, keep=keep, sync=True, storage_options=storage_options), *tiers]
+    return cache_root(url), (1 if keep is not None else None), tiers, url
+
+
+def cache_root(url: str) -> Path:
+    """The local hot root of a URL run root: ``$TRAINGUARD_CACHE_DIR`` (default ``~/.cache/trainguard``) /
+    ``roots/<hash of the URL>``."""
+    import hashlib
+
+    base = os.environ.get("TRAINGUARD_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "trainguard"
+    )
+    return Path(base) / "roots" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def open_tiers(
+    hot: Path,
+    tiers: list[Tier],
+    event: Any,
+    *,
+    fsync: bool,
+    writer: bool,
+    coordinator: bool,
+    url: str | None = None,
+) -> TierSet:
+    """Open and check the tiers of a manager (configuration errors raise here); for a writer's rank 0 also
+    lock a URL root (pruning its cache), record the tiers in the hot root and queue the committed steps a
+    tier is missing.
+
+    Args:
+        hot: the hot run root.
+        tiers: the tiers, in restore order (a URL root's store first).
+        event: writes one event to the run's event log.
+        fsync: make what is written to the hot root durable.
+        writer: the manager writes (not ``read_only``).
+        coordinator: this process is rank 0 (or alone).
+        url: the URL of a URL run root, else None.
+
+    Returns:
+        The opened :class:`TierSet` (its ``store_lock`` set when this writer locked the URL root).
+
+    Raises:
+        ConfigError: a bad tier (see :func:`open_links`).
+        RootLockedError: another writer holds the URL root's lock.
+    """
+    from ..catalog import stable_committed_steps
+
+    links = open_links(hot, tiers, event, fsync=fsync, writer=writer)
+    ts = TierSet(hot, links, event, fsync=fsync)
+    if not (writer and coordinator):
+        return ts
+    if url is not None:
+        acquire_store_lock(links[0].store, url)
+        ts.store_lock = links[0].store
+        prune_cache(hot, links[0])
+    ts.record()
+    ts.resume(stable_committed_steps(hot))
+    return ts
 
 
 def prune_cache(hot: Path, link: TierLink) -> list[int]:

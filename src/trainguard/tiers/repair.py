@@ -34,7 +34,7 @@ from ..catalog import read_manifest, record_check, stable_committed_steps
 from ..errors import StorageFullError, TrainguardError
 from ..format import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
 from ..format.manifest import ChunkRecord
-from ..storage.local import atomic_write, fsync_dir, raise_if_full
+from ..storage.local import atomic_write, fsync_dir, raise_classified
 from ..storage.safeio import lstat_regular, read_bounded
 from .upload import POOL_WORKERS, TierLink
 
@@ -220,6 +220,12 @@ def stream_chunk(hot: Path, link: TierLink, rec: ChunkRecord, fsync: bool) -> bo
     except FileNotFoundError:
         tmp.unlink(missing_ok=True)
         return False
+    except TrainguardError:  # the tier's (TransientStorageError): the caller tries the next tier
+        tmp.unlink(missing_ok=True)
+        raise
+    except OSError as e:  # the hot root's disk: StorageFullError for ENOSPC
+        tmp.unlink(missing_ok=True)
+        raise_classified(e, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -230,7 +236,7 @@ def stream_chunk(hot: Path, link: TierLink, rec: ChunkRecord, fsync: bool) -> bo
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise_if_full(e, path)
+        raise_classified(e, path)
     if fsync:
         fsync_dir(path.parent)
     return True
