@@ -53,6 +53,13 @@ from tiers.netfaults import moto_server  # noqa: E402
 METHODS = ("raw put", "tg upload", "raw get", "tg restore", "tg restore+hot", "tg prefetch", "raw get+write")
 
 
+def _tier_keys(s3: Any, bucket: str) -> list[str]:
+    keys: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys += [o["Key"] for o in page.get("Contents") or []]
+    return keys
+
+
 def state_of(nbytes: int) -> dict[str, torch.Tensor]:
     n = max(1, nbytes // (64 << 20))
     per = nbytes // n // 4
@@ -213,6 +220,8 @@ def main() -> None:
             times["raw get+write"].append(time.perf_counter() - t0)
             ratios["download_disk"].append(times["raw get+write"][-1] / t_pf)
             shutil.rmtree(rawdir)
+            for key in list(_tier_keys(s3, bucket)):  # moto holds objects in memory: free them
+                s3.delete_object(Bucket=bucket, Key=key)
             log(f"repetition {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}x" for k, v in ratios.items()))
         gib = total / (1 << 30)
         print(f"{'method':<16}{'median s':>9}{'GiB/s':>8}   all (s)")
