@@ -268,9 +268,7 @@ class TierSet:
             ctx.storage, ctx.store = saved
             step = session.step
             if step is not None:
-                with store._lock:
-                    fetched = dict(store.fetched)
-                    hot_ok = set(store.hot_ok)
+                fetched, hot_ok = store.taken()
                 if fetched or step in tier_steps:
                     self.event(
                         "tier_restore",

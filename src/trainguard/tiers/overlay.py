@@ -183,6 +183,11 @@ class TierChunkStore(ChunkStore):
         self.fetched: dict[str, tuple[bytes, str]] = {}
         self.hot_ok: set[str] = set()
 
+    def taken(self) -> tuple[dict[str, tuple[bytes, str]], set[str]]:
+        """A snapshot of ``(fetched, hot_ok)``."""
+        with self._lock:
+            return dict(self.fetched), set(self.hot_ok)
+
     def check_present(self, rec: ChunkRecord) -> str | None:
         bad = super().check_present(rec)
         if bad is not None and self.links and not bad.startswith("cannot be read"):
