@@ -583,6 +583,9 @@ class CheckpointManager:
             from .validation.hooks import diverged
 
             raise diverged(self, step)
+        confirmed = tr.confirm()
+        if confirmed is not None:
+            self._event("resume_confirmed", restored_step=confirmed[0], steps=confirmed[1])
         tr.passed(step)
 
     def _arm_trajectory(self, step: int) -> None:
