@@ -47,6 +47,7 @@ from .errors import (
 )
 from .eventlog import OWN_EVENTS, EventLog
 from .format import step_dir_name
+from .format.layout import step_problem
 from .format.run import RunInfo, new_run_id
 from .incremental.auto import CompressionChooser
 from .incremental.chunkstore import ChunkStore
@@ -646,8 +647,9 @@ class CheckpointManager:
     ) -> PendingSave:
         self._check_writable()
         self._raise_background_error()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        bad_step = step_problem(step)
+        if bad_step is not None:
+            raise ConfigError(bad_step)
         if not self._layout_ok:  # never report success for checkpoints that restore would refuse
             bad_layout = self.store.layout_problem()
             if bad_layout is not None:

@@ -28,7 +28,7 @@ from .bounds import (
     check_shard_segments,
     check_tiling,
 )
-from .layout import chunk_relpath, validate_relpath
+from .layout import MAX_STEP, chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
 FORMAT_VERSION = 1
@@ -437,7 +437,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         raise _bad(f"unserializable content ({e})", expect_step) from None
     if crc != actual:
         raise _bad(f"manifest CRC32C mismatch (stored {crc!r}, computed {actual})", expect_step)
-    step = _int(body.get("step"), "step", 0, 1 << 62)
+    step = _int(body.get("step"), "step", 0, MAX_STEP)
     if expect_step is not None and step != expect_step:
         raise _bad(f"manifest says step {step} but lives in the directory of step {expect_step}", expect_step)
     chunk_sizes = _chunk_sizes(body.get("chunk_sizes"), step)
