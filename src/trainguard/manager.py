@@ -861,8 +861,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
-            CorruptCheckpointError: the checkpoint failed an integrity check (nothing handed to load_state_dict;
-                tensors loaded in place before the failure may hold partial data).
+            CorruptCheckpointError: the checkpoint failed an integrity check. In one process every chunk is
+                checked before loading: the state's objects were not modified. Under torch.distributed tensors
+                loaded in place may hold part of it (``state_modified``): rebuild them before training.
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
                 or missing optimizer state); the message lists the checkpoint's and the target's side.
         """
@@ -880,7 +881,10 @@ class CheckpointManager:
 
         validate_s = self._validate_s + check_probe(self, step)
         self.last_restore = RestoreTimings(
-            load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes
+            load_s=load_s,
+            validate_s=validate_s,
+            bytes=self.last_restore.bytes,
+            verify_bytes=self.last_restore.verify_bytes,
         )
         self._arm_trajectory(step)
         return step
