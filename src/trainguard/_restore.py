@@ -212,11 +212,19 @@ def restore_latest(
             skipped=[],
         )
         return None
-    if unreadable and not dirty:
+    objects = (
+        f"\nThe state objects passed hold values of the failed checkpoint(s) of step(s) "
+        f"{sorted(set(dirty.values()))} (entries {sorted(dirty)[:5]}{' ...' if len(dirty) > 5 else ''}): do not "
+        "train on them; rebuild them (a new model and optimizer) first"
+        if dirty
+        else "\nThe state objects passed were not modified."
+    )
+    if unreadable:
         raise NoValidCheckpointError(
             f"{ctx.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
             "could not be read (I/O errors, retried) and are NOT marked corrupt:\n  "
             + "\n  ".join(problems)
+            + objects
             + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
         )
     other = (
@@ -232,13 +240,6 @@ def restore_latest(
         f"resuming); after checking one, `trainguard mark {ctx.root} STEP --clear` makes it a candidate again."
         if suspect
         else ""
-    )
-    objects = (
-        f"\nThe state objects passed hold values of the failed checkpoint(s) of step(s) "
-        f"{sorted(set(dirty.values()))} (entries {sorted(dirty)[:5]}{' ...' if len(dirty) > 5 else ''}): do not "
-        "train on them; rebuild them (a new model and optimizer) first"
-        if dirty
-        else "\nThe state objects passed were not modified."
     )
     raise NoValidCheckpointError(
         f"{ctx.root} holds {len(steps)} checkpoint(s) but none {which} valid:\n  "
