@@ -107,13 +107,24 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gib", type=float, default=None, help="state size in GiB (default 1; --quick 0.25)")
     ap.add_argument(
-        "--noise-gib", type=float, default=None, help="bytes the other process writes (default 2; --quick 0.5)"
+        "--size-gib", type=float, default=None, help="state size in GiB (default 1; --quick 0.25)"
     )
-    ap.add_argument("--quick", action="store_true", help="smaller sizes: 0.25 GiB state, 0.5 GiB written beside")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per (mode, condition); the median is reported")
-    ap.add_argument("--dir", type=Path, default=None, help="scratch parent directory (the filesystem measured)")
+    ap.add_argument(
+        "--noise-gib",
+        type=float,
+        default=None,
+        help="bytes the other process writes (default 2; --quick 0.5)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smaller sizes: 0.25 GiB state, 0.5 GiB written beside"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs per (mode, condition); the median is reported"
+    )
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="scratch parent directory (the filesystem measured)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
     size = a.size_gib if a.size_gib is not None else (0.25 if a.quick else 1.0)
