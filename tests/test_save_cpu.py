@@ -55,3 +55,25 @@ def test_an_uncompressed_save_with_piece_memory_hashes_each_piece_once(tmp_path,
     chain, written = enc.put_piece(store, "partial", ("w", (), 0), piece, 4, step=1)
     assert written and sum(hashed) == piece.nbytes, hashed
     assert chain[0].hash == xxhash.xxh3_128_hexdigest(piece)  # the name is still the content hash
+
+
+def test_the_manifest_is_encoded_once_and_byte_identical_to_the_canonical_form(tmp_path):
+    """``manifest_to_json`` joins the sorted members around ``crc32c`` instead of encoding twice: the bytes are
+    those of ``json.dumps(body, sort_keys=True)`` and the CRC32C is over the body without the field."""
+    import json
+
+    import crc32c
+
+    from trainguard.format.manifest import manifest_from_json, manifest_to_json
+
+    state = {"model": {"w": torch.randn(64, 64), "n": torch.tensor(3)}, "epoch": 2, "name": "héllo"}
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state, metrics={"loss": 0.5})
+    data = (tmp_path / "step-000000001" / "manifest.json").read_bytes()
+    m = manifest_from_json(data)
+    out = manifest_to_json(m)
+    body = json.loads(out)
+    assert out == json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    crc = body.pop("crc32c")
+    assert crc == crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    assert manifest_from_json(out) == m
