@@ -62,7 +62,7 @@ def test_save_load_syncfs_and_async_parts_print_every_target(tmp_path):
         "save_load: sync save faster than safetensors",
         "save_load: sync save faster than dcp.save",
         "save_load: async 2nd save (to durable) >= 0.9x raw write",
-        "save_load: unchanged-state save <= 2x hashing alone",
+        "save_load: unchanged-state save (async_save=False) <= 2x hashing alone",
         "save_load: load >= 0.9x raw read",
         "syncfs: batched (default) no slower than per_file, contended (0.02 GiB written beside)",
         "syncfs: batched (default) no slower than per_file, alone",
@@ -70,13 +70,14 @@ def test_save_load_syncfs_and_async_parts_print_every_target(tmp_path):
         "async: async overhead <= dcp.async_save with a reused stager",
     }, v
     rows = table_rows(lines)
-    assert len(rows) == len(v) + 1  # + the async persist CPU (info)
-    assert sum(r[-1] == "info" for r in rows) == 1
+    assert len(rows) == len(v) + 2  # + the async unchanged save and the async persist CPU (info)
+    assert sum(r[-1] == "info" for r in rows) == 2
     assert f"{sum(x == 'PASS' for x in v.values())} of {len(v)} targets PASS" in lines
     assert set(res["parts"]) == {"save_load", "syncfs", "async"} and len(res["rows"]) == len(rows)
     # the unchanged save wrote nothing and its hashing floor was measured in the same repetition
     run0 = res["parts"]["save_load"]["runs"]["save"][0]
     assert run0["  xxh3-128 of the state (hashing alone)"] > 0
+    assert run0["trainguard save (async_save=False), unchanged"] > 0
     assert res["parts"]["syncfs"]["runs"]["batched"]["writer"], "the noise writer did not run"
 
 
