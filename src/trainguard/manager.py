@@ -450,7 +450,7 @@ class CheckpointManager:
         from .catalog import stable_committed_steps
         from .tiers.attach import TierSet, acquire_store_lock, open_links
 
-        links = open_links(self.root, tiers, self._event, fsync=self.fsync)
+        links = open_links(self.root, tiers, self._event, fsync=self.fsync, writer=writer)
         self._tiers = TierSet(self.root, links, self._event, fsync=self.fsync)
         if not writer:
             return

@@ -86,9 +86,10 @@ def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, 
 
 
 def run_workers(
-    nprocs: int, scenario: str, out: Path, *, timeout_s: float = 300, **params: Any
+    nprocs: int, scenario: str, out: Path, *, timeout_s: float = 300, worker: Path = WORKER, **params: Any
 ) -> list[dict[str, Any]]:
-    """Run ``worker.py <scenario>`` on ``nprocs`` ranks and return the per-rank results, index = rank.
+    """Run ``worker.py <scenario>`` (or another ``worker`` script built on worker.py's ``main``) on ``nprocs``
+    ranks and return the per-rank results, index = rank.
 
     Raises:
         AssertionError: the job failed (with the job's output and any worker traceback) or a rank wrote no
@@ -97,7 +98,7 @@ def run_workers(
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"{scenario}-spec.json"
     spec.write_text(json.dumps(params))
-    r = run(torchrun_cmd(nprocs, str(WORKER), scenario, str(spec), str(out)), timeout_s=timeout_s)
+    r = run(torchrun_cmd(nprocs, str(worker), scenario, str(spec), str(out)), timeout_s=timeout_s)
     results = []
     for rank in range(nprocs):
         f = out / f"{scenario}-rank{rank}.json"

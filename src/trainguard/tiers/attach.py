@@ -20,7 +20,8 @@ from ..errors import ConfigError, RootLockedError, SaveError, TierUploadError, T
 from ..format.layout import CHUNKS_DIR
 from ..retention import KeepAll, select
 from ..storage.local import atomic_write
-from ..storage.objects import ObjectStore, is_url, open_objects
+from ..storage.objects import ObjectStore, _classify, is_url, nonce, open_objects
+from ..storage.objectstorage import StorageObjects
 from . import intent
 from .config import Tier
 from .repair import Fetched, fetch_newest, materialize, write_hot
@@ -31,8 +32,36 @@ TIERS_RECORD = "tiers.json"
 LOCK_OBJECT = ".lock"
 
 
-def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) -> list[TierLink]:
-    """Open every tier's store (configuration errors raise here, at construction).
+def check_writable(store: ObjectStore, key: str) -> None:
+    """A writing manager's construction check of a reachable tier: PUT and DELETE a small probe object, so that
+    credentials that may read but not write fail now, not in a background upload.
+
+    Raises:
+        ConfigError: the store refused the PUT (access denied); names the permissions needed.
+    """
+    name = f".trainguard-write-probe-{nonce()}"
+    try:
+        store.put(name, b"")
+    except OSError as e:  # TransientStorageError included: a store that stalls now is retried later
+        cause = e.__cause__ or e
+        if _classify(cause) == "denied":
+            raise ConfigError(
+                f"tier {key!r}: access denied for writing ({cause}): the credentials may list the bucket but "
+                "not write to it; a writing manager needs s3:PutObject, s3:GetObject and s3:DeleteObject on "
+                "the prefix (or open the manager with read_only=True)"
+            ) from None
+        return
+    try:
+        store.delete(name)
+    except OSError as e:
+        log.warning("tier %s: could not delete the probe object %s (%s); retention there will fail", key, name, e)
+
+
+def open_links(
+    hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True, writer: bool = False
+) -> list[TierLink]:
+    """Open every tier's store (configuration errors raise here, at construction); for a ``writer``, also
+    check that each reachable tier accepts writes (:func:`check_writable`).
 
     Raises:
         ConfigError: a bad Tier, a duplicate tier, a tier that is the hot root, or what the store reports
@@ -46,14 +75,22 @@ def open_links(hot: Path, tiers: list[Tier], event: Any, *, fsync: bool = True) 
         if t.key in seen:
             raise ConfigError(f"tier {t.key!r} is given twice")
         seen.add(t.key)
-        if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
-            raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
-        store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
+        store: ObjectStore
+        if not isinstance(t.url, str):  # a Storage (tg.Tier(FaultyStorage(...))): driven through the protocol
+            if t.url.local_path is not None and Path(t.url.local_path).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = StorageObjects(t.url)
+        else:
+            if not is_url(t.url) and Path(t.url).resolve() == hot.resolve():
+                raise ConfigError(f"tier {t.key!r} is the hot root itself: give a different path")
+            store = open_objects(t.url, t.storage_options, stall_timeout_s=t.stall_timeout_s, fsync=fsync)
         unreachable = getattr(store, "unreachable", None)
         if unreachable:
             msg = f"tier {t.key} cannot be reached now ({unreachable}); uploads are retried in the background"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             event("tier_unreachable", tier=t.key, error=str(unreachable))
+        elif writer:
+            check_writable(store, t.key)
         links.append(TierLink(t, store))
     return links
 
@@ -90,6 +127,7 @@ class TierSet:
             for link in self.links:
                 try:
                     have = set(link.remote.committed_steps())
+                    broken = self._held_corrupt(link, have & set(hot_steps))
                 except (OSError, TrainguardError) as e:
                     log.warning(
                         "cannot list tier %s: %s; its missing steps are sent after the next save", link.key, e
@@ -101,7 +139,7 @@ class TierSet:
                 wanted = set(hot_steps)
                 if policy is not None and not isinstance(policy, KeepAll):
                     wanted = select(policy, sorted(have | wanted), {}) & wanted
-                missing = sorted(wanted - have)
+                missing = sorted((wanted - have) | (wanted & broken))
                 if missing:
                     with self.uploader.cond:
                         link.failed.update({s: "missing at start" for s in missing})
@@ -109,6 +147,15 @@ class TierSet:
 
         self._resume = threading.Thread(target=run, name="trainguard-tier-resume", daemon=True)
         self._resume.start()
+
+    @staticmethod
+    def _held_corrupt(link: TierLink, steps: set[int]) -> set[int]:
+        """Of ``steps`` (committed on the tier), those the tier holds corrupt (a manifest that does not parse,
+        a chunk missing or of the wrong length, e.g. a torn PUT): sent again like missing ones."""
+        if not steps:
+            return set()
+        chunks = link.store.list(CHUNKS_DIR + "/")
+        return {s for s in steps if link.remote.status(s, chunks).status != "valid"}
 
     def after_commit(self, step: int) -> SaveError | None:
         return self.uploader.after_commit(step)

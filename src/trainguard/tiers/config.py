@@ -46,7 +46,9 @@ class Tier:
     ``CheckpointManager(URL, read_only=True)`` read it directly.
 
     Args:
-        url: a local path (a shared filesystem mount) or any fsspec URL (``s3://bucket/run1``).
+        url: a local path (a shared filesystem mount) or any fsspec URL (``s3://bucket/run1``); or a
+            :class:`~trainguard.storage.Storage` (e.g. ``open_object_storage(url)`` wrapped in a
+            :class:`~trainguard.storage.FaultyStorage` for fault tests; ``storage_options`` then unused).
         keep: retention on this tier: an int N keeps the newest N, a RetentionPolicy (``tg.KeepEvery(1000)``),
             or None to keep every checkpoint. The newest valid step of the tier is never deleted.
         sync: False (default): uploaded in the background after the hot commit. True: a dual-write replica:
@@ -61,7 +63,7 @@ class Tier:
         ConfigError: an invalid argument (the store itself is checked when the manager opens it).
     """
 
-    url: str
+    url: str | Any
     keep: int | RetentionPolicy | None = field(default=None, kw_only=True)
     sync: bool = field(default=False, kw_only=True)
     storage_options: dict[str, Any] | None = field(default=None, kw_only=True)
@@ -69,9 +71,17 @@ class Tier:
     upload_timeout_s: float = field(default=600.0, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, (str, os.PathLike)) or not os.fspath(self.url):
+        from ..storage.base import Storage
+
+        if isinstance(self.url, Storage):  # a tier given as a Storage (a FaultyStorage in fault tests)
+            if self.storage_options is not None:
+                raise ConfigError(
+                    f"Tier({self.url!r}): storage_options apply to a URL; a Storage is already opened"
+                )
+        elif not isinstance(self.url, (str, os.PathLike)) or not os.fspath(self.url):
             raise ConfigError(f"Tier url must be a path or URL string, got {self.url!r}")
-        object.__setattr__(self, "url", os.fspath(self.url))
+        else:
+            object.__setattr__(self, "url", os.fspath(self.url))
         try:
             as_retention(self.keep)
         except (ConfigError, ValueError, TypeError) as e:
@@ -87,8 +97,10 @@ class Tier:
 
     @property
     def key(self) -> str:
-        """The tier's name in ``tiers`` mappings: the URL as given, without a trailing slash."""
-        return self.url.rstrip("/") or "/"
+        """The tier's name in ``tiers`` mappings: the URL as given (a Storage's ``url``), without a trailing
+        slash."""
+        url = self.url if isinstance(self.url, str) else self.url.url
+        return url.rstrip("/") or "/"
 
     @property
     def retention(self) -> RetentionPolicy | None:
