@@ -78,3 +78,11 @@ def test_the_verify_pass_reads_each_needed_chunk_once_more(tmp_path):
     chunk_bytes = sum(r.length for r in read_manifest(tmp_path, 5).chunks.values())
     assert mgr.last_restore.verify_bytes == chunk_bytes == mgr.last_restore.bytes
 
+
+
+def test_a_suspect_restore_says_the_objects_hold_its_values(tmp_path):
+    save(tmp_path, 10, {"w": {"b": torch.full((8,), float("nan"))}}, check_finite="off")
+    b = torch.zeros(8)
+    with tg.CheckpointManager(tmp_path) as mgr, pytest.raises(tg.SuspectCheckpointError, match="do not train"):
+        mgr.restore(10, {"w": {"b": b}})
+    assert torch.isnan(b).all()  # what the message says: the values were loaded (validation runs on them)

@@ -90,7 +90,12 @@ def _suspect(mgr: ValidationHost, step: int, reason: str, by: str) -> SuspectChe
         mark_suspect(mgr.root, step, reason, by=by, fsync=mgr.fsync)
     mgr.event("checkpoint_suspect", step=step, reason=reason, by=by)
     log.warning("checkpoint of step %d is suspect: %s", step, reason)
-    return SuspectCheckpointError(f"checkpoint of step {step} is suspect: {reason}", step=step, reason=reason)
+    return SuspectCheckpointError(
+        f"checkpoint of step {step} is suspect: {reason}; the state objects hold the values loaded from it: do not "
+        "train on them (restore an older checkpoint over them, or rebuild them)",
+        step=step,
+        reason=reason,
+    )
 
 
 FINITE_SCOPE_KEY = "trainguard.check_finite_only"  # manifest metadata: the entries the save's scan covered
