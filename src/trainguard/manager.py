@@ -337,7 +337,7 @@ class CheckpointManager:
             self.dist.is_coordinator
         ):  # one writer per root: rank 0 holds the lock and owns cleanup and retention
             try:
-                self._lock = RootLock(self.root)
+                self._lock = RootLock(self.root, self.url)
                 self._lock.acquire()
                 cleanup_after_crash(self.ctx)
             except RootLockedError as e:
