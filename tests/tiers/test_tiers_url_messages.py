@@ -41,7 +41,9 @@ def test_the_lock_held_by_another_process_names_the_url_first(tmp_path: Path) ->
         with pytest.raises(tg.RootLockedError) as ei:
             RootLock(root, "s3://bucket1/run2").acquire()
         msg = str(ei.value)
-        assert msg.startswith(f"run root s3://bucket1/run2 (its local cache {root}) is being written by another"), msg
+        assert msg.startswith(
+            f"run root s3://bucket1/run2 (its local cache {root}) is being written by another"
+        ), msg
         assert "pid 1 on elsewhere" in msg
         with pytest.raises(tg.RootLockedError) as ei:  # a local root is named as itself
             RootLock(root).acquire()
