@@ -50,3 +50,43 @@ def test_the_lock_held_by_another_process_names_the_url_first(tmp_path: Path) ->
         assert str(ei.value).startswith(f"run root {root} is being written by another process"), str(ei.value)
     finally:
         os.close(fd)
+
+
+def test_ls_and_verify_print_a_url_root_like_a_local_one(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+    from trainguard.storage.objects import open_objects
+
+    monkeypatch.setenv("TRAINGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"s3://{bucket}/run1"
+    monkeypatch.chdir(tmp_path)  # a short relative root: the table title shows it whole
+    local = Path("local")
+    for root in (url, local):
+        with tg.CheckpointManager(root, chunk_size_bytes=CHUNK) as mgr:
+            for step in (1, 2):
+                mgr.save(step, make_state()).wait()
+    runner = CliRunner()
+    shown = {}
+    for root in (url, str(local)):
+        r = runner.invoke(main, ["ls", root])
+        assert r.exit_code == 0, r.output
+        shown[root] = r.output
+        assert f"checkpoints in {root}" in r.output and "time (UTC)" in r.output, r.output
+        v = runner.invoke(main, ["verify", root, "--all"])
+        assert v.exit_code == 0, v.output
+        assert "OK 2 checkpoint(s) checked," in v.output and " re-read" in v.output, v.output
+    # the same columns and the same time format (to the second, no "T", no milliseconds)
+    for root, out in shown.items():
+        assert "step" in out and "status" in out and "size" in out, out
+        assert "T" not in "".join(line for line in out.splitlines() if "valid" in line), out
+    # a corrupt manifest: one "corrupt", not "CORRUPT corrupt"
+    store = open_objects(url)
+    [manifest] = [n for n in store.list("step-") if n.endswith("manifest.json") and "0002" in n]
+    store.put(manifest, b"{not json")
+    v = runner.invoke(main, ["verify", url, "--step", "2"])
+    assert v.exit_code == 1, v.output
+    assert "step 2: CORRUPT manifest" in v.output and "CORRUPT corrupt" not in v.output, v.output
+    assert "FAILED: 1 of 1 checkpoint(s) checked" in v.output, v.output

@@ -98,35 +98,64 @@ def ls_cmd(root: str, as_json: bool) -> None:
             rows.append(row)
         echo(json.dumps(rows, indent=1))
         return
+    rows = []
+    for i in infos:
+        ev = timings.get(i.step, {})
+        rows.append({**i.to_json(), "block_s": ev.get("block_s"), "persist_s": ev.get("persist_s")})
+    if rows:
+        print_listing(str(p), rows)
+    else:
+        echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+
+
+def print_listing(where: str, rows: list[dict[str, Any]]) -> None:
+    """The ``ls`` table of a run root (a path or a URL): one row per step, then each problem whole.
+
+    Args:
+        where: the run root as the user gave it (the table's title).
+        rows: ``{step, status, bytes, time, problem}`` (and optionally ``block_s``, ``persist_s``) per step;
+            ``time`` is ISO 8601 UTC, shown to the second.
+    """
     from rich.table import Table
 
-    table = Table(title=f"checkpoints in {markup(str(p))}")  # every string from data is escaped: no markup
+    table = Table(title=f"checkpoints in {markup(where)}")  # every string from data is escaped: no markup
     for col in ("step", "status", "size", "time (UTC)", "block s", "persist s"):
         # fold: a value that does not fit wraps onto the next line, never cut with an ellipsis
         right = col in ("step", "size", "block s", "persist s")
         table.add_column(col, justify="right" if right else "left", overflow="fold")
     problems = []
-    for i in infos:
-        ev = timings.get(i.step, {})
-        color = STATUS_COLORS[i.status]
+    for r in rows:
+        color = STATUS_COLORS.get(r["status"], "none")
+        status = markup(r["status"])
         table.add_row(
-            str(i.step),
-            f"[{color}]{i.status}[/]",
-            human_bytes(i.bytes),
-            markup((i.time or "")[:19].replace("T", " ")),
-            _fmt_s(ev.get("block_s")),
-            _fmt_s(ev.get("persist_s")),
+            str(r["step"]),
+            f"[{color}]{status}[/]",
+            human_bytes(r["bytes"]),
+            markup((r["time"] or "")[:19].replace("T", " ")),
+            _fmt_s(r.get("block_s")),
+            _fmt_s(r.get("persist_s")),
         )
-        if i.problem:
-            problems.append(f"step {i.step} [{color}]{i.status}[/]: {markup(i.problem)}")
-    if infos:
-        c = console()
-        c.print(table)
-        # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
-        for line in problems:
-            c.print(line, highlight=False, overflow="fold")
-    else:
-        echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+        if r["problem"]:
+            problems.append(f"step {r['step']} [{color}]{status}[/]: {markup(r['problem'])}")
+    c = console()
+    c.print(table)
+    # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
+    for line in problems:
+        c.print(line, highlight=False, overflow="fold")
+
+
+def corrupt_line(step: int, problem: str) -> str:
+    """``verify``'s line for a corrupt step (``problem`` may itself start with "corrupt")."""
+    text = str(problem)
+    if text.lower().startswith("corrupt "):
+        text = text[len("corrupt ") :]
+    return f"step {step}: CORRUPT {text}"
+
+
+def verify_summary(ok: bool, n_checked: int, n_bad: int, bytes_read: int) -> str:
+    """``verify``'s last line: the verdict, the checkpoints checked and the bytes re-read."""
+    verdict = "OK" if ok else f"FAILED: {n_bad} of"
+    return f"{verdict} {n_checked} checkpoint(s) checked, {human_bytes(bytes_read)} re-read"
 
 
 STATUS_COLORS = {
@@ -494,12 +523,9 @@ def verify_cmd(
             elif not bad:
                 echo(f"step {s}: ok")
             for c in bad:
-                echo(f"step {s}: CORRUPT {c['problem']}")
+                echo(corrupt_line(s, c["problem"]))
         n_bad = len({c["step"] for c in report.corrupt})
-        verdict = "OK" if report.ok else f"FAILED: {n_bad} of"
-        echo(
-            f"{verdict} {len(report.checked)} checkpoint(s) checked, {human_bytes(report.bytes_read)} re-read"
-        )
+        echo(verify_summary(report.ok, len(report.checked), n_bad, report.bytes_read))
     sys.exit(0 if report.ok else 1)
 
 

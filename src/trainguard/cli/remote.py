@@ -37,11 +37,9 @@ def ls_url(url: str, as_json: bool) -> None:
     if not rows:
         echo(f"no checkpoints in {url}")
         return
-    from .inspect import human_bytes
+    from .inspect import print_listing
 
-    for r in rows:
-        extra = f"  {r['problem']}" if r["problem"] else ""
-        echo(f"{r['step']:>10}  {r['status']:<8}  {human_bytes(r['bytes']):>10}  {r['time'] or ''}{extra}")
+    print_listing(url, rows)
 
 
 def verify_url(
@@ -75,13 +73,16 @@ def verify_url(
     if as_json:
         echo(json.dumps(report, indent=1))
     else:
+        from .inspect import corrupt_line, verify_summary
+
         for s in report["checked"]:
             bad = [c for c in report["corrupt"] if c["step"] == s]
-            echo(f"step {s}: ok" if not bad else f"step {s}: CORRUPT {bad[0]['problem']}")
+            echo(f"step {s}: ok" if not bad else corrupt_line(s, bad[0]["problem"]))
         if "error" in report:
             echo(f"FAILED: {report['error']}", err=True)
         else:
-            echo(f"{'OK' if report['ok'] else 'FAILED'}: {len(report['checked'])} checkpoint(s) checked")
+            n_bad = len({c["step"] for c in report["corrupt"]})
+            echo(verify_summary(report["ok"], len(report["checked"]), n_bad, report["bytes_read"]))
     sys.exit(0 if report["ok"] else 1)
 
 
