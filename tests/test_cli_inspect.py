@@ -147,3 +147,20 @@ def test_control_characters_from_a_checkpoint_never_reach_the_terminal(tmp_path,
     # a usage error naming the root is terminal-safe too
     r = runner.invoke(main, ["info", str(root), "7"])
     assert r.exit_code == 2 and not any(c in r.output for c in raw), r.output
+
+
+def test_a_negative_looking_step_argument_is_a_clear_usage_error(tmp_path):
+    """``info ROOT -1`` used to get click's "No such option: -1"; ``mark`` takes a STEP argument too."""
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+
+    make_run(tmp_path, steps=(1,))
+    runner = CliRunner()
+    for args in (["info", str(tmp_path), "-1"], ["mark", str(tmp_path), "-1", "--clear"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 2, r.output
+        assert "STEP -1 is negative: steps are integers >= 0" in r.output and "No such option" not in r.output
+    # a negative-looking option value is the option's, not a STEP
+    r = runner.invoke(main, ["mark", str(tmp_path), "1", "--suspect", "-5"])
+    assert r.exit_code == 0 and "marked suspect (-5)" in r.output, r.output

@@ -26,7 +26,7 @@ from ..format import TensorEntry, step_dir_name
 from ..storage.objects import is_url
 from .main import main
 from .remote import ls_url, tier_columns, url_cache, verify_url
-from .text import echo, markup
+from .text import StepCommand, echo, markup
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
@@ -197,7 +197,7 @@ def _fmt_s(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, (int, float)) else ""
 
 
-@main.command("info")
+@main.command("info", cls=StepCommand)
 @click.argument("root")
 @click.argument("step", required=False, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")

@@ -13,10 +13,10 @@ from ..catalog import is_committed, read_manifest
 from ..errors import ConfigError, CorruptCheckpointError, RootLockedError
 from .inspect import _root, human_bytes, require_run_root
 from .main import main
-from .text import echo
+from .text import StepCommand, echo
 
 
-@main.command("mark")
+@main.command("mark", cls=StepCommand)
 @click.argument("root")
 @click.argument("step", type=click.IntRange(min=0))
 @click.option("--suspect", "reason", default=None, metavar="REASON", help="Mark STEP suspect, with why.")
