@@ -40,6 +40,7 @@ from .errors import (
     CheckpointExistsError,
     ConfigError,
     ManagerClosedError,
+    NoValidCheckpointError,
     ReadOnlyManagerError,
     RootLockedError,
     SaveError,
@@ -905,11 +906,15 @@ class CheckpointManager:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
         self.wait()
         timings = RestoreTimings()
-        if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: read into memory
-            with self._tiers.restoring(self.ctx):
+        try:
+            if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: into memory
+                with self._tiers.restoring(self.ctx):
+                    step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+            else:
                 step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
-        else:
-            step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
+        except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
+            self.ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
+            raise
         if step is not None:
             self.last_restore = timings
             self._arm_trajectory(step)
