@@ -431,6 +431,8 @@ class CheckpointManager:
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
+                if err is None and self._lock is not None:
+                    apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
             finally:

@@ -50,5 +50,7 @@ def test_a_job_with_no_valid_checkpoint_is_not_relaunched(tmp_path: Path) -> Non
 
 def test_a_job_that_fails_otherwise_is_still_relaunched(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    result = Supervisor([sys.executable, "-c", "raise SystemExit(1)"], _config(root), echo=lambda m: None).run()
+    result = Supervisor(
+        [sys.executable, "-c", "raise SystemExit(1)"], _config(root), echo=lambda m: None
+    ).run()
     assert result.reason == "max_restarts" and len(result.attempts) == 4

@@ -79,7 +79,7 @@ def test_ls_and_verify_print_a_url_root_like_a_local_one(
         assert v.exit_code == 0, v.output
         assert "OK 2 checkpoint(s) checked," in v.output and " re-read" in v.output, v.output
     # the same columns and the same time format (to the second, no "T", no milliseconds)
-    for root, out in shown.items():
+    for out in shown.values():
         assert "step" in out and "status" in out and "size" in out, out
         assert "T" not in "".join(line for line in out.splitlines() if "valid" in line), out
     # a corrupt manifest: one "corrupt", not "CORRUPT corrupt"
@@ -90,3 +90,35 @@ def test_ls_and_verify_print_a_url_root_like_a_local_one(
     assert v.exit_code == 1, v.output
     assert "step 2: CORRUPT manifest" in v.output and "CORRUPT corrupt" not in v.output, v.output
     assert "FAILED: 1 of 1 checkpoint(s) checked" in v.output, v.output
+
+
+def test_steps_kept_only_while_they_uploaded_are_deleted_by_retention_at_close(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep=2 on the hot root with an S3 tier: steps protected because their upload had not finished are
+    deleted once it has (at close at the latest); the tier holds every step it was sent."""
+    import threading
+
+    from trainguard.storage.objects import open_objects
+    from trainguard.tiers.remote import RemoteRoot
+    from trainguard.tiers.upload import Uploader
+
+    gate = threading.Event()
+    real = Uploader.upload
+
+    def gated(self: Uploader, link: object, step: int) -> None:
+        gate.wait(60)  # every upload waits: retention after each commit must keep every step
+        real(self, link, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Uploader, "upload", gated)
+    hot, url = tmp_path / "hot", f"s3://{bucket}/run1"
+    mgr = tg.CheckpointManager(hot, keep=2, tiers=[tg.Tier(url)], chunk_size_bytes=CHUNK)
+    for step in range(1, 6):
+        mgr.save(step, make_state()).wait()
+    steps = sorted(int(d.name.split("-")[1]) for d in hot.glob("step-*"))
+    assert steps == [1, 2, 3, 4, 5], "uploads pending: retention keeps them"
+    gate.set()
+    mgr.close()
+    assert [i.step for i in tg.CheckpointManager(hot, read_only=True).checkpoints()] == [4, 5]
+    assert sorted(int(d.name.split("-")[1]) for d in hot.glob("step-*")) == [4, 5]
+    assert [r.step for r in RemoteRoot(open_objects(url)).scan()] == [1, 2, 3, 4, 5]
