@@ -57,8 +57,9 @@ def demo_cmd(
     as_json: bool,
 ) -> None:
     """Train a byte-level GPT on the Python standard library's source under `trainguard run`, inject failures
-    (SIGKILL in a step, SIGKILL mid-save, a hang, a corrupted newest checkpoint), train the same job
-    uninterrupted, and check both end bit-identical.
+    (SIGKILL in a step, SIGKILL mid-save, a hang, a corrupted newest checkpoint caught by CRC32C, and silent
+    corruption: a weight and its recorded CRC32C both rewritten, caught only by the probe fingerprint), train
+    the same job uninterrupted, and check both end bit-identical.
 
     Exit 0 when the final state is identical and every recovery succeeded, 1 otherwise, 2 on bad options.
     """
