@@ -12,30 +12,21 @@ import pytest
 import torch
 
 import trainguard as tg
-import trainguard.storage.local as local
 from trainguard.recovery.events import read_events
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 from .conftest import run_env
 
 
-def slow_disk(monkeypatch, seconds: float, gate: threading.Event | None = None) -> list[int]:
-    """Make every chunk write take ``seconds`` (or wait for ``gate``); returns a list counting writes."""
-    real = local.write_file
-    calls: list[int] = []
-
-    def slow(*a, **k):
-        calls.append(1)
-        if gate is not None:
-            gate.wait(30)
-        time.sleep(seconds)
-        return real(*a, **k)
-
-    monkeypatch.setattr(local, "write_file", slow)
-    return calls
+def slow_disk(root, seconds: float, gate: threading.Event | None = None) -> FaultyStorage:
+    """``root``'s storage where every write takes ``seconds`` (or waits for ``gate``) first."""
+    return FaultyStorage(
+        LocalStorage(root), Fault("write", times=None, stall=gate if gate is not None else seconds)
+    )
 
 
 def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_save_time(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
@@ -45,8 +36,8 @@ def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_s
     want = {k: v.clone() for k, v in model.state_dict().items()}
     want_optim = {i: {k: v.clone() for k, v in s.items()} for i, s in optim.state_dict()["state"].items()}
     gate = threading.Event()
-    slow_disk(monkeypatch, 0.0, gate)  # the persist cannot write anything until the training step is done
-    with tg.CheckpointManager(tmp_path) as mgr:
+    disk = slow_disk(tmp_path, 0.0, gate)  # the persist cannot write anything until the training step is done
+    with tg.CheckpointManager(disk) as mgr:
         pending = mgr.save(1, {"model": model, "optim": optim})
         assert not pending.done()
         model(torch.randn(8, 64)).sum().backward()  # changes BatchNorm running stats (buffers)
@@ -68,10 +59,10 @@ def test_a_tensor_modified_right_after_save_returns_is_saved_with_its_value_at_s
             assert torch.equal(fresh_optim.state_dict()["state"][i][k], v), (i, k)
 
 
-def test_back_to_back_saves_on_a_slow_disk_wait_and_stay_within_two_buffer_sets(tmp_path, monkeypatch):
-    slow_disk(monkeypatch, 0.15)
+def test_back_to_back_saves_on_a_slow_disk_wait_and_stay_within_two_buffer_sets(tmp_path):
+    disk = slow_disk(tmp_path, 0.15)
     t = torch.randn(1 << 19)  # 2 MiB
-    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1)) as mgr:
+    with tg.CheckpointManager(disk, save_policy=tg.EveryNSteps(1)) as mgr:
         peak = 0
         for step in range(1, 7):
             t.add_(1.0)
@@ -85,11 +76,11 @@ def test_back_to_back_saves_on_a_slow_disk_wait_and_stay_within_two_buffer_sets(
         assert torch.equal(out["w"]["t"], t)
 
 
-def test_the_skip_policy_skips_saves_while_both_buffer_sets_are_busy_and_logs_it(tmp_path, monkeypatch):
+def test_the_skip_policy_skips_saves_while_both_buffer_sets_are_busy_and_logs_it(tmp_path):
     gate = threading.Event()
-    slow_disk(monkeypatch, 0.0, gate)
+    disk = slow_disk(tmp_path, 0.0, gate)
     t = torch.randn(1 << 19)
-    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(1), when_busy="skip") as mgr:
+    with tg.CheckpointManager(disk, save_policy=tg.EveryNSteps(1), when_busy="skip") as mgr:
         handles = [mgr.maybe_save(s, {"w": {"t": t + s}}) for s in range(1, 6)]
         assert [h.skipped for h in handles] == [False, False, True, True, True]
         assert mgr.staging_bytes <= 2 * t.numel() * 4
@@ -99,9 +90,9 @@ def test_the_skip_policy_skips_saves_while_both_buffer_sets_are_busy_and_logs_it
     assert [e["step"] for e in read_events(tmp_path, event="save_skipped")] == [3, 4, 5]
 
 
-def test_a_single_buffer_set_stages_only_when_no_save_is_persisting(tmp_path, monkeypatch):
-    slow_disk(monkeypatch, 0.2)
-    with tg.CheckpointManager(tmp_path, staging_buffers=1) as mgr:
+def test_a_single_buffer_set_stages_only_when_no_save_is_persisting(tmp_path):
+    disk = slow_disk(tmp_path, 0.2)
+    with tg.CheckpointManager(disk, staging_buffers=1) as mgr:
         mgr.save(1, {"w": {"t": torch.randn(1 << 18)}})
         t0 = time.perf_counter()
         second = mgr.save(2, {"w": {"t": torch.randn(1 << 18)}})
@@ -111,19 +102,12 @@ def test_a_single_buffer_set_stages_only_when_no_save_is_persisting(tmp_path, mo
 
 
 def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_commits_nothing(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
-    real = local.write_file
-    fail = {"on": True}
-
-    def broken(*a, **k):
-        if fail["on"]:
-            raise OSError(5, "injected I/O error")
-        return real(*a, **k)
-
-    with tg.CheckpointManager(tmp_path) as mgr:
+    disk = FaultyStorage(LocalStorage(tmp_path))
+    with tg.CheckpointManager(disk) as mgr:
         mgr.save(1, {"w": {"t": torch.randn(1 << 18)}}).wait()
-        monkeypatch.setattr(local, "write_file", broken)
+        broken = disk.add(Fault("write", times=None, exc=OSError(5, "injected I/O error")))
         p2 = mgr.save(2, {"w": {"t": torch.randn(1 << 18)}})
         with pytest.raises(tg.SaveError, match="injected I/O error"):
             p2.wait()
@@ -137,18 +121,15 @@ def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_comm
         with pytest.raises(tg.SaveError, match="step 3"):
             mgr.save(4, {"w": {"t": torch.randn(1 << 18)}})  # ... but the unseen failure of 3 is
         assert p3.done() and p3.error is not None
-        fail["on"] = False
+        broken.enabled = False
         mgr.save(5, {"w": {"t": torch.randn(1 << 18)}}).wait()
         assert {i.step: i.status for i in mgr.checkpoints()} == {1: "valid", 5: "valid"}
     assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2, 3]
 
 
-def test_close_raises_an_unseen_background_failure_after_releasing_the_lock(tmp_path, monkeypatch):
-    def broken(*a, **k):
-        raise OSError(5, "injected")
-
-    mgr = tg.CheckpointManager(tmp_path)
-    monkeypatch.setattr(local, "write_file", broken)
+def test_close_raises_an_unseen_background_failure_after_releasing_the_lock(tmp_path):
+    disk = FaultyStorage(LocalStorage(tmp_path), Fault("write", times=None, exc=OSError(5, "injected")))
+    mgr = tg.CheckpointManager(disk)
     mgr.save(1, {"w": {"t": torch.randn(1 << 18)}})
     with pytest.raises(tg.SaveError):
         mgr.close()
@@ -156,16 +137,13 @@ def test_close_raises_an_unseen_background_failure_after_releasing_the_lock(tmp_
 
 
 CHILD = r"""
-import os, signal, sys, torch, trainguard as tg, trainguard.storage.local as local
-root = sys.argv[1]
-mgr = tg.CheckpointManager(root)
+import os, signal, sys, torch, trainguard as tg
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
+disk = FaultyStorage(LocalStorage(sys.argv[1]))
+mgr = tg.CheckpointManager(disk)
 t = torch.arange(1 << 20, dtype=torch.float32)
 mgr.save(1, {"w": {"t": t}}).wait()
-real = local.write_file
-def die(*a, **k):
-    real(*a, **k)
-    os.kill(os.getpid(), signal.SIGKILL)
-local.write_file = die
+disk.add(Fault("write", match="chunks/*", call=lambda key: os.kill(os.getpid(), signal.SIGKILL)))
 mgr.save(2, {"w": {"t": t + 1}})
 t.add_(100)  # training goes on while the background persist runs
 mgr.wait()

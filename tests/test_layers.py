@@ -49,3 +49,18 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "storage only moves bytes" in result.stdout and "BROKEN" in result.stdout
     assert "trainguard.storage.base -> trainguard.catalog" in result.stdout
+
+
+def test_validation_reaching_back_to_the_manager_breaks_a_contract(tmp_path: Path) -> None:
+    """Validation gets what it uses explicitly; a back-reference to the manager (even for a type hint) fails."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        REPO / "src" / "trainguard", src / "trainguard", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    bad = src / "trainguard" / "validation" / "attach.py"
+    bad.write_text(
+        bad.read_text() + "\nfrom .._persist import persist  # noqa: E402 - the deliberate bad import\n"
+    )
+    result = lint(src, tmp_path)
+    assert result.returncode != 0
+    assert "validation and tiers receive what they use" in result.stdout and "BROKEN" in result.stdout

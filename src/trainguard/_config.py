@@ -5,11 +5,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, UnsafeFileError
+from ._lock import RootLock
+from .distributed.options import WriterOptions
+from .errors import ConfigError, RootLockedError, UnsafeFileError
 from .eventlog import EventLog
+from .incremental.auto import CompressionChooser
+from .incremental.delta import IncrementalState
 from .policies import SavePolicy
 from .storage.base import Storage
 from .storage.local import LocalStorage
@@ -147,6 +152,95 @@ def open_root(root: Path) -> EventLog:
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"
         ) from None
+
+
+def save_options(
+    *, chunk_size_bytes: int, compression: str, delta: bool, max_chain: int
+) -> tuple[WriterOptions, CompressionChooser, IncrementalState]:
+    """The writer's chunking options, compression chooser and delta state from the manager's arguments.
+
+    With deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
+    previous save; a shared pack of many small tensors changes whenever any of them does).
+
+    Raises:
+        ConfigError: a bad ``chunk_size_bytes``, ``compression`` or ``max_chain``, or ``delta`` without
+            compression.
+    """
+    options = WriterOptions(
+        chunk_size_bytes=chunk_size_bytes,
+        pack_threshold_bytes=min((64 << 10) if delta else (1 << 20), chunk_size_bytes),
+    )
+    try:
+        chooser = CompressionChooser(compression, threads=options.threads)
+        if isinstance(max_chain, bool) or not isinstance(max_chain, int):
+            raise ValueError(f"max_chain must be an int >= 1, got {max_chain!r}")
+        incremental = IncrementalState(delta=bool(delta), max_chain=max_chain)
+    except ValueError as e:
+        raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
+    if delta and compression == "off":
+        raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
+    return options, chooser, incremental
+
+
+def open_writer(
+    root: Path,
+    dist: Any,
+    metrics_registry: Any,
+    *,
+    cleanup: Callable[[], None],
+    name: str | None = None,
+) -> tuple[EventLog, Any, RootLock | None]:
+    """Open a writer's run root: its event log (with this rank's context), the save metrics listening to it
+    and (rank 0) the write lock, cleaning up after a crash (``cleanup``) once the lock is held. ``name``: the
+    URL of a URL run root whose local cache ``root`` is (lock errors name it first).
+
+    Returns:
+        (event log, :class:`~trainguard.observe.metrics.SaveMetrics`, the lock on rank 0 or None).
+
+    Raises:
+        ConfigError, UnsafeFileError: see :func:`open_root`.
+        RootLockedError: another process holds the write lock (the event log is closed).
+    """
+    from .observe.metrics import SaveMetrics
+
+    events = open_root(root)
+    metrics = SaveMetrics(metrics_registry)
+    events.listeners.append(metrics.observe)
+    if dist.enabled:
+        events.set_context(rank=dist.rank, world_size=dist.world_size)
+    return events, metrics, lock_writer(root, dist, events, cleanup, name)
+
+
+def lock_writer(
+    root: Path, dist: Any, events: EventLog, cleanup: Callable[[], None], name: str | None = None
+) -> RootLock | None:
+    """One writer per root: rank 0 takes the root's write lock and cleans up after a crash (``cleanup``);
+    every rank learns whether it succeeded.
+
+    Returns:
+        The held lock on rank 0 (None on the other ranks).
+
+    Raises:
+        RootLockedError: another process holds the lock (on every rank; ``events`` is closed first).
+    """
+    locked, lock = "", None
+    if dist.is_coordinator:
+        try:
+            lock = RootLock(root, name)
+            lock.acquire()
+            cleanup()
+        except RootLockedError as e:
+            locked = str(e)
+        except BaseException:
+            events.close()
+            raise
+    if dist.enabled and dist.any(bool(locked)):
+        events.close()
+        raise RootLockedError(locked or f"rank 0 could not lock {root} (another writer holds it)")
+    if locked:
+        events.close()
+        raise RootLockedError(locked)
+    return lock
 
 
 def validation_options(

@@ -3,7 +3,7 @@
 The manager builds one per run root and hands it to its collaborators (``_persist``, ``_restore``,
 ``retention.apply``, ``lineage``); none of them imports the manager. Each field is an explicit dependency:
 the storage and the chunk store on it, the distributed context, the run's identity, retention's policy and
-cache, the event log (``event``), and the few callbacks into the manager's async engine.
+cache, the event log (``event``), and the few callbacks into the async engine, the validation and the tiers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .distributed.context import DistContext
 from .distributed.options import WriterOptions
@@ -25,6 +25,22 @@ from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy
 from .retention.refs import ManifestCache
 from .storage.base import Storage
+from .validation.attach import Validation
+
+
+class TierHooks(Protocol):
+    """What the save, restore and retention paths use of a manager's tiers
+    (:class:`trainguard.tiers.attach.TierSet`)."""
+
+    def after_commit(self, step: int) -> BaseException | None:
+        """Dual write / queue the uploads of a committed step; an error to raise after retention, or None."""
+
+    def protected(self) -> set[int]:
+        """Hot steps retention must keep (still to be sent to some tier)."""
+        ...
+
+    def restoring(self, ctx: Any, step: int | None = None) -> Any:
+        """A context manager around a restore that reads what the hot root lacks from the tiers."""
 
 
 def _no_event(name: str, **fields: Any) -> None:
@@ -52,8 +68,9 @@ class RootContext:
         last_restore: timings of the last restore.
         compression: decides per save whether chunks are compressed (:class:`~trainguard.incremental.auto.CompressionChooser`).
         incremental: the previous save's pieces, the delta bases (:class:`~trainguard.incremental.delta.IncrementalState`).
-        host: the manager's validation settings and state (``check_finite``, ``probe``, ``_probes``,
-            ``_validate_s``), which :mod:`trainguard.validation.hooks` still reads from the manager object.
+        validation: the validation settings and state (:class:`~trainguard.validation.attach.Validation`;
+            None: no checks).
+        tiers: the manager's tiers (:class:`TierHooks`; None: the hot root only).
     """
 
     root: Path
@@ -75,4 +92,5 @@ class RootContext:
     last_restore: RestoreTimings = field(default_factory=RestoreTimings)
     compression: CompressionChooser | None = None
     incremental: IncrementalState | None = None
-    host: Any = None
+    validation: Validation | None = None
+    tiers: TierHooks | None = None

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .commit import build_manifest, publish
+from .commit import publish
+from .distributed.manifest import build_manifest
 from .errors import SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
@@ -23,7 +24,6 @@ from .incremental.auto import Decision, state_sample
 from .incremental.delta import SaveEncoder
 from .results import SaveResult
 from .retention.apply import apply_retention, referenced_chunks, space_hint
-from .validation.hooks import check_before_persist
 from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
@@ -58,8 +58,7 @@ def persist(
 
     Raises:
         NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
-    probe = ctx.host._probes.pop(step, None)
-    check_before_persist(ctx.host, step, flat)
+    probe = ctx.validation.before_persist(step, flat) if ctx.validation is not None else None
     partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
     ctx.storage.make_dir(partial)
     ctx.store.last_progress = time.monotonic()
@@ -168,8 +167,7 @@ def persist(
         async_save=not blocking,
         **({"probe_s": probe[1]} if probe is not None else {}),
     )
-    tiers = getattr(ctx.host, "_tiers", None)
-    tier_error = tiers.after_commit(step) if tiers is not None else None  # dual write, queue uploads
+    tier_error = ctx.tiers.after_commit(step) if ctx.tiers is not None else None  # dual write, queue uploads
     apply_retention(ctx)
     if tier_error is not None:
         raise tier_error

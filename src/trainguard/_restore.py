@@ -13,6 +13,7 @@ only after a pass over a listing that stayed the same from start to end.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import MutableMapping
@@ -42,15 +43,64 @@ from .errors import (
 from .format import Manifest, step_dir_name
 from .format.run import LEGACY_RUN_ID
 from .lineage import head, record_resume
+from .results import RestoreTimings
 from .state.dtypes import check_shard_bytes
-from .validation.hooks import check_probe, scan_loaded
 from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
     from ._context import RootContext
-    from .results import RestoreTimings
 
 log = logging.getLogger("trainguard")
+
+
+def restore_step(ctx: RootContext, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> int:
+    """``CheckpointManager.restore``: load ``step`` (what the hot root lacks read from the tiers, see
+    ``TierSet.restoring``), check the probe, record the timings in ``ctx.last_restore`` and arm the loss
+    trajectory check.
+
+    Returns:
+        ``step``.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError: see :func:`load`.
+        SuspectCheckpointError: the restored state failed validation (NaN/Inf, probe); marked suspect.
+    """
+    t0 = time.perf_counter()
+    # chunks missing or corrupt on the hot root: read from a tier into memory
+    with ctx.tiers.restoring(ctx, step) if ctx.tiers is not None else contextlib.nullcontext():
+        load(ctx, step, state, strict=strict)
+    load_s = time.perf_counter() - t0
+    v = ctx.validation
+    validate_s = v.validate_s + v.check_probe(step) if v is not None else 0.0
+    ctx.last_restore = RestoreTimings(load_s=load_s, validate_s=validate_s, bytes=ctx.last_restore.bytes)
+    if v is not None:
+        v.arm(step)
+    return step
+
+
+def restore_newest(ctx: RootContext, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
+    """``CheckpointManager.restore_latest``: :func:`restore_latest` over the hot root and the tiers (the newest
+    step on any tier; what the hot root lacks is read into memory); on success the timings go to
+    ``ctx.last_restore`` and the loss trajectory check is armed.
+
+    Returns:
+        The restored step, or None when no committed checkpoint exists.
+
+    Raises:
+        NoValidCheckpointError, StateMismatchError: see :func:`restore_latest`.
+    """
+    timings = RestoreTimings()
+    try:
+        with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext():
+            step = restore_latest(ctx, state, timings, strict=strict)
+    except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
+        ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
+        raise
+    if step is not None:
+        ctx.last_restore = timings
+        if ctx.validation is not None:
+            ctx.validation.arm(step)
+    return step
 
 
 def committed_steps(ctx: RootContext) -> list[int]:
@@ -84,6 +134,16 @@ def gone(ctx: RootContext, step: int) -> bool:
 def restore_latest(
     ctx: RootContext, state: MutableMapping[str, Any], timings: RestoreTimings, *, strict: bool = True
 ) -> int | None:
+    """Load the newest valid checkpoint of the head run's lineage into ``state``, falling back past corrupt,
+    suspect and incomplete ones (each recorded in ``timings.skipped`` and a ``restore_skipped`` event).
+
+    Returns:
+        The restored step, or None when the root holds no committed checkpoint.
+
+    Raises:
+        NoValidCheckpointError: checkpoints exist but none is valid.
+        StateMismatchError: ``state`` does not match the checkpoint.
+    """
     t0 = time.perf_counter()
     deadline = time.monotonic() + STABLE_SCAN_S
     problems: list[str] = []
@@ -139,7 +199,7 @@ def restore_latest(
             t_chosen = time.perf_counter()
             try:
                 load(ctx, step, state, strict=strict, manifest=m)
-                probe_s = check_probe(ctx.host, step)
+                probe_s = ctx.validation.check_probe(step) if ctx.validation is not None else 0.0
             except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
                 skip(ctx, step, f"suspect: {e.reason}", None, timings, problems)
                 judged.add(step)
@@ -161,7 +221,7 @@ def restore_latest(
                 continue
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
-            timings.validate_s = ctx.host._validate_s + probe_s
+            timings.validate_s = (ctx.validation.validate_s if ctx.validation is not None else 0.0) + probe_s
             timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
             timings.bytes = ctx.last_restore.bytes
             ctx.event(
@@ -314,9 +374,8 @@ def load(
         ):
             mark_corrupt(ctx, step, err)  # a chunk gone with its deleted checkpoint is not corruption
         raise err from None
-    ctx.host._validate_s = scan_loaded(  # before the state's objects take the tensors
-        ctx.host, step, template, m.metadata
-    )
+    if ctx.validation is not None:  # the non-finite scan, before the state's objects take the tensors
+        ctx.validation.after_load(step, template, m.metadata)
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
     record_resume(ctx, m)
     ctx.last_restore.bytes = reader.bytes_read

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._time import iso
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError, UnsafeFileError
 from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
 from .format.manifest import DTYPE_ITEMSIZE
 from .incremental.chunkstore import ChunkStore
 from .storage.base import Storage, as_storage
+from .storage.retry import READ_ATTEMPTS, retry_transient
 from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
 from .validation.suspect import suspect_reason
 
@@ -187,7 +188,7 @@ def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest
     key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     p = storage.location(key)
     try:
-        info = storage.stat(key)
+        info = retry_transient(lambda: storage.stat(key))
     except OSError:
         info = None
     if info is not None and info.kind == "symlink":
@@ -195,7 +196,7 @@ def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
         )
     try:
-        data = storage.read(key, limit_bytes=MAX_MANIFEST_BYTES, what="manifest")
+        data = retry_transient(lambda: storage.read(key, limit_bytes=MAX_MANIFEST_BYTES, what="manifest"))
     except (FileNotFoundError, NotADirectoryError):  # one open: a manifest deleted later still reads whole
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {storage.url} (run `trainguard ls {storage.url}` to "
@@ -203,6 +204,11 @@ def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest
         ) from None
     except UnsafeFileError as e:
         raise CorruptCheckpointError(f"manifest of step {step} refused: {e}", step=step) from None
+    except TransientStorageError as e:
+        raise CorruptCheckpointError(
+            f"manifest of step {step} cannot be read ({e.strerror or e}; {READ_ATTEMPTS} attempts): {p}",
+            step=step,
+        ) from None
     except OSError as e:
         raise CorruptCheckpointError(
             f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
@@ -216,7 +222,10 @@ def corrupt_marker(root: str | os.PathLike[str] | Storage, step: int) -> dict[st
     larger than ``MAX_MARKER_BYTES`` or does not parse counts as a marker (the step is not valid)."""
     key = f"{step_dir_name(step)}/{CORRUPT_MARKER}"
     try:
-        data = json.loads(as_storage(root).read(key, limit_bytes=MAX_MARKER_BYTES, what="corrupt marker"))
+        storage = as_storage(root)
+        data = json.loads(
+            retry_transient(lambda: storage.read(key, limit_bytes=MAX_MARKER_BYTES, what="corrupt marker"))
+        )
         return data if isinstance(data, dict) else {"problem": "corrupt"}
     except FileNotFoundError:
         return None
@@ -230,7 +239,10 @@ def check_record(root: str | os.PathLike[str] | Storage, step: int) -> dict[str,
     """The last full check of ``step``'s bytes (``verified.json``), or None when none is recorded."""
     key = f"{step_dir_name(step)}/{CHECK_RECORD}"
     try:  # a symlink, a named pipe or an oversized file is refused, never followed or read whole
-        data = json.loads(as_storage(root).read(key, limit_bytes=MAX_MARKER_BYTES, what="check record"))
+        storage = as_storage(root)
+        data = json.loads(
+            retry_transient(lambda: storage.read(key, limit_bytes=MAX_MARKER_BYTES, what="check record"))
+        )
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -299,27 +311,42 @@ def record_corrupt(
 
 
 def inspect_step(
-    root: str | os.PathLike[str] | Storage, step: int, path: Path, store: ChunkStore
+    root: str | os.PathLike[str] | Storage,
+    step: int,
+    path: str | os.PathLike[str] | None = None,
+    store: ChunkStore | None = None,
 ) -> tuple[CheckpointInfo, Manifest | None]:
     """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data).
 
-    A checkpoint deleted while it is inspected (a writer's retention) lists as ``incomplete`` with the problem
-    :data:`GONE`, never as corrupt; :func:`scan` rescans until such races are over.
+    Everything goes through the root's :class:`~trainguard.storage.base.Storage` (a restore's in-memory
+    overlay included). A checkpoint deleted while it is inspected (a writer's retention) lists as
+    ``incomplete`` with the problem :data:`GONE`, never as corrupt; :func:`scan` rescans until such races are
+    over.
+
+    Args:
+        root: the run root or its storage.
+        step: the step.
+        path: how to name the step directory in the result (default: the storage's location of it).
+        store: the chunk store to stat chunks with (default: one on ``root``'s storage).
+
+    Returns:
+        The :class:`CheckpointInfo`, and the parsed manifest when it parsed (None otherwise).
     """
-    if not is_committed(root, step):  # through the storage (a restore's in-memory overlay included)
-        return _incomplete(step, path, "no manifest (the save did not commit)"), None
+    storage = as_storage(root)
+    key = step_dir_name(step)
+    where = os.fspath(path) if path is not None else storage.location(key)
+    store = store if store is not None else ChunkStore(storage)
+    if not is_committed(storage, step):
+        return _incomplete(storage, step, key, "no manifest (the save did not commit)", where), None
     try:
-        m = read_manifest(root, step)
+        m = read_manifest(storage, step)
     except CheckpointNotFoundError:
-        return _incomplete(step, path, GONE), None
+        return _incomplete(storage, step, key, GONE, where), None
     except CorruptCheckpointError as e:
-        if not is_committed(root, step):
-            return _incomplete(step, path, GONE), None
-        try:
-            t: float | None = path.stat().st_mtime
-        except OSError:
-            t = None
-        return CheckpointInfo(step, "corrupt", 0, iso(t) if t else None, t, str(e), str(path)), None
+        if not is_committed(storage, step):
+            return _incomplete(storage, step, key, GONE, where), None
+        t = _mtime(storage, key)
+        return CheckpointInfo(step, "corrupt", 0, iso(t) if t else None, t, str(e), where), None
     problem = None
     bad_chunk = None
     if any(isinstance(e, TensorEntry) and e.dtype not in DTYPE_ITEMSIZE for e in m.entries.values()):
@@ -337,13 +364,15 @@ def inspect_step(
         elif bad is not None:
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
-    if problem is not None and not is_committed(root, step):
-        return _incomplete(step, path, GONE), None  # its chunks went with it: deleted, not corrupt
+    if problem is not None and not is_committed(storage, step):
+        return _incomplete(
+            storage, step, key, GONE, where
+        ), None  # its chunks went with it: deleted, not corrupt
     status = "corrupt"
-    if problem is None and unreadable is not None and corrupt_marker(root, step) is None:
+    if problem is None and unreadable is not None and corrupt_marker(storage, step) is None:
         status, problem = "unverified", unreadable
     elif problem is None:
-        marker = corrupt_marker(root, step)
+        marker = corrupt_marker(storage, step)
         if marker is not None:
             problem = str(marker.get("problem", "corrupt"))
             chunk = marker.get("chunk")
@@ -360,7 +389,7 @@ def inspect_step(
         m.time or iso(m.t),
         m.t,
         problem,
-        str(path),
+        where,
         bad_chunk,
         new_bytes=m.new_bytes,
         logical_bytes=m.logical_bytes,
@@ -382,19 +411,50 @@ def _check_status(root: str | os.PathLike[str] | Storage, step: int) -> tuple[st
     )
 
 
-def _incomplete(step: int, path: Path, problem: str) -> CheckpointInfo:
-    size = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                size += os.stat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
+def _mtime(storage: Storage, key: str) -> float | None:
+    """Modification time of ``key`` (seconds since the epoch), or None when it cannot be had."""
     try:
-        t: float | None = path.stat().st_mtime
+        info = storage.stat(key)
     except OSError:
-        t = None
-    return CheckpointInfo(step, "incomplete", size, iso(t) if t else None, t, problem, str(path))
+        return None
+    return info.mtime if info is not None else None
+
+
+def _tree_bytes(storage: Storage, prefix: str) -> int:
+    """Bytes of the regular files under ``prefix`` (a step or partial directory; symlinks not followed)."""
+    size = 0
+    try:
+        entries = storage.list(prefix)
+    except OSError:
+        return 0
+    for e in entries:
+        key = f"{prefix}/{e.name}"
+        if e.is_dir:
+            size += _tree_bytes(storage, key)
+            continue
+        try:
+            info = storage.stat(key)
+        except OSError:
+            continue
+        if info is not None and info.is_file:
+            size += info.size
+    return size
+
+
+def _incomplete(
+    storage: Storage, step: int, key: str, problem: str, where: str | None = None
+) -> CheckpointInfo:
+    """An ``incomplete`` entry for the step or partial directory ``key`` (its bytes summed, its mtime)."""
+    t = _mtime(storage, key)
+    return CheckpointInfo(
+        step,
+        "incomplete",
+        _tree_bytes(storage, key),
+        iso(t) if t else None,
+        t,
+        problem,
+        where if where is not None else storage.location(key),
+    )
 
 
 def is_run_root(path: str | os.PathLike[str]) -> bool:
@@ -454,21 +514,22 @@ def scan(
     failed (``save_failed`` events: a failed save leaves no directory) and that have no checkpoint are listed
     as ``incomplete`` too, unless older than every checkpoint listed.
     """
-    store = store or ChunkStore(root)
+    storage = as_storage(root)
+    store = store or ChunkStore(storage)
     deadline = time.monotonic() + stable_s
-    before = listing(root)
+    before = listing(storage)
     while True:
-        steps, partials = step_dirs(root)
-        out = [inspect_step(root, s, p, store)[0] for s, p in steps.items()]
+        steps, partials = step_keys(storage)
+        out = [inspect_step(storage, s, None, store)[0] for s in steps]
         for s, ps in partials.items():
             if s not in steps:
-                out.append(_incomplete(s, ps[0], "save in progress or killed before commit"))
+                out.append(_incomplete(storage, s, ps[0], "save in progress or killed before commit"))
         out.sort(key=lambda i: i.step)
-        after = listing(root)
+        after = listing(storage)
         stable = after == before and not any(i.problem == GONE for i in out)
         if stable or time.monotonic() > deadline:
             if failed_saves:
-                local = as_storage(root).local_path
+                local = storage.local_path
                 failed = _failed_saves(local, {i.step for i in out}) if local is not None else []
                 out = sorted(out + failed, key=lambda i: i.step)
             return out

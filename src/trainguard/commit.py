@@ -20,110 +20,14 @@ touched).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
-from ._time import iso
 from .catalog import CHECK_RECORD, CORRUPT_MARKER, record_check
 from .errors import SaveError
-from .format import (
-    MANIFEST_NAME,
-    ChunkRecord,
-    Manifest,
-    Segment,
-    ShardRecord,
-    TensorEntry,
-    ValueEntry,
-    chunk_relpath,
-    manifest_to_json,
-    step_dir_name,
-)
-from .format.run import RunInfo
-from .state.dtypes import dtype_name
-from .state.per_rank import strip_rank
+from .format import MANIFEST_NAME, Manifest, manifest_to_json, step_dir_name
 from .storage.base import Storage, as_storage
 from .validation.probe import PROBE_FILE
 from .validation.suspect import SUSPECT_MARKER
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.storage import WriteResult
-
-
-def build_manifest(
-    step: int,
-    md: Metadata,
-    results: list[list[WriteResult]],
-    paths: Mapping[str, Any],
-    top: dict[str, dict[str, Any]],
-    metrics: Mapping[str, Any] | None,
-    metadata: Mapping[str, Any] | None,
-    run: RunInfo | None = None,
-) -> Manifest:
-    """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
-    (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
-    (:mod:`trainguard.state.per_rank`)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
-    chunks: dict[str, ChunkRecord] = {}
-    new: set[str] = set()  # chunks this save wrote (not deduplicated): its new_bytes
-    split_sizes: set[int] = set()  # the chunk_size_bytes each writer cut large tensors with
-    for rank_results in results:
-        for wr in rank_results:
-            sd = wr.storage_data
-            by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
-            if "split" in sd:
-                split_sizes.add(sd["split"])
-            for h, info in sd.get("chunks", {}).items():
-                chunks[h] = ChunkRecord(
-                    h,
-                    chunk_relpath(h),
-                    info["length"],
-                    info["crc32c"],
-                    info["codec"],
-                    info.get("size"),
-                    info.get("base"),
-                    info.get("delta"),
-                    info.get("word", 0),
-                )
-                if info.get("new"):
-                    new.add(h)
-    entries: dict[str, TensorEntry | ValueEntry] = {}
-    for fqn, smd in md.state_dict_metadata.items():
-        path, rank = strip_rank(tuple(tuple(p) for p in paths[fqn]))
-        if isinstance(smd, TensorStorageMetadata):
-            shards = []
-            for c in smd.chunks:
-                sd = by_index[(fqn, tuple(c.offsets))]
-                segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
-            entries[fqn] = TensorEntry(
-                fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards), rank
-            )
-        elif isinstance(smd, BytesStorageMetadata):
-            sd = by_index[(fqn, ())]
-            if "value" in sd:
-                entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None, rank)
-            else:
-                segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                entries[fqn] = ValueEntry(fqn, path, sd["codec"], None, segs, rank)
-    t = time.time()
-    return Manifest(
-        step=step,
-        t=t,
-        time=iso(t),
-        world_size=len(results),
-        entries=entries,
-        chunks=chunks,
-        metrics=dict(metrics or {}),
-        metadata=dict(metadata or {}),
-        top_level=top,
-        run=run,
-        new_bytes=sum(chunks[h].length for h in new),
-        chunk_sizes=tuple(sorted(split_sizes)),
-    )
 
 
 def publish(

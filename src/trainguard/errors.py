@@ -130,7 +130,13 @@ class ReadOnlyManagerError(TrainguardError):
 
 
 class TransientStorageError(TrainguardError, OSError):
-    """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling)."""
+    """A storage operation failed in a way that may succeed when retried (timeout, 5xx, throttling; on local
+    storage the errnos of ``trainguard.storage.local.TRANSIENT_ERRNOS``: EINTR, EAGAIN, EBUSY, ETIMEDOUT,
+    ESTALE, ECONNRESET, ECONNABORTED). Readers of committed data retry it a bounded number of times with a
+    backoff; ``errno`` and ``filename`` are those of the failure when it had them."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class UnsafeFileError(TrainguardError, OSError):

@@ -79,6 +79,23 @@ OWN_EVENTS = frozenset(
 """Event names trainguard itself writes (docs/FORMAT.md); ``CheckpointManager.log_event`` refuses them."""
 
 
+def check_user_event(event: Any) -> None:
+    """Check the name of a user's own event (``CheckpointManager.log_event``).
+
+    Raises:
+        ConfigError: an empty name or one of trainguard's own event names (:data:`OWN_EVENTS`).
+    """
+    from .errors import ConfigError
+
+    if not isinstance(event, str) or not event.strip():
+        raise ConfigError(f"event must be a non-empty string, got {event!r}")
+    if event in OWN_EVENTS:
+        raise ConfigError(
+            f"{event!r} is an event trainguard writes itself; give your event another name "
+            "(e.g. 'fault_injected' or 'user_note')"
+        )
+
+
 class EventLog:
     """Append-only writer of one process's events.
 

@@ -19,11 +19,11 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .catalog import read_manifest, step_dirs
+from .catalog import read_manifest, step_keys
 from .errors import CheckpointExistsError, RunConflictError, TrainguardError
 from .format import MANIFEST_NAME, Manifest
 from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
-from .storage.base import Storage
+from .storage.base import Storage, as_storage
 
 if TYPE_CHECKING:
     from ._context import RootContext
@@ -49,17 +49,21 @@ def run_of(
 
 
 def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
-    """The run of the most recently committed checkpoint (newest manifest mtime) that parses, or None."""
-    dirs, _ = step_dirs(root)
+    """The run of the most recently committed checkpoint (newest manifest mtime; the higher step on a tie) that
+    parses, or None. Reads through the root's storage."""
+    storage = as_storage(root)
+    keys, _ = step_keys(storage)
     stamped = []
-    for s, d in dirs.items():
+    for s, key in keys.items():
         try:
-            stamped.append((os.stat(d / MANIFEST_NAME).st_mtime_ns, s))
+            info = storage.stat(f"{key}/{MANIFEST_NAME}")
         except OSError:
             continue
+        if info is not None and info.is_file:
+            stamped.append((info.mtime, s))
     for _, s in sorted(stamped, reverse=True):
         try:
-            m = read_manifest(root, s)
+            m = read_manifest(storage, s)
         except TrainguardError:
             continue
         return m.run or RunInfo(LEGACY_RUN_ID)
@@ -68,7 +72,7 @@ def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
 
 def foreign_steps(ctx: RootContext) -> dict[int, str]:
     """Committed checkpoints under the root that are not in ``ctx.run``'s lineage: step -> run id."""
-    dirs, _ = step_dirs(ctx.storage)
+    dirs, _ = step_keys(ctx.storage)
     out = {}
     for s in sorted(dirs):
         rid = run_of(ctx.storage, s, ctx.refs.runs)

@@ -15,55 +15,38 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _persist, _restore, _statefn, lineage
+from . import _restore
 from ._config import (
     check_distributed_options,
     check_options,
-    open_root,
     open_storage,
+    open_writer,
     root_problem,
+    save_options,
     validation_options,
 )
 from ._context import RootContext
 from ._lock import RootLock
-from .catalog import CheckpointInfo, inspect_step, is_committed, scan
+from ._save import SavePath
+from .catalog import CheckpointInfo, scan
 from .distributed.context import DistContext
-from .distributed.options import WriterOptions
-from .errors import (
-    CheckpointExistsError,
-    ConfigError,
-    ManagerClosedError,
-    NoValidCheckpointError,
-    ReadOnlyManagerError,
-    RootLockedError,
-    SaveError,
-    TrainguardError,
-)
-from .eventlog import OWN_EVENTS, EventLog
-from .format import step_dir_name
+from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError
+from .eventlog import EventLog, check_user_event
 from .format.run import RunInfo, new_run_id
-from .incremental.auto import CompressionChooser
 from .incremental.chunkstore import ChunkStore
-from .incremental.delta import IncrementalState
 from .policies import SavePolicy
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
 from .retention.apply import apply_retention, cleanup_after_crash
-from .staging import PendingSave, Stager
-from .staging.persister import AsyncPersister, SaveRequest, register_exit_flush
-from .state import per_rank
+from .staging import PendingSave
+from .staging.persister import register_exit_flush
 from .storage.base import Storage
-
-if TYPE_CHECKING:
-    from .validation.scrub import Scrubber
-    from .validation.trajectory import Recorder
+from .validation.attach import Validation
 
 log = logging.getLogger("trainguard")
 SAVES_KEPT = 1000  # results kept in CheckpointManager.saves (the most recent ones)
@@ -195,23 +178,11 @@ class CheckpointManager:
         max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
-        from .storage.objects import is_url
+        from .tiers.attach import url_root
 
-        self.url: str | None = None
+        # an object-store run root: a local cache as the hot root, the URL as a sync replica
+        root, keep, tier_list, self.url = url_root(root, keep, list(tiers or []), storage_options)
         self._tiers: Any = None
-        self._store_lock: Any = None
-        tiers = list(tiers or [])
-        if is_url(root):  # an object-store run root: a local cache as the hot root, the URL as a sync replica
-            from .tiers.config import Tier
-
-            self.url = str(root).rstrip("/")
-            tiers.insert(0, Tier(self.url, keep=keep, sync=True, storage_options=storage_options))
-            root = _cache_root(self.url)
-            keep = 1 if keep is not None else None  # the cache keeps the newest; the store keeps ``keep``
-        elif storage_options is not None:
-            raise ConfigError(
-                "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
-            )
         self.storage = open_storage(root, fsync=fsync, durability=durability)
         self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
         self.read_only = read_only
@@ -226,7 +197,7 @@ class CheckpointManager:
             save_timeout_s=save_timeout_s,
         )
         self.retention = as_retention(keep)
-        self.scrub_max_bandwidth: float | None = validation_options(
+        scrub_bw = validation_options(
             check_finite=check_finite,
             probe=probe,
             probe_rtol=probe_rtol,
@@ -235,38 +206,31 @@ class CheckpointManager:
             scrub_interval_s=scrub_interval_s,
             scrub_max_bandwidth=scrub_max_bandwidth,
         )
-        self.check_finite: str = check_finite
-        self.probe: Callable[[], Any] | None = probe
-        self.probe_rtol = float(probe_rtol)
-        self.probe_atol = float(probe_atol)
-        self.trajectory_steps: int = trajectory_steps
-        self.scrub_interval_s = None if scrub_interval_s is None else float(scrub_interval_s)
-        # step -> (probe outputs, seconds the probe took), until the save of that step commits or fails
-        self._probes: dict[int, tuple[dict[str, Any], float]] = {}
-        self._validate_s = 0.0  # the non-finite scan of the last load, in seconds
-        self._trajectory: Recorder | None = None  # set for a writer (below)
-        self._scrubber: Scrubber | None = None
-        # with deltas, tensors of 64 KiB and more get chunks of their own (a delta needs the same piece in the
-        # previous save; a shared pack of many small tensors changes whenever any of them does)
-        self.options = WriterOptions(
-            chunk_size_bytes=chunk_size_bytes,
-            pack_threshold_bytes=min((64 << 10) if delta else (1 << 20), chunk_size_bytes),
+        self.options, self.compression, self.incremental = save_options(
+            chunk_size_bytes=chunk_size_bytes, compression=compression, delta=delta, max_chain=max_chain
         )
-        try:
-            self.compression = CompressionChooser(compression, threads=self.options.threads)
-            if isinstance(max_chain, bool) or not isinstance(max_chain, int):
-                raise ValueError(f"max_chain must be an int >= 1, got {max_chain!r}")
-            self.incremental = IncrementalState(delta=bool(delta), max_chain=max_chain)
-        except ValueError as e:
-            raise ConfigError(f"{e}; see the compression, delta and max_chain arguments") from None
-        if delta and compression == "off":
-            raise ConfigError("delta=True needs compressed saves; pass compression='auto' or 'zstd'")
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
         run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())
+        saves: deque[SaveResult] = deque(maxlen=SAVES_KEPT)  # the most recent committed saves, in order
+        self.validation = Validation(
+            root=self.root,
+            dist=self.dist,
+            event=self._event,
+            saves=saves,
+            fsync=fsync,
+            check_finite=check_finite,
+            probe=probe,
+            probe_rtol=probe_rtol,
+            probe_atol=probe_atol,
+            trajectory_steps=trajectory_steps,
+            scrub_interval_s=scrub_interval_s,
+            scrub_max_bandwidth=scrub_bw,
+        )
+        self.validation.wait = self.wait
         self.ctx = RootContext(
             root=self.root,
             storage=self.storage,
@@ -279,91 +243,62 @@ class CheckpointManager:
             read_only=read_only,
             new_run=self.new_run,
             event=self._event,
-            in_flight_since=lambda: self._persister.in_flight_since() if self._persister else time.time(),
-            staging_bytes=lambda: self.staging_bytes,
-            saves=deque(maxlen=SAVES_KEPT),  # the most recent committed saves of this manager, in order
+            saves=saves,
             compression=self.compression,
             incremental=self.incremental,
-            host=self,  # validation (issue 11) reads its settings and state from the manager
+            validation=self.validation,
         )
-        self._run_checked = read_only
         check_distributed_options(
             dist_enabled=self.dist.enabled, when_busy=when_busy, save_timeout_s=save_timeout_s
         )
         self.save_timeout_s = None if save_timeout_s is None else float(save_timeout_s)
         self.async_save = bool(async_save)
         self.when_busy = when_busy
-        self._stager: Stager | None = Stager(staging_buffers) if async_save and not read_only else None
-        self._persister: AsyncPersister | None = None
-        if (
-            self._stager is not None
-        ):  # the async engine: queue, worker thread, in-flight saves, stall watchdog
-            self._persister = AsyncPersister(
-                self._persist_request,
-                self._stager,
-                save_timeout_s=self.save_timeout_s,
-                last_progress=lambda: self.store.last_progress,
-                event=self._event,
-                on_persisted=lambda step, staging_s, result: self.save_policy.record_save(
-                    step, now_s=time.monotonic(), block_s=staging_s, persist_s=result.persist_s
-                ),
-                rank=self.dist.rank,
-                where=str(self.root),
-            )
+        self._saves = SavePath(
+            self.ctx,
+            self.validation,
+            self.save_policy,
+            async_save=self.async_save,
+            staging_buffers=staging_buffers,
+            save_timeout_s=self.save_timeout_s,
+            read_only=read_only,
+            progress_interval_s=PROGRESS_INTERVAL_S,
+        )
+        self._stager = self._saves.stager
         self._exit_flush: Any = None
         self._closed = False
         self._lock: RootLock | None = None
         self._events: EventLog | None = None
-        self._first_step_logged = False
-        self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
         self._metrics: Any = None
+        self._scrubber: Any = None
+        self._preemption = False
         if read_only:
-            if self.url is not None or tiers:  # the hot root a restore from the tiers copies into
+            if self.url is not None or tier_list:  # the hot root a restore from the tiers copies into
                 self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
                 raise ConfigError(root_problem(self.root) or f"run root {self.root} is not a directory")
-            if tiers:
-                self._open_tiers(tiers, writer=False)
+            if tier_list:
+                self._open_tiers(tier_list, writer=False)
             return
-        self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
-        self._events = open_root(self.root)
-        from .observe.metrics import SaveMetrics
-
-        self._metrics = SaveMetrics(metrics_registry)
-        self._events.listeners.append(self._metrics.observe)
-        if self.dist.enabled:
-            self._events.set_context(rank=self.dist.rank, world_size=self.dist.world_size)
-        locked = ""
-        if (
-            self.dist.is_coordinator
-        ):  # one writer per root: rank 0 holds the lock and owns cleanup and retention
-            try:
-                self._lock = RootLock(self.root, self.url)
-                self._lock.acquire()
-                cleanup_after_crash(self.ctx)
-            except RootLockedError as e:
-                locked = str(e)
-            except BaseException:
-                self._events.close()
-                raise
-        if self.dist.enabled and self.dist.any(bool(locked)):
-            raise RootLockedError(locked or f"rank 0 could not lock {self.root} (another writer holds it)")
-        if locked:
-            self._events.close()
-            raise RootLockedError(locked)
+        self._events, self._metrics, self._lock = open_writer(
+            self.root,
+            self.dist,
+            metrics_registry,
+            cleanup=lambda: cleanup_after_crash(self.ctx),
+            name=self.url,
+        )
         bind = getattr(self.save_policy, "bind", None)
         if callable(bind):
             bind(str(self.root), self._events)
-        self._preemption = False
         if save_on_preemption:
             from .recovery.heartbeat import install_preemption_handler
 
             install_preemption_handler()
             self._preemption = True
         self._events.set_context(checkpoint_run_id=self.run.run_id)
-        if tiers:
+        if tier_list:
             try:
-                self._open_tiers(tiers, writer=True)
+                self._open_tiers(tier_list, writer=True)
             except BaseException:
                 if self._lock is not None:
                     self._lock.release()
@@ -371,25 +306,22 @@ class CheckpointManager:
                 raise
         self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
-        from .validation.trajectory import Recorder
+        self.validation.start_writer(self.run.run_id, tiers=self._tiers)
+        self._scrubber = self.validation.scrubber
 
-        self._trajectory = Recorder(
+    def _open_tiers(self, tiers: list[Any], *, writer: bool) -> None:
+        from .tiers.attach import open_tiers
+
+        self._tiers = open_tiers(
             self.root,
-            self.run.run_id,
-            self.trajectory_steps,
+            tiers,
+            self._event,
+            fsync=self.fsync,
+            writer=writer,
             coordinator=self.dist.is_coordinator,
-            world_size=self.dist.world_size,
+            url=self.url,
         )
-        if self.scrub_interval_s is not None and self.dist.is_coordinator:
-            from .validation.scrub import Scrubber
-
-            self._scrubber = Scrubber(
-                self,
-                self.scrub_interval_s,
-                max_bytes_per_s=self.scrub_max_bandwidth,
-                tiers=self._tiers,
-            )
-            self._scrubber.start()
+        self.ctx.tiers = self._tiers
 
     # -- context manager ----------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -399,10 +331,15 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for pending saves, stop the background worker and release the write lock. Idempotent.
+        """Wait for pending saves, stop the background worker, the scrubber and the tier uploads, and release
+        the write lock. Idempotent; collective under torch.distributed (see the class notes).
+
+        With tiers, waits for uploads up to the largest ``upload_timeout_s`` (seconds) of the tiers.
 
         Raises:
             SaveError: a background save failed and nobody has seen its error yet (the lock is released first).
+            TierUploadError: a tier did not receive every checkpoint in time (the hot checkpoints are intact;
+                a new manager with the same tiers uploads what is missing).
         """
         if self._closed:
             return
@@ -411,23 +348,18 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
-        abandoned = sorted(self._persister.abandoned_steps()) if self._persister else []
+        self._closed = True
+        self.validation.close()
+        if self._exit_flush is not None:
+            import atexit
+
+            atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
+        abandoned = self._saves.stop()
         if abandoned:
             log.error(
                 "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
                 abandoned,
             )
-        self._closed = True
-        if self._scrubber is not None:
-            self._scrubber.stop()
-        if self._trajectory is not None:
-            self._trajectory.close()
-        if self._exit_flush is not None:
-            import atexit
-
-            atexit.unregister(self._exit_flush)  # where threading's exit hook is used, flush sees _closed
-        if self._persister is not None:
-            self._persister.stop()
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
@@ -435,11 +367,6 @@ class CheckpointManager:
                     apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
-            finally:
-                if self._store_lock is not None:
-                    from .tiers.attach import release_store_lock
-
-                    release_store_lock(self._store_lock)
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
@@ -447,30 +374,13 @@ class CheckpointManager:
         if err is not None:
             raise err
 
-    def _open_tiers(self, tiers: list[Any], *, writer: bool) -> None:
-        """Open and check the tiers (configuration errors raise here), lock a URL root, record the tiers in
-        the hot root and queue the committed steps a tier is missing."""
-        from .catalog import stable_committed_steps
-        from .tiers.attach import TierSet, acquire_store_lock, open_links
+    def _pending_steps(self) -> list[int]:
+        return self._saves.pending_steps()
 
-        links = open_links(self.root, tiers, self._event, fsync=self.fsync, writer=writer)
-        self._tiers = TierSet(self.root, links, self._event, fsync=self.fsync)
-        if not writer:
-            return
-        if self.url is not None and self.dist.is_coordinator:
-            from .tiers.attach import prune_cache
-
-            acquire_store_lock(links[0].store, self.url)
-            self._store_lock = links[0].store
-            prune_cache(self.root, links[0])
-        if self.dist.is_coordinator:
-            self._tiers.record()
-            self._tiers.resume(stable_committed_steps(self.root))
-
-    def _check_writable(self) -> None:
+    def _check_open(self, *, write: bool = False) -> None:
         if self._closed:
             raise ManagerClosedError("this CheckpointManager is closed; create a new one")
-        if self.read_only:
+        if write and self.read_only:
             raise ReadOnlyManagerError(
                 "this CheckpointManager was opened with read_only=True; it cannot save"
             )
@@ -496,13 +406,7 @@ class CheckpointManager:
             ConfigError: an empty name or one of trainguard's own event names.
             ReadOnlyManagerError, ManagerClosedError: the manager is read-only or closed (no event log then).
         """
-        if not isinstance(event, str) or not event.strip():
-            raise ConfigError(f"event must be a non-empty string, got {event!r}")
-        if event in OWN_EVENTS:
-            raise ConfigError(
-                f"{event!r} is an event trainguard writes itself; give your event another name "
-                "(e.g. 'fault_injected' or 'user_note')"
-            )
+        check_user_event(event)
         if self._events is None or self._closed:
             raise (ManagerClosedError if self._closed else ReadOnlyManagerError)(
                 "this CheckpointManager has no event log (read_only=True or closed); log from the writer"
@@ -518,12 +422,15 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         force: bool = False,
     ) -> PendingSave | None:
-        """Beat the heartbeat and save if the save policy says so (or a preemption was requested).
+        """Beat the heartbeat, record the step's loss and save if the save policy says so (or a preemption
+        was requested: then save, close and exit the process). Call it after every training step, on every
+        rank (collective under torch.distributed).
 
         Args:
-            step: the step just completed.
+            step: the step just completed (int >= 0).
             state: what ``save`` takes.
-            metrics: numbers recorded in the manifest (e.g. loss; ``KeepBest`` ranks by them).
+            metrics: numbers recorded in the manifest (e.g. ``{"loss": 0.7}``; ``KeepBest`` ranks by them;
+                ``"loss"`` feeds the trajectory check after a restore).
             force: save whatever the policy says, e.g. ``force=step == total_steps`` so the final steps of a
                 run whose length is not a multiple of the interval are not lost at a normal end. No second
                 save when this step is already committed or being saved; a forced save waits for a free
@@ -531,74 +438,36 @@ class CheckpointManager:
                 every rank.
 
         Returns:
-            The PendingSave, or None when no save was due.
+            The PendingSave (``wait()`` gives its SaveResult; ``skipped`` when ``when_busy="skip"`` found every
+            staging buffer set busy), or None when no save was due.
 
         Raises:
-            TrainguardError: what ``save`` raises (``SaveError``, ``CheckpointExistsError``, ``ConfigError``),
-                including the error of an earlier background save.
+            SaveError: this save failed (synchronous saves) or an earlier background save failed (raised
+                once); StorageFullError (a SaveError) when the disk is full.
+            CheckpointExistsError: the policy chose a step that is already committed.
+            ResumeDivergedError: after a restore, the loss left the band of the losses logged before.
+            ConfigError: ``step`` is not an int >= 0.
+            ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
-        from .recovery.heartbeat import heartbeat, preemption_requested
+        self._saves.tick(step, metrics)
+        from .recovery.heartbeat import preemption_requested
 
-        heartbeat(step)
-        self._record_loss(step, metrics)
-        if not self._first_step_logged:
-            self._first_step_logged = True
-            self._event("first_step", step=step)
-        if self.dist.is_coordinator:
-            now = time.monotonic()
-            if self._progress_t is None:
-                self._progress_t = now
-            elif now - self._progress_t >= PROGRESS_INTERVAL_S:
-                self._event("progress", step=step)
-                self._progress_t = now
         if self._preemption and self.dist.any(preemption_requested()):  # every rank agrees on the step
             self._event("preemption", step=step)
             from .recovery.heartbeat import exit_after_preemption_save
 
-            if not self._in_flight(step) and not is_committed(self.storage, step):
+            if not self._saves.done(step):
                 self.save(step, state, metrics=metrics)
             self.close()
             exit_after_preemption_save()
-        self._raise_background_error()
-        if force:
-            if self._in_flight(step) or is_committed(self.storage, step):
-                return None  # the policy already saved this step
-            return self._save(step, state, metrics=metrics, metadata=None, overwrite=False, block=True)
-        if self._should_save(step):
-            return self._save(
-                step, state, metrics=metrics, metadata=None, overwrite=False, block=self.when_busy == "wait"
-            )
+        self._saves.raise_background_error()
+        if force and self._saves.done(step):
+            return None  # the policy already saved this step
+        if force or self._saves.should_save(step):
+            block = force or self.when_busy == "wait"
+            self._check_open(write=True)
+            return self._saves.save(step, state, metrics=metrics, metadata=None, overwrite=False, block=block)
         return None
-
-    def _record_loss(self, step: int, metrics: Mapping[str, Any] | None) -> None:
-        """Append the step's loss to the run's trajectory log; after a restore, check it (collective while the
-        check is armed: every rank calls ``maybe_save`` each step, with or without a loss)."""
-        tr = self._trajectory
-        if tr is None:
-            return
-        armed = tr.check is not None
-        bad = tr.record(step, metrics)
-        if not armed:
-            return
-        if self.dist.enabled:
-            bad = self.dist.any(bad)
-        if bad:
-            from .validation.hooks import diverged
-
-            raise diverged(self, step)
-        tr.passed(step)
-
-    def _arm_trajectory(self, step: int) -> None:
-        if self._trajectory is not None:
-            self._trajectory.arm(step)
-
-    def _should_save(self, step: int) -> bool:
-        decision = self.save_policy.should_save(step, now_s=time.monotonic())
-        if self.dist.enabled and not getattr(self.save_policy, "step_based", False):
-            decision = bool(
-                self.dist.broadcast_ints([int(decision)])[0]
-            )  # rank 0 decides for time-based policies
-        return decision
 
     def save(
         self,
@@ -614,157 +483,48 @@ class CheckpointManager:
         With ``async_save=True`` (the default) this blocks only while the state is copied into a free staging
         buffer set (waiting for one if every set is busy) and returns a :class:`PendingSave`; CRC32C, chunking,
         writing and the commit run in the background. With ``async_save=False`` it returns once committed.
+        Collective under torch.distributed: every rank calls it with the same ``step``.
 
         Args:
             step: the training step (int >= 0).
-            state: name -> object with state_dict()/load_state_dict(), tensor, or nested dict/list/tuple of
-                tensors and plain Python values.
-            metrics: numbers recorded in the manifest (e.g. loss).
+            state: name -> object with state_dict()/load_state_dict(), tensor (any dtype and shape, on any
+                device; DTensor shards per rank), or nested dict/list/tuple of tensors and plain Python values.
+            metrics: numbers recorded in the manifest (e.g. ``{"loss": 0.7}``).
             metadata: JSON-able user metadata recorded in the manifest.
             overwrite: replace an existing checkpoint of this step.
 
         Returns:
-            A PendingSave; ``wait()`` returns the SaveResult or raises the background error.
+            A PendingSave; ``wait()`` returns the SaveResult (bytes, seconds blocked and persisting) or raises
+            the background error.
 
         Raises:
             CheckpointExistsError: the step is already committed (or being saved) and ``overwrite`` is False.
             SaveError: an earlier background save failed (raised once, here or from wait/close), or, for
-                synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full.
+                synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full;
+                NonFiniteStateError (a SaveError) for NaN/Inf with ``check_finite="error"``.
                 Nothing is committed by a failed save and earlier checkpoints are intact.
+            RunConflictError: a first save that would interleave with another run's checkpoints.
+            ConfigError: ``step`` is not an int >= 0, or the root's layout is one restore would refuse.
+            ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
-        return self._save(step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True)
-
-    def _save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        metrics: Mapping[str, Any] | None,
-        metadata: Mapping[str, Any] | None,
-        overwrite: bool,
-        block: bool,
-    ) -> PendingSave:
-        self._check_writable()
-        self._raise_background_error()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        if not self._layout_ok:  # never report success for checkpoints that restore would refuse
-            bad_layout = self.store.layout_problem()
-            if bad_layout is not None:
-                raise ConfigError(bad_layout)
-            self._layout_ok = True
-        if not self._run_checked:
-            lineage.check_before_first_save(self.ctx, step)
-            self._run_checked = True
-            if self.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
-                apply_retention(self.ctx, at_open=True)
-        if not overwrite and (self._in_flight(step) or is_committed(self.storage, step)):
-            d = self.root / step_dir_name(step)
-            info = None if self._in_flight(step) else inspect_step(self.storage, step, d, self.store)[0]
-            if info is not None and info.usable:
-                lineage.check_step_owner(self.ctx, step)
-            if info is None or info.usable:
-                raise CheckpointExistsError(
-                    f"step {step} already has a committed checkpoint under {self.root}; pass overwrite=True to "
-                    "replace it"
-                )
-            # A corrupt checkpoint of this step (typically the one restore_latest just skipped) holds nothing
-            # usable: replace it rather than stop the training loop.
-            log.warning("replacing the %s checkpoint of step %d (%s)", info.status, step, info.problem)
-            self._event("replace_corrupt", step=step, problem=info.problem)
-        t0 = time.perf_counter()
-        now0 = time.monotonic()
-        if not self.async_save:
-            self._run_probe(step)
-            flat, paths, top = _statefn.collect(state)
-            flat, paths = per_rank.split(flat, paths, top, self.dist)
-            handle = PendingSave(step)
-            try:
-                result = _persist.persist(
-                    self.ctx, step, flat, paths, top, metrics, metadata, t0, blocking=True
-                )
-            except SaveError as e:
-                handle.fail(e, seen=True)
-                raise
-            handle.staging_s = result.block_s
-            handle.resolve(result)
-            self.save_policy.record_save(step, now_s=now0, block_s=result.block_s, persist_s=None)
-            self.save_policy.record_save(
-                step, now_s=time.monotonic(), block_s=result.block_s, persist_s=result.persist_s
-            )
-            return handle
-        assert self._stager is not None and self._persister is not None
-        bufset = self._persister.acquire(block=block)
-        try:
-            self._raise_background_error()  # a save abandoned while this one waited for its buffers
-        except BaseException:
-            if bufset is not None:
-                self._stager.release(bufset)
-            raise
-        if bufset is None:
-            self._event(
-                "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"
-            )
-            log.warning("skipping the save of step %d: earlier saves are still persisting", step)
-            return PendingSave(step, time.perf_counter() - t0, skipped=True)
-        try:
-            self._run_probe(step)
-            flat, paths, top = _statefn.collect(state)
-            flat, paths = per_rank.split(flat, paths, top, self.dist)
-            staged = bufset.stage(flat)
-        except BaseException as e:
-            self._stager.release(bufset)  # type: ignore[union-attr]
-            if isinstance(e, (TrainguardError, KeyboardInterrupt, SystemExit)):
-                raise
-            # as a synchronous save reports a failure: SaveError naming the cause
-            raise SaveError(
-                f"saving step {step} failed while staging: {type(e).__name__}: {e}; nothing was committed and "
-                "earlier checkpoints are intact",
-                step=step,
-                rank_errors={self.dist.rank: e},
-            ) from e
-        staging_s = time.perf_counter() - t0
-        handle = PendingSave(step, staging_s)
-        self.save_policy.record_save(step, now_s=now0, block_s=staging_s, persist_s=None)
-        self._persister.submit(SaveRequest(step, staged, paths, top, metrics, metadata, t0), handle, bufset)
-        return handle
-
-    def _persist_request(self, req: SaveRequest, staging_s: float, cancel: threading.Event) -> SaveResult:
-        """The save path of a background save (run by the AsyncPersister's worker thread)."""
-        return _persist.persist(
-            self.ctx,
-            req.step,
-            dict(req.staged),
-            req.paths,
-            req.top,
-            req.metrics,
-            req.metadata,
-            req.t0,
-            blocking=False,
-            staging_s=staging_s,
-            cancel=cancel,
+        self._check_open(write=True)
+        return self._saves.save(
+            step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True
         )
 
-    def _run_probe(self, step: int) -> None:
-        """Compute the probe in the caller's thread; its record goes with this step's save."""
-        if self.probe is None:
-            return
-        from .validation.probe import compute
+    @property
+    def check_finite_only(self) -> tuple[str, ...] | None:
+        """Top-level entries the NaN/Inf scans cover (None: everything); set by integrations."""
+        return self.validation.check_finite_only
 
-        t = time.perf_counter()
-        outputs = compute(self.probe)
-        self._probes[step] = (outputs, time.perf_counter() - t)
+    @check_finite_only.setter
+    def check_finite_only(self, value: tuple[str, ...] | None) -> None:
+        self.validation.check_finite_only = value
 
-    def _in_flight(self, step: int) -> bool:
-        return self._persister is not None and self._persister.in_flight(step)
-
-    def _pending_steps(self) -> list[int]:
-        return self._persister.pending_steps() if self._persister is not None else []
-
-    def _raise_background_error(self) -> None:
-        """Raise (once) the error of a background save nobody has seen yet."""
-        if self._persister is not None:
-            self._persister.raise_background_error()
+    @property
+    def scrub_max_bandwidth(self) -> float | None:
+        """The background scrubber's read cap, in bytes per second (None: uncapped)."""
+        return self.validation.scrub_max_bandwidth
 
     @property
     def metrics_registry(self) -> Any:
@@ -778,17 +538,19 @@ class CheckpointManager:
     @property
     def staging_bytes(self) -> int:
         """Host memory held by staging buffers, in bytes (bounded by ``staging_buffers`` x the state size)."""
-        return self._stager.nbytes if self._stager is not None else 0
+        return self.ctx.staging_bytes()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed or failed.
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
 
         Raises:
             SaveError: a background save failed (raised once).
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        if self._persister is not None:
-            self._persister.wait(timeout)
+        self._saves.wait(timeout)
 
     # -- state shared with the collaborators (RootContext) ------------------------------------------------
     @property
@@ -803,7 +565,7 @@ class CheckpointManager:
 
     @property
     def last_restore(self) -> RestoreTimings:
-        """Timings and bytes of the last restore."""
+        """Timings (seconds) and bytes of the last restore."""
         return self.ctx.last_restore
 
     @last_restore.setter
@@ -813,9 +575,10 @@ class CheckpointManager:
     # -- listing ------------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint under the root with status (valid / unverified / corrupt / incomplete), bytes and
-        time, ascending by step (``trainguard ls`` also lists the steps whose save failed). Waits for this manager's pending saves first, so a save just made is listed.
-        Cheap: reads manifests and stats chunks; ``verify`` re-reads data. Safe against a writer in another
-        process committing and deleting checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
+        time, ascending by step (``trainguard ls`` also lists the steps whose save failed). Waits for this
+        manager's pending saves first, so a save just made is listed. Cheap: reads manifests and stats chunks;
+        ``verify`` re-reads data. Safe against a writer in another process committing and deleting
+        checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
         self.wait()
         if self._tiers is not None:
             from .tiers.attach import listing
@@ -850,12 +613,16 @@ class CheckpointManager:
         the checkpoint: the same keys (wrapper prefixes such as ``_orig_mod.`` and ``module.`` aside) and, for
         tensors loaded in place, the same dtypes and shapes. An empty dict or list takes everything saved as
         saved; optimizer state always comes back as saved, dtype included, for every parameter that had it.
+        Timings (seconds) and bytes read go to :attr:`last_restore`. Collective under torch.distributed.
 
         Args:
-            step: the step to load.
+            step: the step to load (int >= 0).
             state: name -> object, as given to ``save``; loaded in place.
             strict: with False, load what matches, convert dtypes to the target's and log the differences
                 instead of raising (shapes must still match).
+
+        Returns:
+            ``step``.
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
@@ -863,25 +630,14 @@ class CheckpointManager:
                 tensors loaded in place before the failure may hold partial data).
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
                 or missing optimizer state); the message lists the checkpoint's and the target's side.
+            SuspectCheckpointError: the restored state holds NaN/Inf (``check_finite="error"``) or the probe
+                differs; the step is marked suspect.
+            InsufficientMemoryError: the checkpoint does not fit in this machine's memory.
+            ManagerClosedError: the manager is closed.
         """
-        if self._closed:
-            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
+        self._check_open()
         self.wait()
-        t0 = time.perf_counter()
-        if self._tiers is not None:  # chunks missing or corrupt on the hot root: read from a tier into memory
-            with self._tiers.restoring(self.ctx, step):
-                _restore.load(self.ctx, step, state, strict=strict)
-        else:
-            _restore.load(self.ctx, step, state, strict=strict)
-        load_s = time.perf_counter() - t0
-        from .validation.hooks import check_probe
-
-        validate_s = self._validate_s + check_probe(self, step)
-        self.last_restore = RestoreTimings(
-            load_s=load_s, validate_s=validate_s, bytes=self.last_restore.bytes
-        )
-        self._arm_trajectory(step)
-        return step
+        return _restore.restore_step(self.ctx, step, state, strict=strict)
 
     def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest VALID checkpoint into ``state`` in place and return its step.
@@ -891,6 +647,7 @@ class CheckpointManager:
         lineage of the run that committed last is considered (another run kept apart with ``new_run=True`` is
         passed over). A checkpoint that a writer in another process deletes meanwhile is not an error: the root
         is listed again. A writing manager records the restored checkpoint's run as its parent (its lineage).
+        Timings (seconds) and the steps skipped go to :attr:`last_restore`. Collective under torch.distributed.
 
         Args:
             state: name -> object, as given to ``save``; loaded in place.
@@ -904,31 +661,6 @@ class CheckpointManager:
             StateMismatchError: the state does not match the checkpoint (not a reason to fall back).
             ManagerClosedError: the manager is closed.
         """
-        if self._closed:
-            raise ManagerClosedError("this CheckpointManager is closed; create a new one")
+        self._check_open()
         self.wait()
-        timings = RestoreTimings()
-        try:
-            if self._tiers is not None:  # the newest step on any tier; what the hot root lacks: into memory
-                with self._tiers.restoring(self.ctx):
-                    step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
-            else:
-                step = _restore.restore_latest(self.ctx, state, timings, strict=strict)
-        except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
-            self.ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
-            raise
-        if step is not None:
-            self.last_restore = timings
-            self._arm_trajectory(step)
-        return step
-
-
-def _cache_root(url: str) -> Path:
-    """The local hot root of a URL run root: ``$TRAINGUARD_CACHE_DIR`` (default ``~/.cache/trainguard``) /
-    ``roots/<hash of the URL>``."""
-    import hashlib
-
-    base = os.environ.get("TRAINGUARD_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "trainguard"
-    )
-    return Path(base) / "roots" / hashlib.sha256(url.encode()).hexdigest()[:16]
+        return _restore.restore_newest(self.ctx, state, strict=strict)

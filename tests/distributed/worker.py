@@ -45,12 +45,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 import trainguard as tg
-import trainguard.storage.local as local
 from trainguard.catalog import read_manifest, scan
 from trainguard.format import TensorEntry, step_dir_name
 from trainguard.incremental.chunkstore import ChunkStore
 from trainguard.integrity.verify import verify
 from trainguard.recovery.events import read_events
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 DATASET_SIZE = 108  # the rest of the epoch after 4 steps at 2 or 4 ranks splits evenly over 1-4 ranks
 BATCH = 3
@@ -209,37 +209,44 @@ def scenario_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
 
 
 class Injector:
-    """Replaces ``trainguard.storage.local.write_file`` (the seam every chunk and manifest write goes
-    through) on this rank, counting what it does. ``fail``: every write raises EIO; ``enospc``: every write
-    raises ENOSPC; ``fail_manifest``: the manifest's write raises EIO; ``gate``: every write first waits for
-    ``gate``; ``none``: pass through."""
+    """Arms a fault on ``disk`` (this rank's storage of the run root, the manager's) inside the ``with`` block,
+    counting what it does. ``fail``: every write raises EIO; ``enospc``: every write raises ENOSPC;
+    ``fail_manifest``: the manifest's write raises EIO; ``gate``: every write first waits for ``gate``;
+    ``none``: pass through."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, disk: FaultyStorage, mode: str) -> None:
+        self.disk = disk
         self.mode = mode
-        self.calls = 0
-        self.injected = 0
         self.gate = threading.Event()
-        self.real = local.write_file
-        if mode != "gate":
-            self.gate.set()
+        self._calls_before = 0
+        failure = OSError(errno.EIO, "injected write failure")
+        self.fault = {
+            "fail": Fault("write", times=None, exc=failure),
+            "enospc": Fault("write", times=None, errno=errno.ENOSPC),
+            "fail_manifest": Fault("write", match="*/manifest.json", times=None, exc=failure),
+            "gate": Fault("write", times=None, stall=self.gate),
+            "none": None,
+        }[mode]
+
+    @property
+    def calls(self) -> int:
+        return self.disk.calls["write"] - self._calls_before
+
+    @property
+    def injected(self) -> int:
+        return len(self.disk.injected)
 
     def __enter__(self) -> Injector:
-        def fake(*a: Any, **k: Any) -> None:
-            self.calls += 1
-            if self.mode == "fail" or (self.mode == "fail_manifest" and "manifest" in Path(a[0]).name):
-                self.injected += 1
-                raise OSError(errno.EIO, "injected write failure", str(a[0]))
-            if self.mode == "enospc":
-                self.injected += 1
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(a[0]))
-            self.gate.wait(60)
-            self.real(*a, **k)
-
-        local.write_file = fake
+        self.disk.clear()
+        self.disk.injected.clear()
+        self._calls_before = self.disk.calls["write"]
+        if self.fault is not None:
+            self.disk.add(self.fault)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        local.write_file = self.real
+        self.disk.clear()
+        self.gate.set()
 
 
 def scenario_fail(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
@@ -250,7 +257,8 @@ def scenario_fail(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
     # (failing rank, injection, async): rank 1's chunk writes fail, or rank 0's manifest publish (the commit)
     modes = {"async": (1, "fail", True), "sync": (1, "fail", False), "commit": (0, "fail_manifest", True)}
     for mode, (bad_rank, injection, async_save) in modes.items():
-        mgr = tg.CheckpointManager(root, async_save=async_save, save_policy=tg.EveryNSteps(10**9))
+        disk = FaultyStorage(LocalStorage(root))
+        mgr = tg.CheckpointManager(disk, async_save=async_save, save_policy=tg.EveryNSteps(10**9))
         r: dict[str, Any] = res.setdefault(mode, {})
         step += 1
         train_step(job)
@@ -259,7 +267,7 @@ def scenario_fail(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
         step += 1
         train_step(job)
         failed_step = step
-        with Injector(injection if rank == bad_rank else "none") as inj:
+        with Injector(disk, injection if rank == bad_rank else "none") as inj:
             try:
                 handle = mgr.save(failed_step, job["state"])  # sync: raises here
                 r["returned"] = True
@@ -288,8 +296,9 @@ def scenario_fail(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[s
             r["verify_after_next"] = {"ok": rep.ok, "checked": rep.checked}
         r["steps"] = [ok_step, failed_step, step]
     # A background commit that waits on rank 1 does not hold up the training loop's collectives.
-    mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(10**9))
-    with Injector("gate" if rank == 1 else "none") as inj:
+    disk = FaultyStorage(LocalStorage(root))
+    mgr = tg.CheckpointManager(disk, save_policy=tg.EveryNSteps(10**9))
+    with Injector(disk, "gate" if rank == 1 else "none") as inj:
         step += 1
         train_step(job)  # new values: rank 1 has chunks to write
         handle = mgr.save(step, job["state"])
@@ -389,12 +398,13 @@ def scenario_corrupt(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
 def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
     root = Path(spec["root"])
     job = build(rank, ws)
-    mgr = tg.CheckpointManager(root, async_save=spec["async"], save_policy=tg.EveryNSteps(10**9))
+    disk = FaultyStorage(LocalStorage(root))
+    mgr = tg.CheckpointManager(disk, async_save=spec["async"], save_policy=tg.EveryNSteps(10**9))
     train_step(job)
     mgr.save(1, job["state"]).wait()
     train_step(job)  # new values: every rank has new chunks to write
     res: dict[str, Any] = {"failure": None}
-    with Injector("enospc" if rank == ws - 1 else "none") as inj:
+    with Injector(disk, "enospc" if rank == ws - 1 else "none") as inj:
         try:
             mgr.save(2, job["state"]).wait()
         except Exception as e:  # noqa: BLE001 - recorded for the test

@@ -39,7 +39,6 @@ from faultlib import (
 )
 
 import trainguard as tg
-import trainguard.incremental.chunkstore as chunkstore
 from trainguard.cli.main import main as cli
 from trainguard.errors import ConfigError
 from trainguard.integrity.verify import verify
@@ -111,24 +110,16 @@ def test_a_flipped_bit_in_a_chunk_every_checkpoint_shares_is_repaired_by_the_nex
         assert_state_is(state, s)
 
 
-def test_a_chunk_verified_once_is_not_read_again_by_later_saves(tmp_path, monkeypatch):
+def test_a_chunk_verified_once_is_not_read_again_by_later_saves(tmp_path):
     """Verify once and remember: a process re-reads an existing chunk before its first dedup only."""
     root = tmp_path / "root"
     with tg.CheckpointManager(root) as mgr:
         commit_save(mgr, 1, make_state(1))
-    reads: list[str] = []
-    real_verify = chunkstore.ChunkStore.verify
-
-    def counting(self: Any, rec: Any, **kw: Any) -> None:
-        reads.append(rec.path)
-        real_verify(self, rec, **kw)
-
-    monkeypatch.setattr(chunkstore.ChunkStore, "verify", counting)
-    frozen = frozen_chunk(root)["path"]
-    with tg.CheckpointManager(root) as mgr:
+    reads = Fault("read", match=frozen_chunk(root)["path"], times=None)  # no effect: counts the reads
+    with tg.CheckpointManager(FaultyStorage(LocalStorage(root), reads)) as mgr:
         for s in (2, 3, 4):
             commit_save(mgr, s, make_state(s))
-    assert reads.count(frozen) == 1, reads
+    assert reads.seen == 1
 
 
 def test_a_chunk_changed_after_this_process_verified_it_is_checked_again(tmp_path):
@@ -155,7 +146,7 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
     assert "could not be read" in msg and "NOT marked corrupt" in msg and "new run root" in msg, msg
     assert "do not start a new run root" in msg
     assert not list(saved.glob("step-*/corrupt.json"))
-    assert list(chunkstore.Path(saved).glob("chunks/*/*.corrupt-*")) == []  # nothing quarantined
+    assert list(Path(saved).glob("chunks/*/*.corrupt-*")) == []  # nothing quarantined
     assert statuses(saved) == ["unverified"] * 3  # not corrupt, and not "valid" after a failed read
     code, report = verify_json(saved, "--all")
     assert code == 1 and "cannot be read" in report["corrupt"][0]["problem"]
@@ -169,7 +160,7 @@ def test_chunks_unreadable_for_a_while_are_never_marked_corrupt(saved, monkeypat
     assert statuses(saved) == ["valid"] * 3
 
 
-def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved, monkeypatch):
+def test_an_io_error_that_goes_away_on_retry_loses_nothing(saved):
     # the first read fails with EIO; the storage has recovered when the reader retries after its backoff
     disk = FaultyStorage(
         LocalStorage(saved), Fault("read", match=frozen_chunk(saved)["path"], errno=errno.EIO)
@@ -366,21 +357,13 @@ def test_a_layout_whose_chunks_restore_would_refuse_is_refused_at_the_first_save
 
 
 # -- a full disk has a way out ------------------------------------------------------------------------------
-def test_reopening_with_a_stricter_keep_frees_space_before_the_first_save_writes(saved, monkeypatch):
-    import trainguard.storage.local as local
-
+def test_reopening_with_a_stricter_keep_frees_space_before_the_first_save_writes(saved):
     before = chunk_files(saved)
     kept = referenced_chunks(saved, [3])
     seen: list[set[str]] = []
-    real = local.write_file
-
-    def watch(path: Path, buf: Any, *, fsync: bool = True) -> None:
-        if ".partial-" in Path(path).parent.name:
-            seen.append(chunk_files(saved))  # what is on disk when the save writes its first chunk
-        real(path, buf, fsync=fsync)
-
-    monkeypatch.setattr(local, "write_file", watch)
-    with tg.CheckpointManager(saved, keep=1) as mgr:
+    # what is on disk when the save writes its first chunk
+    watch = Fault("write", staging="*.partial-*", call=lambda key: seen.append(chunk_files(saved)))
+    with tg.CheckpointManager(FaultyStorage(LocalStorage(saved), watch), keep=1) as mgr:
         state = blank_state()
         assert mgr.restore_latest(state) == 3
         assert_state_is(state, 3)
@@ -415,18 +398,9 @@ def test_step_directories_deleted_by_hand_free_their_chunks_at_the_next_open(sav
     assert verify(saved).ok
 
 
-def test_storage_full_names_the_step_that_keep_1_keeps_and_what_it_frees(saved, monkeypatch):
-    import trainguard.storage.local as local
-
-    real = local.write_file
-
-    def full(path: Path, buf: Any, *, fsync: bool = True) -> None:
-        if ".partial-" in str(path):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, buf, fsync=fsync)
-
-    monkeypatch.setattr(local, "write_file", full)
-    with tg.CheckpointManager(saved) as mgr:
+def test_storage_full_names_the_step_that_keep_1_keeps_and_what_it_frees(saved):
+    full = Fault("write", staging="*.partial-*", times=None, errno=errno.ENOSPC)  # no room for a new chunk
+    with tg.CheckpointManager(FaultyStorage(LocalStorage(saved), full)) as mgr:
         with pytest.raises(tg.StorageFullError) as ei:
             commit_save(mgr, 4, make_state(4))
     msg = str(ei.value)
@@ -437,7 +411,6 @@ def test_storage_full_names_the_step_that_keep_1_keeps_and_what_it_frees(saved, 
     )
     row = ls_json(saved)[4]  # the failed step is listed, with its error
     assert row["status"] == "incomplete" and "failed" in row["problem"] and "no space" in row["problem"]
-    monkeypatch.setattr(local, "write_file", real)
     with tg.CheckpointManager(saved, keep=1) as mgr:  # what the message says works
         commit_save(mgr, 4, make_state(4))
         assert [i.step for i in mgr.checkpoints()] == [4]

@@ -29,7 +29,6 @@ from faultlib import (
     blank_state,
     chunk_files,
     commit_save,
-    is_chunk_tmp,
     make_state,
     manifest_path,
     mode_id,
@@ -289,22 +288,16 @@ def test_verify_of_the_whole_root_skips_a_step_directory_killed_before_its_manif
     assert report.ok and report.checked == [1]
 
 
-def test_identical_large_tensors_in_one_save_are_written_safely(tmp_path, monkeypatch):
-    import trainguard.storage.local as local
+def test_identical_large_tensors_in_one_save_are_written_safely(tmp_path):
+    from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
-    real = local.write_file
-    calls = []
-
-    def slow_write_file(path, buf, *, fsync=True):  # a slow disk: both writer threads overlap
-        real(path, buf, fsync=fsync)
-        if is_chunk_tmp(path):
-            calls.append(str(path))
-            time.sleep(0.05)
-
-    monkeypatch.setattr(local, "write_file", slow_write_file)
+    slow = Fault(
+        "write", match="chunks/*", times=None, stall=0.05
+    )  # a slow disk: both writer threads overlap
+    disk = FaultyStorage(LocalStorage(tmp_path / "root"), slow)
     zeros = {"a": torch.zeros(300_000), "b": torch.zeros(300_000)}  # e.g. fresh optimizer moments
-    with tg.CheckpointManager(tmp_path / "root") as mgr:
+    with tg.CheckpointManager(disk) as mgr:
         commit_save(mgr, 1, zeros)
-        assert calls, "the slow disk was in the path"
+        assert slow.seen, "the slow disk was in the path"
         state = {"a": torch.ones(300_000), "b": torch.ones(300_000)}
         assert mgr.restore_latest(state) == 1 and not state["a"].any() and not state["b"].any()

@@ -1,7 +1,7 @@
 """A storage stall never hangs training, and an async save is never lost silently at exit (issue 16).
 
-The stall is a real blocked write: ``trainguard.storage.local.write_file`` (every chunk goes through it) waits on
-an event for the saves of the chosen steps. Each test releases the event at the end, and checks that the
+The stall is a real blocked write: the run root's storage (a ``FaultyStorage`` handed to the manager) blocks
+every chunk that the saves of the chosen steps stage (``Fault(staging="*step-N.partial-*")``) on an event. Each test releases the event at the end, and checks that the
 abandoned save never commits, even after its thread comes back.
 """
 
@@ -20,41 +20,45 @@ from faultlib import assert_state_is, blank_state, make_state, manifest_path, re
 
 import trainguard as tg
 import trainguard.manager as manager_mod
-import trainguard.storage.local as local
 from trainguard.errors import ConfigError
 from trainguard.recovery.events import read_events
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 TIMEOUT_S = 0.5
 
 
 class Stall:
-    """Blocks every chunk write of the saves of ``steps`` until ``release()``; counts the blocked writes."""
+    """Blocks every chunk write of the saves of ``steps`` until ``release()``; counts the blocked writes.
+    ``disk`` is the run root's storage to hand to the manager."""
 
-    def __init__(self, steps: set[int]) -> None:
-        self.real = local.write_file
-        self.steps = {f"step-{s:09d}.partial-" for s in steps}
+    def __init__(self, root: Path, steps: set[int]) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         self.gate = threading.Event()
         self.blocked = 0
         self.returned = 0
+        self._lock = threading.Lock()
+        faults = [
+            Fault("write", staging=f"*step-{s:09d}.partial-*", times=None, call=self._block) for s in steps
+        ]
+        self.disk = FaultyStorage(LocalStorage(root), *faults)
 
-    def __call__(self, path: Path, buf: Any, *, fsync: bool = True) -> None:
-        if any(Path(path).parent.name.startswith(p) for p in self.steps):
+    def _block(self, key: str) -> None:
+        with self._lock:
             self.blocked += 1
-            self.gate.wait()
+        self.gate.wait()
+        with self._lock:
             self.returned += 1
-        self.real(path, buf, fsync=fsync)
 
     def release(self) -> None:
         self.gate.set()
 
 
 @pytest.fixture
-def stall(monkeypatch: pytest.MonkeyPatch) -> Any:
+def stall() -> Any:
     made: list[Stall] = []
 
-    def make(*steps: int) -> Stall:
-        s = Stall(set(steps))
-        monkeypatch.setattr(local, "write_file", s)
+    def make(root: Path, *steps: int) -> Stall:
+        s = Stall(root, set(steps))
         made.append(s)
         return s
 
@@ -73,9 +77,9 @@ def assert_never_committed(root: Path, st: Stall, step: int) -> None:
 def test_a_stalled_save_fails_after_the_timeout_and_the_next_save_waiting_for_buffers_runs(tmp_path, stall):
     """The issue's input with when_busy="wait": the training thread blocked forever at the next save."""
     root = tmp_path / "root"
-    st = stall(1)
+    st = stall(root, 1)
     mgr = tg.CheckpointManager(
-        root, save_timeout_s=TIMEOUT_S, staging_buffers=1, save_policy=tg.EveryNSteps(1)
+        st.disk, save_timeout_s=TIMEOUT_S, staging_buffers=1, save_policy=tg.EveryNSteps(1)
     )
     h1 = mgr.save(1, make_state(1))
     wait_until(lambda: st.blocked > 0, 30, "the save of step 1 to stall")
@@ -98,9 +102,9 @@ def test_a_stalled_save_fails_after_the_timeout_and_the_next_save_waiting_for_bu
 def test_with_when_busy_skip_saves_resume_after_the_stalled_one_is_abandoned(tmp_path, stall):
     """The issue's input with when_busy="skip": every later save was skipped and close() never returned."""
     root = tmp_path / "root"
-    st = stall(1)
+    st = stall(root, 1)
     mgr = tg.CheckpointManager(
-        root, save_timeout_s=TIMEOUT_S, staging_buffers=1, when_busy="skip", save_policy=tg.EveryNSteps(1)
+        st.disk, save_timeout_s=TIMEOUT_S, staging_buffers=1, when_busy="skip", save_policy=tg.EveryNSteps(1)
     )
     mgr.save(1, make_state(1))
     wait_until(lambda: st.blocked > 0, 30, "the save of step 1 to stall")
@@ -120,8 +124,8 @@ def test_with_when_busy_skip_saves_resume_after_the_stalled_one_is_abandoned(tmp
 
 def test_close_returns_after_the_timeout_reporting_the_abandoned_save(tmp_path, stall):
     root = tmp_path / "root"
-    st = stall(1)
-    mgr = tg.CheckpointManager(root, save_timeout_s=TIMEOUT_S)
+    st = stall(root, 1)
+    mgr = tg.CheckpointManager(st.disk, save_timeout_s=TIMEOUT_S)
     mgr.save(1, make_state(1))
     wait_until(lambda: st.blocked > 0, 30, "the save of step 1 to stall")
     t0 = time.monotonic()
@@ -132,24 +136,17 @@ def test_close_returns_after_the_timeout_reporting_the_abandoned_save(tmp_path, 
     assert_never_committed(root, st, 1)
 
 
-def test_a_slow_save_that_keeps_making_progress_is_not_abandoned(tmp_path, monkeypatch):
-    real = local.write_file
-    slow_calls = []
-
-    def slow(path: Path, buf: Any, *, fsync: bool = True) -> None:
-        if ".partial-" in Path(path).parent.name:
-            slow_calls.append(path)
-            time.sleep(0.4)
-        real(path, buf, fsync=fsync)
-
-    monkeypatch.setattr(local, "write_file", slow)
+def test_a_slow_save_that_keeps_making_progress_is_not_abandoned(tmp_path):
     root = tmp_path / "root"
+    root.mkdir()
+    slow = Fault("write", match="chunks/*", times=None, stall=0.4)
+    disk = FaultyStorage(LocalStorage(root), slow)
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}  # 12 chunks of 1 MiB
-    with tg.CheckpointManager(root, save_timeout_s=1.0) as mgr:
+    with tg.CheckpointManager(disk, save_timeout_s=1.0) as mgr:
         t0 = time.monotonic()
         result = mgr.save(1, state).wait()
         took = time.monotonic() - t0
-    require(len(slow_calls) >= 12, "every chunk write was slowed")
+    require(slow.seen >= 12, "every chunk write was slowed")
     assert result is not None and took > 1.0  # longer than the timeout in all, but never idle that long
     assert manifest_path(root, 1).exists()
 
@@ -165,14 +162,11 @@ EXIT_SCRIPT = """
 import sys, time
 import torch
 import trainguard as tg
-import trainguard.storage.local as local
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
-real = local.write_file
-def slow(path, buf, *, fsync=True):
-    time.sleep(0.5)  # the persist is still running when the script ends
-    real(path, buf, fsync=fsync)
-local.write_file = slow
-mgr = tg.CheckpointManager(sys.argv[1])
+# every write takes 0.5 s: the persist is still running when the script ends
+disk = FaultyStorage(LocalStorage(sys.argv[1]), Fault("write", times=None, stall=0.5))
+mgr = tg.CheckpointManager(disk)
 mgr.save(7, {"w": torch.full((1 << 18,), 7.0)})
 print("saved", flush=True)
 # no close(): the interpreter exits here
@@ -208,14 +202,11 @@ FORK_SCRIPT = """
 import multiprocessing as mp, sys, time
 import torch
 import trainguard as tg
-import trainguard.storage.local as local
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
-real = local.write_file
-def slow(path, buf, *, fsync=True):
-    time.sleep(1.0)  # the save is still in flight when the child is forked
-    real(path, buf, fsync=fsync)
-local.write_file = slow
-mgr = tg.CheckpointManager(sys.argv[1])
+# every write takes 1 s: the save is still in flight when the child is forked
+disk = FaultyStorage(LocalStorage(sys.argv[1]), Fault("write", times=None, stall=1.0))
+mgr = tg.CheckpointManager(disk)
 mgr.save(3, {"w": torch.full((1 << 18,), 3.0)})
 child = mp.get_context("fork").Process(target=lambda: None)  # as a DataLoader worker is forked
 child.start()

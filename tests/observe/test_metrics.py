@@ -32,14 +32,15 @@ import errno, os, sys, time
 from pathlib import Path
 import torch
 import trainguard as tg
-import trainguard.storage.local as local
+from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 root, work = sys.argv[1], Path(sys.argv[2])
 attempt = int(os.environ["TRAINGUARD_RESTART_COUNT"])
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 optim = torch.optim.SGD(model.parameters(), lr=0.1)
-mgr = tg.CheckpointManager(root, save_policy=tg.EveryNSteps(5), keep=2, async_save=False)
+disk = FaultyStorage(LocalStorage(root))
+mgr = tg.CheckpointManager(disk, save_policy=tg.EveryNSteps(5), keep=2, async_save=False)
 state = {"model": model, "optim": optim}
 start = mgr.restore_latest(state) or 0
 for step in range(start + 1, 21):
@@ -51,15 +52,12 @@ for step in range(start + 1, 21):
         mgr.log_event("fault_injected", kind="kill_step", step=12)
         os.kill(os.getpid(), 9)
 if attempt == 1:
-    real = local.write_file
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    local.write_file = full
+    full = disk.add(Fault("write", times=None, errno=errno.ENOSPC))
     try:
         mgr.save(21, state)
     except tg.SaveError:
         pass
-    local.write_file = real
+    full.enabled = False
     (work / "ready").touch()
     while not (work / "release").exists():
         tg.heartbeat(20)
@@ -199,25 +197,24 @@ def test_the_supervisor_endpoint_moves_as_the_event_log_says_during_a_run_with_o
         urllib.request.urlopen(url, timeout=2)
 
 
-def test_the_manager_exports_its_save_metrics_in_its_own_registry(tmp_path, monkeypatch):
+def test_the_manager_exports_its_save_metrics_in_its_own_registry(tmp_path):
     import torch
 
-    import trainguard.storage.local as local
+    from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
-    mgr = tg.CheckpointManager(tmp_path, async_save=False)
+    disk = FaultyStorage(LocalStorage(tmp_path))
+    mgr = tg.CheckpointManager(disk, async_save=False)
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     for step in (1, 2, 3):
         state["w"] += 1
         mgr.save(step, state)
 
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(local, "write_file", full)
+    full = disk.add(Fault("write", times=None, errno=errno.ENOSPC))
     state["w"] += 1
     with pytest.raises(tg.SaveError):
         mgr.save(4, state)
-    monkeypatch.undo()
+    assert disk.injected
+    full.enabled = False
     samples = {
         s.name: s.value
         for f in text_string_to_metric_families(generate_latest(mgr.metrics_registry).decode())

@@ -89,11 +89,10 @@ def verify_url(
 def url_cache(url: str, step: int | None) -> Path:
     """Copy the checkpoint of ``step`` (default: the newest restorable) of ``url`` into its local cache (the
     hot root a manager on that URL uses) and return the cache, for ``info``."""
-    from ..manager import _cache_root
-    from ..tiers.attach import TierSet, open_links
+    from ..tiers.attach import TierSet, cache_root, open_links
     from ..tiers.config import Tier
 
-    cache = _cache_root(url.rstrip("/"))
+    cache = cache_root(url.rstrip("/"))
     cache.mkdir(parents=True, exist_ok=True)
     try:
         links = open_links(cache, [Tier(url)], lambda *a, **k: None)

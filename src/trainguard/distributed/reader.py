@@ -11,39 +11,15 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..format import Manifest, TensorEntry
+from ..format import Manifest
 from ..incremental.chunkstore import ChunkStore
-from ..state.dtypes import dtype_from_name
 from .chunkread import ShardReader
-
-
-def manifest_to_metadata(m: Manifest) -> Metadata:
-    """DCP ``Metadata`` equivalent of our manifest (what DCP's planners need to plan a load)."""
-    sdm: dict[str, Any] = {}
-    for fqn, e in m.entries.items():
-        if isinstance(e, TensorEntry):
-            sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype_from_name(e.dtype)),
-                size=torch.Size(e.shape),
-                chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
-                    for s in e.shards
-                ],
-            )
-        else:
-            sdm[fqn] = BytesStorageMetadata()
-    return Metadata(state_dict_metadata=sdm)
+from .manifest import manifest_to_metadata
 
 
 class TrainguardReader(ShardReader, StorageReader):

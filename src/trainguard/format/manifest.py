@@ -293,8 +293,21 @@ def manifest_to_json(m: Manifest) -> bytes:
         body["run"] = m.run.to_json()
     if m.chunk_sizes is not None:
         body["chunk_sizes"] = list(m.chunk_sizes)
-    body["crc32c"] = _crc32c.crc32c(_canonical(body))
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    # Encoded once: the canonical form is the sorted members joined; the output is the same with the
+    # ``crc32c`` member inserted at its sorted place (byte-identical to encoding the dict with the field).
+    members = [
+        _members({k: v for k, v in body.items() if k < "crc32c"}),
+        "",
+        _members({k: v for k, v in body.items() if k > "crc32c"}),
+    ]
+    crc = _crc32c.crc32c(("{" + ",".join(x for x in members if x) + "}").encode())
+    members[1] = f'"crc32c":{crc}'
+    return ("{" + ",".join(x for x in members if x) + "}").encode()
+
+
+def _members(obj: dict[str, Any]) -> str:
+    """The canonical JSON of ``obj`` without its braces (empty for an empty dict)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)[1:-1]
 
 
 def _jsonable(x: Any) -> Any:

@@ -133,7 +133,9 @@ class CompressionChooser:
         )
         inputs.update(t_off_s=t_off, t_on_s=t_on)
         if logical_bytes < AUTO_MIN_BYTES:
-            return Decision(False, "auto: a state under 64 MiB is not compressed (fixed costs dominate)", inputs)
+            return Decision(
+                False, "auto: a state under 64 MiB is not compressed (fixed costs dominate)", inputs
+            )
         if t_on < MARGIN * t_off:
             return Decision(
                 True, "auto: the model says compressing lowers the durable time (measuring it)", inputs

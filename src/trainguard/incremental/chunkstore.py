@@ -43,13 +43,13 @@ from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
 from ..storage.local import DURABILITY_MODES, LocalStorage
+from ..storage.retry import READ_ATTEMPTS, READ_RETRY_BACKOFF_S
 from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
-# An I/O error (EACCES, EIO, ...) is retried this many times in all, with this first backoff doubling each time;
-# a CRC32C or length mismatch is confirmed by one more read before it condemns a chunk.
-READ_ATTEMPTS = 3
-READ_RETRY_BACKOFF_S = 0.05
+# An I/O error (EACCES, EIO, a TransientStorageError, ...) is retried READ_ATTEMPTS times in all, with a first
+# backoff of READ_RETRY_BACKOFF_S doubling each time (as every read of committed data: storage/retry.py); a CRC32C
+# or length mismatch is confirmed by one more read before it condemns a chunk.
 
 
 def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
@@ -206,6 +206,7 @@ class ChunkStore:
         *,
         step: int | None = None,
         encoding: Encoding | None = None,
+        raw_hash: str | None = None,
     ) -> tuple[ChunkRecord, bool]:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
 
@@ -214,15 +215,18 @@ class ChunkStore:
             staging: the staging prefix of the save (:meth:`staging_for`).
             step: the step being saved, for error messages.
             encoding: how ``buf`` decodes (None: raw bytes).
+            raw_hash: :func:`content_hash` of ``buf`` when the caller already computed it (raw chunks only:
+                ignored for an encoded one), so the bytes are hashed once.
 
         Raises:
             StorageFullError: ENOSPC while writing.
         """
         view = memoryview(buf).cast("B")
         enc = encoding or Encoding(size=len(view))
-        h = content_hash(view, enc.recipe())
+        recipe = enc.recipe()
+        h = raw_hash if raw_hash and not recipe else content_hash(view, recipe)
         rel = chunk_relpath(h)
-        if enc.recipe():
+        if recipe:
             rec = ChunkRecord(
                 h, rel, len(view), crc32c.crc32c(view), enc.codec, enc.size, enc.base, enc.delta, enc.word
             )

@@ -90,9 +90,8 @@ def apply_retention(ctx: RootContext, *, at_open: bool = False) -> None:
     if uses_metrics(ctx.retention):
         metrics = {s: m for s in valid if (m := metrics_of(ctx, s)) is not None}
     keep = select(ctx.retention, valid, metrics) | {max(valid)}
-    tiers = getattr(ctx.host, "_tiers", None)
-    if tiers is not None:
-        keep |= tiers.protected()  # still to be sent to a tier
+    if ctx.tiers is not None:
+        keep |= ctx.tiers.protected()  # still to be sent to a tier
     # one cheap check per doomed step: a checkpoint condemned meanwhile by another process is not retention's
     doomed = [s for s in valid if s not in keep and corrupt_marker(ctx.storage, s) is None]
     if not doomed:

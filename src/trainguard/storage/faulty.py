@@ -8,26 +8,34 @@ Wrap the run root's storage and hand it to trainguard where a root is expected::
     with tg.CheckpointManager(disk) as mgr:
         mgr.save(3, state)          # raises StorageFullError at the second chunk write
 
-Faults (:class:`Fault`): fail the Nth matching call with an errno, write a truncated object (a torn write the
-backend did not report), stall a call until an event is set or for some seconds, flip a bit of what a read
-returns. Every call is counted per operation (:attr:`FaultyStorage.calls`), every injection is recorded
-(:attr:`FaultyStorage.injected`), so a test can assert that its fault fired.
+Faults (:class:`Fault`): fail the Nth matching call with an errno (classified as the backend would:
+ENOSPC/EDQUOT raise StorageFullError, a transient errno such as ETIMEDOUT raises TransientStorageError), a disk
+that holds N more bytes and then is full (``budget_bytes``), write a truncated object (a torn write the backend
+did not report), stall a call until an event is set or for some seconds, flip a bit of what a read returns, or
+call a function (a probe of the store at that moment). Every call is counted per operation
+(:attr:`FaultyStorage.calls`), every injection is recorded (:attr:`FaultyStorage.injected`), so a test can
+assert that its fault fired.
+
+A transient fault that succeeds on retry: ``Fault("read", match="chunks/*", errno=errno.ETIMEDOUT)`` fails the
+first matching read only (``times=1``); the reader's retry then succeeds. ``times=None`` makes it persist.
 """
 
 from __future__ import annotations
 
+import errno as errno_codes
 import fnmatch
 import io
 import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .base import Entry, ObjectInfo, Staged, Storage
-from .local import raise_if_full
+from .local import raise_classified
 
 OPS = ("write", "flush", "read", "stat", "list", "delete", "move")
 """Operations a fault can target: ``write`` (write_new, stage, publish), ``flush`` (commit_staged, barrier),
@@ -49,9 +57,20 @@ class Fault:
         truncate_to: ``write`` only: store just the first ``truncate_to`` bytes and report success.
         stall: block the call first: a ``threading.Event`` to wait for, or seconds to sleep.
         flip_byte: ``read`` only: XOR the byte at this offset of the object with ``0x01`` in what is returned.
+        budget_bytes: ``write`` only: the store holds this many more bytes of matching writes (every one from
+            the ``nth`` on counts, ``times`` is ignored); a write that does not fit stores nothing and raises
+            ``errno`` (default ENOSPC, hence StorageFullError). Change it (``math.inf``) to free space.
+        call: a function called with the key first (e.g. to look at the store when the Nth write starts).
+        staging: ``write`` only: an ``fnmatch`` pattern on the staging prefix of :meth:`Storage.stage` (a
+            save's partial directory, ``"step-000000001.partial-*"``): the fault affects only the objects that
+            save stages (never ``write_new`` or ``publish``).
+
+    Attributes:
+        seen: matching calls so far.
+        written: ``budget_bytes`` faults: bytes the matching writes stored so far.
 
     Raises:
-        ValueError: an unknown ``op``, or ``truncate_to``/``flip_byte`` on the wrong operation.
+        ValueError: an unknown ``op``, or ``truncate_to``/``flip_byte``/``budget_bytes`` on the wrong operation.
     """
 
     op: str
@@ -63,8 +82,12 @@ class Fault:
     truncate_to: int | None = None
     stall: threading.Event | float | None = None
     flip_byte: int | None = None
+    budget_bytes: float | None = None
+    call: Callable[[str], None] | None = None
+    staging: str | None = None
     enabled: bool = True
     seen: int = field(default=0, init=False)
+    written: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -73,13 +96,31 @@ class Fault:
             raise ValueError("truncate_to applies to op='write' only")
         if self.flip_byte is not None and self.op != "read":
             raise ValueError("flip_byte applies to op='read' only")
+        if (self.budget_bytes is not None or self.staging is not None) and self.op != "write":
+            raise ValueError("budget_bytes and staging apply to op='write' only")
 
-    def hits(self, key: str) -> bool:
-        """Count a call for ``key``; True when this call is one the fault affects."""
+    def hits(self, key: str, size: int = 0, staging: str | None = None) -> bool:
+        """Count a call for ``key`` (writing ``size`` bytes, staged under ``staging``); True when this call is
+        one the fault affects. Not thread-safe on its own: :class:`FaultyStorage` calls it under its lock."""
         if not self.enabled or not fnmatch.fnmatchcase(key, self.match):
             return False
+        if self.staging is not None and (staging is None or not fnmatch.fnmatchcase(staging, self.staging)):
+            return False
         self.seen += 1
-        return self.seen >= self.nth and (self.times is None or self.seen < self.nth + self.times)
+        if self.seen < self.nth:
+            return False
+        if self.budget_bytes is not None:
+            if self.written + size <= self.budget_bytes:
+                self.written += size  # reserved: parallel writers share the room
+                return False
+            return True
+        return self.times is None or self.seen < self.nth + self.times
+
+
+def _nbytes(data: Any) -> int:
+    """Bytes in ``data`` (bytes, a memoryview or a list of them)."""
+    parts = data if isinstance(data, list) else [data]
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class FaultyStorage:
@@ -120,19 +161,27 @@ class FaultyStorage:
         with self._lock:
             self.faults.clear()
 
-    def _fault(self, op: str, key: str) -> Fault | None:
+    def _fault(self, op: str, key: str, size: int, staging: str | None) -> Fault | None:
         with self._lock:
             self.calls[op] += 1
             for f in self.faults:
-                if f.op == op and f.hits(key):
+                if f.op == op and f.hits(key, size, staging):
                     return f
         return None
 
-    def _apply(self, op: str, key: str) -> Fault | None:
-        """Stall and raise as the fault of this call says; return it (for truncation and bit flips)."""
-        f = self._fault(op, key)
+    def _apply(self, op: str, key: str, data: Any = None, staging: str | None = None) -> Fault | None:
+        """Call, stall and raise as the fault of this call says; return it (for truncation and bit flips)."""
+        f = self._fault(op, key, _nbytes(data) if data is not None else 0, staging)
         if f is None:
             return None
+        if f.call is not None:
+            self._record(op, key, "called")
+            f.call(key)
+        if f.budget_bytes is not None:
+            code = f.errno or errno_codes.ENOSPC
+            self._record(op, key, f"full (errno {code})")
+            where = self.inner.location(key)
+            raise_classified(OSError(code, os.strerror(code), where), where)
         if f.stall is not None:
             self._record(op, key, "stall")
             if isinstance(f.stall, threading.Event):
@@ -144,10 +193,8 @@ class FaultyStorage:
             raise f.exc
         if f.errno is not None:
             self._record(op, key, f"errno {f.errno}")
-            err = OSError(f.errno, os.strerror(f.errno), self.inner.location(key))
-            if op == "write":
-                raise_if_full(err, self.inner.location(key))
-            raise err
+            where = self.inner.location(key)
+            raise_classified(OSError(f.errno, os.strerror(f.errno), where), where)
         return f
 
     def _record(self, op: str, key: str, what: str) -> None:
@@ -176,15 +223,15 @@ class FaultyStorage:
 
     # -- writing ------------------------------------------------------------------------------------------
     def write_new(self, key: str, data: Any, *, durable: bool = True) -> None:
-        f = self._apply("write", key)
+        f = self._apply("write", key, data)
         self.inner.write_new(key, self._truncated("write", key, f, data), durable=durable)
 
     def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        f = self._apply("write", key)
+        f = self._apply("write", key, data)
         self.inner.publish(key, self._truncated("write", key, f, data), durable=durable)
 
     def stage(self, key: str, data: Any, *, staging: str) -> Staged:
-        f = self._apply("write", key)
+        f = self._apply("write", key, data, staging)
         return self.inner.stage(key, self._truncated("write", key, f, data), staging=staging)
 
     def commit_staged(self, staged: list[Staged]) -> None:

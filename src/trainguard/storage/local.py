@@ -2,6 +2,13 @@
 
 Invariants: a file published with :func:`atomic_write` is either absent or complete (tmp + fsync + rename +
 directory fsync); ENOSPC surfaces as :class:`~trainguard.errors.StorageFullError` naming the path.
+
+Errors are classified once, here (:func:`classify_error`): ENOSPC/EDQUOT become
+:class:`~trainguard.errors.StorageFullError`; the errnos of :data:`TRANSIENT_ERRNOS` (an interrupted or
+would-block call, a busy resource, a timeout or a stale handle of a network filesystem, a reset connection)
+become :class:`~trainguard.errors.TransientStorageError`, which readers of committed data retry; everything
+else (EIO, EACCES, ...) stays the ``OSError`` it was. EIO is not transient here: on a local disk it usually
+means a bad medium, and the chunk reader retries any I/O error a bounded number of times anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..errors import StorageFullError
+from ..errors import StorageFullError, TransientStorageError
 from .base import Entry, ObjectInfo, Staged
 from .safeio import open_regular, read_bounded
 
@@ -32,17 +39,57 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def raise_if_full(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> NoReturn:
-    """Turn ENOSPC/EDQUOT into StorageFullError (with the fix in the message); re-raise anything else."""
+TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EINTR",
+        "EAGAIN",
+        "EWOULDBLOCK",
+        "EBUSY",
+        "ETIMEDOUT",
+        "ESTALE",
+        "ECONNRESET",
+        "ECONNABORTED",
+    )
+    if hasattr(errno, name)
+)
+"""Errnos that :func:`classify_error` turns into :class:`~trainguard.errors.TransientStorageError`: the same
+call may succeed when retried (interrupted, would block, busy, timed out, a stale NFS handle, a reset
+connection of a network filesystem)."""
+
+
+def classify_error(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> OSError:
+    """The exception to raise for ``e``, a failure on ``path``: StorageFullError for ENOSPC/EDQUOT,
+    TransientStorageError for :data:`TRANSIENT_ERRNOS`, ``e`` itself otherwise. The new exception keeps
+    ``errno``, ``strerror`` and ``filename``; raise it ``from e``.
+
+    Args:
+        e: the error.
+        path: what was being accessed (for the message).
+        step: the step being saved, if any (StorageFullError carries it).
+    """
+    if isinstance(e, (StorageFullError, TransientStorageError)):
+        return e
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        full = StorageFullError(
+        out: OSError = StorageFullError(
             f"no space left on the device while writing {path}: free space or lower retention (keep=...); "
             "no checkpoint was committed and earlier checkpoints are intact",
             step=step,
         )
-        full.errno, full.strerror, full.filename = e.errno, e.strerror, str(path)
-        raise full from e
-    raise e
+    elif e.errno in TRANSIENT_ERRNOS:
+        out = TransientStorageError(f"{path}: {e.strerror or e} (errno {e.errno}; may succeed when retried)")
+    else:
+        return e
+    out.errno, out.strerror, out.filename = e.errno, e.strerror, str(path)
+    return out
+
+
+def raise_classified(e: OSError, path: str | os.PathLike[str], step: int | None = None) -> NoReturn:
+    """Raise :func:`classify_error` of ``e`` (from ``e`` when it is a new exception)."""
+    out = classify_error(e, path, step)
+    if out is e:
+        raise e
+    raise out from e
 
 
 def _fail_write(e: OSError, tmp: Path, path: str | os.PathLike[str]) -> NoReturn:
@@ -52,7 +99,7 @@ def _fail_write(e: OSError, tmp: Path, path: str | os.PathLike[str]) -> NoReturn
         tmp.unlink()
     except OSError:
         pass
-    raise_if_full(e, path)
+    raise_classified(e, path)
 
 
 def write_file(path: Path, buffers: list[memoryview] | memoryview | bytes, *, fsync: bool = True) -> None:
@@ -173,6 +220,38 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
     )
 
 
+class _Classified:
+    """A file opened by :meth:`LocalStorage.open_read` whose read errors are classified (:func:`classify_error`)."""
+
+    def __init__(self, f: Any, path: Path) -> None:
+        self._f = f
+        self._path = path
+
+    def readinto(self, buf: Any) -> int:
+        try:
+            return int(self._f.readinto(buf))
+        except OSError as e:
+            raise_classified(e, self._path)
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return bytes(self._f.read(n))
+        except OSError as e:
+            raise_classified(e, self._path)
+
+    def fileno(self) -> int:
+        return int(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> _Classified:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
 class LocalStorage:
     """A run root in a local (or mounted) POSIX directory: the :class:`~trainguard.storage.base.Storage`
     protocol on files.
@@ -288,7 +367,7 @@ class LocalStorage:
                 if self.fsync and syncfs(fs):
                     return  # the renames and the new directories are durable
         except OSError as e:
-            raise_if_full(e, fs)
+            raise_classified(e, fs)
         if not self.fsync:
             return
         for d in dirs:
@@ -326,34 +405,45 @@ class LocalStorage:
 
     # -- reading ------------------------------------------------------------------------------------------
     def read(self, key: str, *, limit_bytes: int, what: str = "file") -> bytes:
-        return read_bounded(self.path(key), limit_bytes, what=what)
+        try:
+            return read_bounded(self.path(key), limit_bytes, what=what)
+        except OSError as e:
+            raise_classified(e, self.path(key))
 
     def open_read(self, key: str, *, what: str = "file") -> tuple[Any, ObjectInfo]:
-        f = os.fdopen(open_regular(self.path(key), what=what), "rb", buffering=0)
         try:
-            return f, _info(key, os.fstat(f.fileno()))
+            f = os.fdopen(open_regular(self.path(key), what=what), "rb", buffering=0)
+        except OSError as e:
+            raise_classified(e, self.path(key))
+        try:
+            return _Classified(f, self.path(key)), _info(key, os.fstat(f.fileno()))
         except BaseException:
             f.close()
             raise
 
     def read_range(self, key: str, offset: int, out: memoryview) -> int:
-        fd = open_regular(self.path(key))
         try:
-            got = 0
-            while got < len(out):
-                n = os.preadv(fd, [out[got:]], offset + got)
-                if not n:
-                    break
-                got += n
-            return got
-        finally:
-            os.close(fd)
+            fd = open_regular(self.path(key))
+            try:
+                got = 0
+                while got < len(out):
+                    n = os.preadv(fd, [out[got:]], offset + got)
+                    if not n:
+                        break
+                    got += n
+                return got
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise_classified(e, self.path(key))
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
             return _info(key, os.lstat(self.path(key)))
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as e:
+            raise_classified(e, self.path(key))
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self.path(key))
@@ -364,6 +454,8 @@ class LocalStorage:
                 return [Entry(e.name, e.is_dir(follow_symlinks=False)) for e in it]
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:
+            raise_classified(e, self.path(prefix))
 
     # -- deleting -----------------------------------------------------------------------------------------
     def delete(self, key: str) -> bool:

@@ -111,6 +111,7 @@ class TierSet:
         self.event = event
         self.fsync = fsync
         self.uploader = Uploader(hot, links, event, fsync=fsync)
+        self.store_lock: ObjectStore | None = None  # the URL root's lock object, held by this writer
         self._resume: threading.Thread | None = None
         self._hot_write: threading.Thread | None = None  # a restore's chunks going to the hot root
 
@@ -270,16 +271,23 @@ class TierSet:
     def close(self) -> None:
         """Wait up to the largest ``upload_timeout_s`` for uploads, then stop.
 
+        Releases the URL root's lock object (if held) in any case.
+
         Raises:
             TierUploadError: naming the steps and tiers not uploaded (the hot checkpoints are intact).
         """
-        self.settle()
-        timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
-        t0 = time.monotonic()
-        if self._resume is not None:
-            self._resume.join(timeout)  # the steps a tier missed at start are queued by now
-        missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
-        self.uploader.close()
+        try:
+            self.settle()
+            timeout = max([link.tier.upload_timeout_s for link in self.links] or [0.0])
+            t0 = time.monotonic()
+            if self._resume is not None:
+                self._resume.join(timeout)  # the steps a tier missed at start are queued by now
+            missing = self.uploader.wait(max(0.0, timeout - (time.monotonic() - t0)))
+            self.uploader.close()
+        finally:
+            if self.store_lock is not None:
+                release_store_lock(self.store_lock)
+                self.store_lock = None
         if missing:
             detail = "; ".join(f"{url}: steps {steps}" for url, steps in missing.items())
             self.event("tier_upload_incomplete", missing=missing)
@@ -288,6 +296,86 @@ class TierSet:
                 "are intact and a new manager with the same tiers uploads what is missing",
                 missing=missing,
             )
+
+
+def url_root(
+    root: Any, keep: Any, tiers: list[Any], storage_options: dict[str, Any] | None
+) -> tuple[Any, Any, list[Any], str | None]:
+    """Resolve a manager's ``root`` argument: an object-store URL becomes a local cache as the hot root (see
+    :func:`cache_root`) with the URL as its first tier, a sync replica keeping ``keep`` (the cache keeps the
+    newest only).
+
+    Returns:
+        (hot root, the hot root's keep, the tiers, the URL or None).
+
+    Raises:
+        ConfigError: ``storage_options`` given with a local root.
+    """
+    if not is_url(root):
+        if storage_options is not None:
+            raise ConfigError(
+                "storage_options applies to a URL run root; give a tier's options in tg.Tier(...)"
+            )
+        return root, keep, tiers, None
+    url = str(root).rstrip("/")
+    tiers = [Tier(url, keep=keep, sync=True, storage_options=storage_options), *tiers]
+    return cache_root(url), (1 if keep is not None else None), tiers, url
+
+
+def cache_root(url: str) -> Path:
+    """The local hot root of a URL run root: ``$TRAINGUARD_CACHE_DIR`` (default ``~/.cache/trainguard``) /
+    ``roots/<hash of the URL>``."""
+    import hashlib
+
+    base = os.environ.get("TRAINGUARD_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "trainguard"
+    )
+    return Path(base) / "roots" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def open_tiers(
+    hot: Path,
+    tiers: list[Tier],
+    event: Any,
+    *,
+    fsync: bool,
+    writer: bool,
+    coordinator: bool,
+    url: str | None = None,
+) -> TierSet:
+    """Open and check the tiers of a manager (configuration errors raise here); for a writer's rank 0 also
+    lock a URL root (pruning its cache), record the tiers in the hot root and queue the committed steps a
+    tier is missing.
+
+    Args:
+        hot: the hot run root.
+        tiers: the tiers, in restore order (a URL root's store first).
+        event: writes one event to the run's event log.
+        fsync: make what is written to the hot root durable.
+        writer: the manager writes (not ``read_only``).
+        coordinator: this process is rank 0 (or alone).
+        url: the URL of a URL run root, else None.
+
+    Returns:
+        The opened :class:`TierSet` (its ``store_lock`` set when this writer locked the URL root).
+
+    Raises:
+        ConfigError: a bad tier (see :func:`open_links`).
+        RootLockedError: another writer holds the URL root's lock.
+    """
+    from ..catalog import stable_committed_steps
+
+    links = open_links(hot, tiers, event, fsync=fsync, writer=writer)
+    ts = TierSet(hot, links, event, fsync=fsync)
+    if not (writer and coordinator):
+        return ts
+    if url is not None:
+        acquire_store_lock(links[0].store, url)
+        ts.store_lock = links[0].store
+        prune_cache(hot, links[0])
+    ts.record()
+    ts.resume(stable_committed_steps(hot))
+    return ts
 
 
 def prune_cache(hot: Path, link: TierLink) -> list[int]:

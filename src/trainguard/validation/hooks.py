@@ -13,8 +13,9 @@ from . import finite
 from .suspect import mark_suspect
 
 
-class CheckpointManager(Protocol):
-    """What these hooks use of the manager (its validation settings and state); never the manager module."""
+class ValidationHost(Protocol):
+    """What these hooks use: the validation settings and state of one manager
+    (:class:`trainguard.validation.attach.Validation`); never the manager module."""
 
     @property
     def root(self) -> Path: ...
@@ -41,9 +42,9 @@ class CheckpointManager(Protocol):
     def saves(self) -> Any: ...
 
     @property
-    def _trajectory(self) -> Any: ...
+    def trajectory(self) -> Any: ...
 
-    def _event(self, name: str, **fields: Any) -> None: ...
+    def event(self, name: str, **fields: Any) -> None: ...
 
     def wait(self, timeout: float | None = None) -> None: ...
 
@@ -51,7 +52,7 @@ class CheckpointManager(Protocol):
 log = logging.getLogger("trainguard")
 
 
-def check_before_persist(mgr: CheckpointManager, step: int, flat: Mapping[str, Any]) -> None:
+def check_before_persist(mgr: ValidationHost, step: int, flat: Mapping[str, Any]) -> None:
     """``check_finite`` in the persist path (the background thread for async saves): scan the staged copy.
 
     Raises:
@@ -72,9 +73,9 @@ def check_before_persist(mgr: CheckpointManager, step: int, flat: Mapping[str, A
     what = finite.describe(bad) if bad else "(none on this rank; another rank found non-finite values)"
     if mode == "warn":
         log.warning("step %d: saving a state with non-finite values%s: %s", step, where, what)
-        mgr._event("save_nonfinite", step=step, tensors=bad, scan_s=scan_s)
+        mgr.event("save_nonfinite", step=step, tensors=bad, scan_s=scan_s)
         return
-    mgr._event("save_rejected", step=step, reason="non-finite values", tensors=bad, scan_s=scan_s)
+    mgr.event("save_rejected", step=step, reason="non-finite values", tensors=bad, scan_s=scan_s)
     raise NonFiniteStateError(
         f"the save of step {step} was rejected: non-finite values{where} in {what}. Nothing was committed, "
         "retention did not run and earlier checkpoints are intact; find where the NaN/Inf comes from (lower "
@@ -84,10 +85,10 @@ def check_before_persist(mgr: CheckpointManager, step: int, flat: Mapping[str, A
     )
 
 
-def _suspect(mgr: CheckpointManager, step: int, reason: str, by: str) -> SuspectCheckpointError:
+def _suspect(mgr: ValidationHost, step: int, reason: str, by: str) -> SuspectCheckpointError:
     if mgr.dist.is_coordinator:
         mark_suspect(mgr.root, step, reason, by=by, fsync=mgr.fsync)
-    mgr._event("checkpoint_suspect", step=step, reason=reason, by=by)
+    mgr.event("checkpoint_suspect", step=step, reason=reason, by=by)
     log.warning("checkpoint of step %d is suspect: %s", step, reason)
     return SuspectCheckpointError(f"checkpoint of step {step} is suspect: {reason}", step=step, reason=reason)
 
@@ -109,7 +110,7 @@ def finite_scope(mgr: Any, metadata: Mapping[str, Any] | None = None) -> tuple[s
 
 
 def scan_loaded(
-    mgr: CheckpointManager, step: int, loaded: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+    mgr: ValidationHost, step: int, loaded: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
 ) -> float:
     """The non-finite scan of every restored floating tensor (before the state's objects take them), within
     :func:`finite_scope` (``metadata``: the checkpoint's manifest metadata).
@@ -137,7 +138,7 @@ def scan_loaded(
     raise _suspect(mgr, step, f"non-finite values after load in {what}", "restore")
 
 
-def check_probe(mgr: CheckpointManager, step: int) -> float:
+def check_probe(mgr: ValidationHost, step: int) -> float:
     """Recompute the probe on the restored objects and compare it with the one stored at save.
 
     Returns:
@@ -168,9 +169,9 @@ def check_probe(mgr: CheckpointManager, step: int) -> float:
     return took
 
 
-def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
+def diverged(mgr: ValidationHost, step: int) -> ResumeDivergedError:
     """After a trajectory violation: mark the restored checkpoint and this launch's checkpoints suspect."""
-    tr = mgr._trajectory
+    tr = mgr.trajectory
     assert tr is not None and tr.check is not None
     chk = tr.check
     try:  # saves still persisting commit first, so they are marked too
@@ -203,7 +204,7 @@ def diverged(mgr: CheckpointManager, step: int) -> ResumeDivergedError:
             )
         if tr.log is not None:
             tr.log.mark_diverged(step)
-    mgr._event(
+    mgr.event(
         "resume_diverged",
         step=step,
         restored_step=chk.restored_step,

@@ -9,19 +9,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-
-class CheckpointManager(Protocol):
-    """What the scrubber uses of the manager: its root and its event log (never the manager module)."""
-
-    @property
-    def root(self) -> Path: ...
-
-    def _event(self, name: str, **fields: Any) -> None: ...
-
+from typing import Any
 
 log = logging.getLogger("trainguard")
 
@@ -72,7 +63,8 @@ class Scrubber:
     matches.
 
     Args:
-        mgr: the manager (its root and event log).
+        root: the run root directory.
+        event: writes one event to the run's event log (``event(name, **fields)``).
         interval_s: seconds between passes.
         max_bytes_per_s: read-rate cap in bytes per second (None: uncapped).
         tiers: the manager's :class:`trainguard.tiers.attach.TierSet` (None: report only).
@@ -80,17 +72,18 @@ class Scrubber:
 
     def __init__(
         self,
-        mgr: CheckpointManager,
+        root: Path,
+        event: Callable[..., None],
         interval_s: float,
         *,
         max_bytes_per_s: float | None = None,
         tiers: Any = None,
     ):
-        self.root = mgr.root
+        self.root = root
         self.interval_s = interval_s
         self.max_bytes_per_s = max_bytes_per_s
         self.tiers = tiers
-        self._event = mgr._event
+        self._event = event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-scrub", daemon=True)
         self.passes = 0
