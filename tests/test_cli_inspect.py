@@ -135,11 +135,12 @@ def test_control_characters_from_a_checkpoint_never_reach_the_terminal(tmp_path,
         mgr.save(1, {key: torch.ones(2), "v": {"x\x7f\x9b31m": 1}}, metrics={metric: 0.5}).wait()
     raw = ("\x1b", "\x07", "\x7f", "\x9b")
     runner = CliRunner()
-    for args in (["ls", str(root)], ["info", str(root)], ["info", str(root), "1"], ["verify", str(root)]):
+    commands = (["ls", str(root)], ["info", str(root)], ["info", str(root), "1"], ["verify", str(root)])
+    for args in (*commands, ["status", str(root)]):
         r = runner.invoke(main, args)
         assert r.exit_code == 0 and r.exception is None, (args, r.output)
         assert not any(c in r.output for c in raw), (args, r.output)
-        if args[0] == "ls":  # the table's title names the root
+        if args[0] in ("ls", "status"):  # the table's title names the root
             assert "r\\x1b]0;TITLE\\x07" in r.output, r.output
     info = runner.invoke(main, ["info", str(root)]).output
     for shown in ("k\\x1b[2J\\x1b]0;PWNED\\x07", "m\\x1b[5m=0.5", '"x\\u007f\\u009b31m": 1'):
