@@ -99,8 +99,12 @@ def restore_newest(ctx: RootContext, state: MutableMapping[str, Any], *, strict:
         NoValidCheckpointError, StateMismatchError: see :func:`restore_latest`.
     """
     timings = RestoreTimings()
-    with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext():
-        step = restore_latest(ctx, state, timings, strict=strict)
+    try:
+        with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext():
+            step = restore_latest(ctx, state, timings, strict=strict)
+    except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
+        ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
+        raise
     if step is not None:
         ctx.last_restore = timings
         if ctx.validation is not None:

@@ -42,7 +42,7 @@ from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
-from .retention.apply import cleanup_after_crash
+from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave
 from .staging.persister import register_exit_flush
 from .storage.base import Storage
@@ -281,7 +281,11 @@ class CheckpointManager:
                 self._open_tiers(tier_list, writer=False)
             return
         self._events, self._metrics, self._lock = open_writer(
-            self.root, self.dist, metrics_registry, cleanup=lambda: cleanup_after_crash(self.ctx)
+            self.root,
+            self.dist,
+            metrics_registry,
+            cleanup=lambda: cleanup_after_crash(self.ctx),
+            name=self.url,
         )
         bind = getattr(self.save_policy, "bind", None)
         if callable(bind):
@@ -359,6 +363,8 @@ class CheckpointManager:
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
+                if err is None and self._lock is not None:
+                    apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
         if self._events is not None:
