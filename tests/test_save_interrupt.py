@@ -19,17 +19,18 @@ CHILD = textwrap.dedent(
     root = sys.argv[1]
     mgr = tg.CheckpointManager(root, async_save=False, compression="off")
     mgr.save(1, {"w": torch.zeros(1 << 20)})
-    chunks = os.path.join(root, "chunks")
-    before = sum(len(fs) for _, _, fs in os.walk(chunks))
 
-    def interrupt_mid_save():  # SIGINT once the save of step 2 has written its first chunk
-        while sum(len(fs) for _, _, fs in os.walk(chunks)) <= before:
+    def staged_files():  # a save stages its chunks in its partial directory before publishing them
+        return sum(len(fs) for d, _, fs in os.walk(root) if ".partial" in d)
+
+    def interrupt_mid_save():  # SIGINT once the save of step 2 has staged its first chunk
+        while staged_files() == 0:
             time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_mid_save, daemon=True).start()
     try:
-        # 64 chunks of 1 MiB: the interrupt lands while they are written
+        # 64 MiB: the interrupt lands while it is staged, made durable or published
         mgr.save(2, {"w": torch.randn(1 << 24)})
     except tg.SaveError as e:
         print("SAVEERROR", e, flush=True)
@@ -47,7 +48,7 @@ def test_sigint_during_a_sync_save_raises_keyboardinterrupt_and_commits_nothing(
         [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
     )
     assert "SAVEERROR" not in p.stdout, p.stdout
-    assert "SAVED" not in p.stdout  # the interrupt landed mid-save (the chunk watcher fired)
+    assert "SAVED" not in p.stdout  # the interrupt landed mid-save (the watcher fired)
     assert p.returncode in (-2, 130), (p.returncode, p.stderr[-2000:])
     assert "KeyboardInterrupt" in p.stderr
     mgr = tg.CheckpointManager(root, read_only=True)
