@@ -45,6 +45,25 @@ def test_no_valid_checkpoint_leaves_the_objects_untouched_and_says_so(tmp_path):
     assert "were not modified" in str(ei.value)
 
 
+def test_without_the_verify_pass_a_corrupt_restore_reads_once_and_says_the_objects_were_modified(tmp_path):
+    """``verify_before_load=False`` (the fastest restart): no pre-check pass, and the error says the objects may
+    hold the corrupt checkpoint's bytes instead of claiming they were not modified."""
+    save(tmp_path, 5, {"w": {"t": torch.full((4096,), 5.0)}})
+    flip_every_chunk(tmp_path, 5)
+    live = torch.zeros(4096)
+    mgr = tg.CheckpointManager(tmp_path, read_only=True, verify_before_load=False)
+    with pytest.raises(tg.CorruptCheckpointError, match="rebuild the objects") as ei:
+        mgr.restore(5, {"w": {"t": live}})
+    assert ei.value.state_modified is True
+    save(tmp_path, 6, {"w": {"t": torch.full((4096,), 6.0)}})
+    for verify, extra in ((False, 0), (True, 4096 * 4)):
+        live = torch.zeros(4096)
+        mgr = tg.CheckpointManager(tmp_path, read_only=True, verify_before_load=verify)
+        mgr.restore(6, {"w": {"t": live}})
+        assert torch.equal(live, torch.full((4096,), 6.0))
+        assert mgr.last_restore.verify_bytes == extra  # the pre-check pass reads the tensor's bytes once more
+
+
 def test_fallback_from_a_corrupt_candidate_loads_the_older_one_whole(tmp_path):
     save(tmp_path, 5, {"w": {"t": torch.full((4096,), 5.0)}})
     save(tmp_path, 10, {"w": {"t": torch.full((4096,), 10.0)}})

@@ -401,7 +401,8 @@ def load(
             reader = ShardReader(ctx.store, m)
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
             # leaves them untouched (one more read, from the page cache when the checkpoint was just read)
-            ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template)
+            if ctx.verify_before_load:
+                ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template)
             writing = True
             if touched is not None:
                 touched.update(template)

@@ -121,6 +121,13 @@ class CheckpointManager:
         scrub_max_bandwidth: cap on the background scrubber's read rate, in bytes per second (a number) or a
             rate with a unit as ``trainguard verify --max-bandwidth`` takes it (``"200MB/s"``, ``"1GiB/s"``,
             ``"800Mbps"``); None (default): uncapped.
+        verify_before_load: in one process, read every chunk a restore needs and check its CRC32C before the
+            first byte reaches the state's objects (default True), so a corrupt checkpoint leaves them untouched.
+            It reads the checkpoint twice (the second time usually from the page cache: 1.35x the restore time
+            for 256 MiB warm, ``benchmarks/bench_restore_verify.py``). False: one read, each chunk checked as it
+            is loaded in place (the fastest restart); a corrupt chunk found then may leave part of its bytes in
+            the objects (``CorruptCheckpointError.state_modified``; a fallback to an older checkpoint overwrites
+            them). Under torch.distributed chunks are always checked as they load.
         compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
             that measured faster on this storage: the write time of this manager's own saves both ways; before
             compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
@@ -171,6 +178,7 @@ class CheckpointManager:
         trajectory_steps: int = 50,
         scrub_interval_s: float | None = None,
         scrub_max_bandwidth: float | str | None = None,
+        verify_before_load: bool = True,
         tiers: list[Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         compression: str = "auto",
@@ -247,6 +255,7 @@ class CheckpointManager:
             compression=self.compression,
             incremental=self.incremental,
             validation=self.validation,
+            verify_before_load=bool(verify_before_load),
         )
         check_distributed_options(
             dist_enabled=self.dist.enabled, when_busy=when_busy, save_timeout_s=save_timeout_s
