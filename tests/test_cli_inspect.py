@@ -117,3 +117,51 @@ def test_a_negative_step_is_a_usage_error_without_a_traceback(tmp_path):
         p = cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert "-1 is not in the range x>=0" in p.stderr, p.stderr
+
+
+def test_control_characters_from_a_checkpoint_never_reach_the_terminal(tmp_path, monkeypatch):
+    """Entry keys, values, metric names and the root's own name are untrusted: ESC, BEL, DEL and C1 bytes are
+    shown as ``\\xNN`` in every human-readable output (``--json`` escapes them already)."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    root = Path("r\x1b]0;TITLE\x07")
+    key, metric = "k\x1b[2J\x1b]0;PWNED\x07", "m\x1b[5m"
+    with tg.CheckpointManager(root) as mgr:
+        mgr.save(1, {key: torch.ones(2), "v": {"x\x7f\x9b31m": 1}}, metrics={metric: 0.5}).wait()
+    raw = ("\x1b", "\x07", "\x7f", "\x9b")
+    runner = CliRunner()
+    commands = (["ls", str(root)], ["info", str(root)], ["info", str(root), "1"], ["verify", str(root)])
+    for args in (*commands, ["status", str(root)]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 0 and r.exception is None, (args, r.output)
+        assert not any(c in r.output for c in raw), (args, r.output)
+        if args[0] in ("ls", "status"):  # the table's title names the root
+            assert "r\\x1b]0;TITLE\\x07" in r.output, r.output
+    info = runner.invoke(main, ["info", str(root)]).output
+    for shown in ("k\\x1b[2J\\x1b]0;PWNED\\x07", "m\\x1b[5m=0.5", '"x\\u007f\\u009b31m": 1'):
+        assert shown in info, (shown, info)
+    # a usage error naming the root is terminal-safe too
+    r = runner.invoke(main, ["info", str(root), "7"])
+    assert r.exit_code == 2 and not any(c in r.output for c in raw), r.output
+
+
+def test_a_negative_looking_step_argument_is_a_clear_usage_error(tmp_path):
+    """``info ROOT -1`` used to get click's "No such option: -1"; ``mark`` takes a STEP argument too."""
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+
+    make_run(tmp_path, steps=(1,))
+    runner = CliRunner()
+    for args in (["info", str(tmp_path), "-1"], ["mark", str(tmp_path), "-1", "--clear"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 2, r.output
+        assert "STEP -1 is negative: steps are integers >= 0" in r.output and "No such option" not in r.output
+    # a negative-looking option value is the option's, not a STEP
+    r = runner.invoke(main, ["mark", str(tmp_path), "1", "--suspect", "-5"])
+    assert r.exit_code == 0 and "marked suspect (-5)" in r.output, r.output

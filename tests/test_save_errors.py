@@ -43,3 +43,13 @@ def test_an_unsavable_state_raises_one_error_type_in_both_save_modes(tmp_path, c
         )  # not a raw torch/builtin error
         assert [(i.step, i.status) for i in mgr.checkpoints()] == [(1, "valid")]
         mgr.save(3, {"ok": torch.zeros(2)}).wait()  # the manager still works
+
+
+def test_a_step_beyond_2_62_is_refused_at_save(tmp_path):
+    """A manifest with a step above 2**62 is read as corrupt: save refuses it up front (nothing written)."""
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(tg.ConfigError, match=r"at most 2\*\*62"):
+            mgr.save(10**30, {"w": torch.zeros(2)})
+        mgr.save(2**62, {"w": torch.zeros(2)})  # the bound itself is a valid step
+        assert [i.step for i in mgr.checkpoints()] == [2**62]
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest({"w": torch.ones(2)}) == 2**62

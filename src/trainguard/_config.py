@@ -183,10 +183,16 @@ def save_options(
 
 
 def open_writer(
-    root: Path, dist: Any, metrics_registry: Any, *, cleanup: Callable[[], None]
+    root: Path,
+    dist: Any,
+    metrics_registry: Any,
+    *,
+    cleanup: Callable[[], None],
+    name: str | None = None,
 ) -> tuple[EventLog, Any, RootLock | None]:
     """Open a writer's run root: its event log (with this rank's context), the save metrics listening to it
-    and (rank 0) the write lock, cleaning up after a crash (``cleanup``) once the lock is held.
+    and (rank 0) the write lock, cleaning up after a crash (``cleanup``) once the lock is held. ``name``: the
+    URL of a URL run root whose local cache ``root`` is (lock errors name it first).
 
     Returns:
         (event log, :class:`~trainguard.observe.metrics.SaveMetrics`, the lock on rank 0 or None).
@@ -202,10 +208,12 @@ def open_writer(
     events.listeners.append(metrics.observe)
     if dist.enabled:
         events.set_context(rank=dist.rank, world_size=dist.world_size)
-    return events, metrics, lock_writer(root, dist, events, cleanup)
+    return events, metrics, lock_writer(root, dist, events, cleanup, name)
 
 
-def lock_writer(root: Path, dist: Any, events: EventLog, cleanup: Callable[[], None]) -> RootLock | None:
+def lock_writer(
+    root: Path, dist: Any, events: EventLog, cleanup: Callable[[], None], name: str | None = None
+) -> RootLock | None:
     """One writer per root: rank 0 takes the root's write lock and cleans up after a crash (``cleanup``);
     every rank learns whether it succeeded.
 
@@ -218,7 +226,7 @@ def lock_writer(root: Path, dist: Any, events: EventLog, cleanup: Callable[[], N
     locked, lock = "", None
     if dist.is_coordinator:
         try:
-            lock = RootLock(root)
+            lock = RootLock(root, name)
             lock.acquire()
             cleanup()
         except RootLockedError as e:

@@ -71,6 +71,7 @@ class RootContext:
         validation: the validation settings and state (:class:`~trainguard.validation.attach.Validation`;
             None: no checks).
         tiers: the manager's tiers (:class:`TierHooks`; None: the hot root only).
+        verify_before_load: check every needed chunk's CRC32C before a single-process restore loads any.
     """
 
     root: Path
@@ -81,6 +82,7 @@ class RootContext:
     retention: RetentionPolicy
     run: RunInfo
     fsync: bool = True
+    verify_before_load: bool = True
     read_only: bool = False
     new_run: bool = False
     resumed: bool = False

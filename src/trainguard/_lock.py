@@ -46,9 +46,19 @@ def _alive(pid: int) -> bool:
 
 
 class RootLock:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, name: str | None = None) -> None:
+        """Args:
+        root: the run root (its ``.lock`` file is the lock).
+        name: what the user opened, when that is not ``root`` itself (the URL of an object-store run root
+            whose local cache ``root`` is): messages name it first, with ``root`` as detail.
+        """
         self.path = root / ".lock"
+        self.name = name
         self._fd: int | None = None
+
+    def _where(self) -> str:
+        root = self.path.parent
+        return str(root) if self.name is None else f"{self.name} (its local cache {root})"
 
     def acquire(self) -> None:
         """Take the lock (non-blocking) and record ``pid N on HOST`` in the lock file.
@@ -61,7 +71,7 @@ class RootLock:
         for lock in list(_held):
             if lock._fd is not None and lock.path.resolve() == self.path.resolve():
                 raise RootLockedError(
-                    f"this process (pid {os.getpid()}) already has a CheckpointManager writing {self.path.parent}; "
+                    f"this process (pid {os.getpid()}) already has a CheckpointManager writing {self._where()}; "
                     "close() it first, use a different root, or open the second one with read_only=True"
                 )
         # Never through a symlink (a link to another file would be truncated below), never a named pipe or a
@@ -87,7 +97,7 @@ class RootLock:
                     "(e.g. a data-loader worker or a child it forked): stop it"
                 )
             raise RootLockedError(
-                f"run root {self.path.parent} is being written by another process ({holder}). Stop that process, "
+                f"run root {self._where()} is being written by another process ({holder}). Stop that process, "
                 "use a different root, or open with CheckpointManager(root, read_only=True) to only list/restore."
             ) from None
         os.ftruncate(fd, 0)

@@ -96,7 +96,8 @@ def persist(
                 err.step = step
             hint = space_hint(ctx)
             if hint and err.args and hint not in str(err.args[0]):
-                err.args = (str(err.args[0]) + hint, *err.args[1:])
+                head = str(err.args[0]).rstrip()  # the hint is whole sentences: end the message with one
+                err.args = (head + ("" if head.endswith(".") else ".") + hint, *err.args[1:])
         if ctx.dist.enabled and isinstance(err, SaveError) and not err.rank_errors and ranks:
             # a SaveError raised on one rank (StorageFullError): name that rank on every rank
             cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err

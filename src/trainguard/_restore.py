@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from . import _statefn
@@ -38,6 +39,7 @@ from .errors import (
     CorruptCheckpointError,
     InsufficientMemoryError,
     NoValidCheckpointError,
+    StateMismatchError,
     SuspectCheckpointError,
 )
 from .format import Manifest, step_dir_name
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from ._context import RootContext
 
 log = logging.getLogger("trainguard")
+VERIFY_THREADS = 4
+"""Threads of the CRC32C pass before loading (the load reads chunks with as many)."""
 
 
 def restore_step(ctx: RootContext, step: int, state: MutableMapping[str, Any], *, strict: bool = True) -> int:
@@ -74,7 +78,12 @@ def restore_step(ctx: RootContext, step: int, state: MutableMapping[str, Any], *
     load_s = time.perf_counter() - t0
     v = ctx.validation
     validate_s = v.validate_s + v.check_probe(step) if v is not None else 0.0
-    ctx.last_restore = RestoreTimings(load_s=load_s, validate_s=validate_s, bytes=ctx.last_restore.bytes)
+    ctx.last_restore = RestoreTimings(
+        load_s=load_s,
+        validate_s=validate_s,
+        bytes=ctx.last_restore.bytes,
+        verify_bytes=ctx.last_restore.verify_bytes,
+    )
     if v is not None:
         v.arm(step)
     return step
@@ -92,10 +101,14 @@ def restore_newest(ctx: RootContext, state: MutableMapping[str, Any], *, strict:
         NoValidCheckpointError, StateMismatchError: see :func:`restore_latest`.
     """
     timings = RestoreTimings()
-    with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session:
-        step = restore_latest(ctx, state, timings, strict=strict)
-        if session is not None:
-            session.step = step
+    try:
+        with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session:
+            step = restore_latest(ctx, state, timings, strict=strict)
+            if session is not None:
+                session.step = step
+    except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
+        ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
+        raise
     if step is not None:
         ctx.last_restore = timings
         if ctx.validation is not None:
@@ -150,6 +163,7 @@ def restore_latest(
     unreadable: list[int] = []  # steps whose chunks could not be read (I/O errors): never condemned
     judged: set[int] = set()  # steps found not valid; reported once
     foreign: dict[int, str] = {}  # valid steps of runs outside the head run's lineage (rank 0's view)
+    dirty: dict[str, int] = {}  # saved name -> the failed step whose values may have been loaded into it
     steps = committed_steps(ctx)
     while True:
         raced = False
@@ -197,14 +211,18 @@ def restore_latest(
                 judged.add(step)
                 continue
             t_chosen = time.perf_counter()
+            attempt: set[str] = set()
             try:
-                load(ctx, step, state, strict=strict, manifest=m)
+                load(ctx, step, state, strict=strict, manifest=m, touched=attempt)
                 probe_s = ctx.validation.check_probe(step) if ctx.validation is not None else 0.0
             except SuspectCheckpointError as e:  # intact bytes, content failed validation: marked, fall back
+                dirty.update({f: step for f in attempt if f not in dirty})
                 skip(ctx, step, f"suspect: {e.reason}", None, timings, problems)
                 judged.add(step)
                 continue
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                if getattr(e, "state_modified", False):
+                    dirty.update({f: step for f in attempt if f not in dirty})
                 if gone(ctx, step):
                     raced = True
                     continue
@@ -219,11 +237,25 @@ def restore_latest(
                 skip(ctx, step, str(e), None, timings, problems)
                 judged.add(step)
                 continue
+            left = sorted(f for f in dirty if f not in attempt)
+            if (
+                left
+            ):  # a failed candidate wrote entries this checkpoint does not overwrite: never a silent mix
+                raise StateMismatchError(
+                    f"restore_latest fell back to step {step}, but the checkpoint(s) of step(s) "
+                    f"{sorted({dirty[f] for f in left})} that failed first had already been loaded into entries "
+                    f"step {step} does not hold: {left}. Those entries keep the failed checkpoint's values (the "
+                    "others hold step "
+                    f"{step}'s): rebuild the state objects (a new model and optimizer) and call restore_latest "
+                    "again (the failed checkpoints are marked and are not tried again), or restore into objects "
+                    "that do not have these entries"
+                )
             t_loaded = time.perf_counter()
             timings.scan_s = t_chosen - t0
             timings.validate_s = (ctx.validation.validate_s if ctx.validation is not None else 0.0) + probe_s
             timings.load_s = max(0.0, t_loaded - t_chosen - timings.validate_s)
             timings.bytes = ctx.last_restore.bytes
+            timings.verify_bytes = ctx.last_restore.verify_bytes
             ctx.event(
                 "restore",
                 step=step,
@@ -251,11 +283,19 @@ def restore_latest(
             skipped=[],
         )
         return None
+    objects = (
+        f"\nThe state objects passed hold values of the failed checkpoint(s) of step(s) "
+        f"{sorted(set(dirty.values()))} (entries {sorted(dirty)[:5]}{' ...' if len(dirty) > 5 else ''}): do not "
+        "train on them; rebuild them (a new model and optimizer) first"
+        if dirty
+        else "\nThe state objects passed were not modified."
+    )
     if unreadable:
         raise NoValidCheckpointError(
             f"{ctx.root} holds {len(steps)} checkpoint(s) but none could be loaded; steps {sorted(unreadable)} "
             "could not be read (I/O errors, retried) and are NOT marked corrupt:\n  "
             + "\n  ".join(problems)
+            + objects
             + "\nFix access to the storage (permissions, mounts) and retry; do not start a new run root."
         )
     other = (
@@ -277,8 +317,9 @@ def restore_latest(
         + "\n  ".join(problems)
         + other
         + cleared
+        + objects
         + f"\nRun `trainguard verify {ctx.root} --all` for details; restore a replica or start a new run root "
-        "deliberately."
+        "deliberately" + (", with freshly built objects." if dirty else ".")
     )
 
 
@@ -307,8 +348,14 @@ def load(
     *,
     strict: bool = True,
     manifest: Manifest | None = None,
+    touched: set[str] | None = None,
 ) -> None:
     """Load the checkpoint of ``step`` into ``state`` in place (every rank; collective under torch.distributed).
+
+    In one process every chunk the state needs is read and its CRC32C checked before the first byte is loaded
+    into the caller's objects: a corrupt checkpoint raises with the objects untouched. Under torch.distributed
+    DCP loads each rank's shards in place; a corrupt chunk found there may leave part of its bytes in them
+    (``CorruptCheckpointError.state_modified``).
 
     Args:
         ctx: the run root's context.
@@ -316,6 +363,8 @@ def load(
         state: the training state, loaded in place.
         strict: as ``CheckpointManager.restore``.
         manifest: the manifest of ``step`` when the caller already parsed it (it is not read again).
+        touched: receives the saved names of the entries that may have been written into ``state`` (also when
+            a later check fails).
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint of ``step`` (on any rank).
@@ -352,6 +401,8 @@ def load(
         raise memory_error
     reader: ShardReader
     known: dict[str, int] | None = None  # tensors the reading threads scanned for NaN/Inf as they landed
+    writing = False  # True once bytes may have reached the caller's objects (tensors loaded in place)
+    ctx.last_restore.verify_bytes = 0
     try:
         if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
             reader = ShardReader(
@@ -360,6 +411,13 @@ def load(
                 threads=getattr(ctx.store, "read_threads", 4),
                 scan_finite=ctx.validation is not None and ctx.validation.check_finite != "off",
             )
+            # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
+            # leaves them untouched (one more read, from the page cache when the checkpoint was just read)
+            if ctx.verify_before_load:
+                ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template)
+            writing = True
+            if touched is not None:
+                touched.update(template)
             load_local(template, reader)
             known = reader.scanned()
         else:
@@ -368,12 +426,28 @@ def load(
             from .distributed import TrainguardLoadPlanner, TrainguardReader
 
             reader = TrainguardReader(ctx.store, m)
+            writing = (
+                True  # DCP reads each rank's shards in place: no verify pass (it would read every shard)
+            )
+            if touched is not None:
+                touched.update(template)
             with quiet_dcp():
                 dcp.load(
                     template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
                 )
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
+        if isinstance(err, CorruptCheckpointError):
+            err.state_modified = writing
+            err.args = (
+                f"{err}; "
+                + (
+                    "tensors of the state may hold part of this checkpoint's bytes: rebuild the objects (a new "
+                    "model and optimizer) before training on them"
+                    if writing
+                    else "the state objects were not modified (every chunk is checked before loading)"
+                ),
+            )
         if (
             isinstance(err, CorruptCheckpointError)
             and ctx.dist.is_coordinator
@@ -384,8 +458,36 @@ def load(
     if ctx.validation is not None:  # the non-finite scan, before the state's objects take the tensors
         ctx.validation.after_load(step, template, m.metadata, known)
     _statefn.apply(template, paths, state, m, strict=strict, reshard=reshard)
+    if touched is not None:
+        touched.update(template)
     record_resume(ctx, m)
     ctx.last_restore.bytes = reader.bytes_read
+
+
+def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, Any]) -> int:
+    """Read every chunk holding an entry of ``template`` and check its length and CRC32C; returns the bytes read.
+
+    Raises:
+        CorruptCheckpointError: a chunk is missing, unreadable or fails its check (nothing was loaded).
+    """
+    owners = m.chunk_owners()
+    wanted = set(template)
+    todo = [
+        (rec, owners.get(h))
+        for h, rec in m.chunks.items()
+        if owners.get(h) is None or wanted.intersection(owners[h])  # skip chunks of entries not loaded
+    ]
+
+    def one(item: tuple[Any, list[str] | None]) -> int:
+        ctx.store.verify(item[0], step=m.step, owners=item[1])
+        return int(item[0].length)
+
+    if len(todo) <= 1:
+        return sum(one(x) for x in todo)
+    with ThreadPoolExecutor(
+        max_workers=min(VERIFY_THREADS, len(todo))
+    ) as pool:  # as many as the load reads with
+        return sum(pool.map(one, todo))  # the first failure in chunk order is raised
 
 
 def mark_corrupt(ctx: RootContext, step: int, err: CorruptCheckpointError) -> None:

@@ -20,6 +20,7 @@ from ._context import RootContext
 from .catalog import inspect_step, is_committed
 from .errors import CheckpointExistsError, ConfigError, SaveError, TrainguardError
 from .format import step_dir_name
+from .format.layout import step_problem
 from .policies import SavePolicy
 from .results import SaveResult
 from .retention.apply import apply_retention
@@ -171,8 +172,9 @@ class SavePath:
         """
         ctx = self.ctx
         self.raise_background_error()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        bad_step = step_problem(step)
+        if bad_step is not None:
+            raise ConfigError(bad_step)
         if not self._layout_ok:  # never report success for checkpoints that restore would refuse
             bad_layout = ctx.store.layout_problem()
             if bad_layout is not None:

@@ -55,11 +55,11 @@ def publish(
     storage = as_storage(root)
     d = step_dir_name(m.step)
     created = storage.make_dir(d)
-    if created and fsync:
-        storage.barrier("")
-    for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
-        storage.delete(f"{d}/{stale}")
-    try:
+    try:  # from here on a failure or an interrupt (Ctrl-C) leaves no step directory it created
+        if created and fsync:
+            storage.barrier("")
+        for stale in (CORRUPT_MARKER, CHECK_RECORD, PROBE_FILE):  # records of a checkpoint this one replaces
+            storage.delete(f"{d}/{stale}")
         data = manifest_to_json(m)
         for name, side in (extra(data) if extra is not None else {}).items():
             storage.publish(f"{d}/{name}", side, durable=fsync)

@@ -48,6 +48,9 @@ class CorruptCheckpointError(TrainguardError):
             such a finding condemns a chunk (``corrupt.json``, quarantine).
         unreadable: True when the chunk could not be read at all (an I/O error such as EACCES or EIO that
             persisted through the retries): reported, never recorded as corruption.
+        state_modified: raised by a restore: True when tensors of the state passed may hold part of this
+            checkpoint's bytes (a failure while loading in place, under torch.distributed); False when every
+            chunk was checked before loading and the objects were not modified; None outside a restore.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class CorruptCheckpointError(TrainguardError):
         self.tensors = list(tensors or [])
         self.damaged = damaged
         self.unreadable = unreadable
+        self.state_modified: bool | None = None
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

@@ -40,6 +40,7 @@ OWN_EVENTS = frozenset(
         "replace_corrupt",
         "restore",
         "restore_skipped",
+        "restore_failed",
         "first_step",
         "progress",
         "retention_delete",

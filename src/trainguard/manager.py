@@ -42,7 +42,7 @@ from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy, as_retention
-from .retention.apply import cleanup_after_crash
+from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave
 from .staging.persister import register_exit_flush
 from .storage.base import Storage
@@ -121,6 +121,13 @@ class CheckpointManager:
         scrub_max_bandwidth: cap on the background scrubber's read rate, in bytes per second (a number) or a
             rate with a unit as ``trainguard verify --max-bandwidth`` takes it (``"200MB/s"``, ``"1GiB/s"``,
             ``"800Mbps"``); None (default): uncapped.
+        verify_before_load: in one process, read every chunk a restore needs and check its CRC32C before the
+            first byte reaches the state's objects (default True), so a corrupt checkpoint leaves them untouched.
+            It reads the checkpoint twice (the second time usually from the page cache: 1.35x the restore time
+            for 256 MiB warm, ``benchmarks/bench_restore_verify.py``). False: one read, each chunk checked as it
+            is loaded in place (the fastest restart); a corrupt chunk found then may leave part of its bytes in
+            the objects (``CorruptCheckpointError.state_modified``; a fallback to an older checkpoint overwrites
+            them). Under torch.distributed chunks are always checked as they load.
         compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
             that measured faster on this storage: the write time of this manager's own saves both ways; before
             compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
@@ -171,6 +178,7 @@ class CheckpointManager:
         trajectory_steps: int = 50,
         scrub_interval_s: float | None = None,
         scrub_max_bandwidth: float | str | None = None,
+        verify_before_load: bool = True,
         tiers: list[Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         compression: str = "auto",
@@ -247,6 +255,7 @@ class CheckpointManager:
             compression=self.compression,
             incremental=self.incremental,
             validation=self.validation,
+            verify_before_load=bool(verify_before_load),
         )
         check_distributed_options(
             dist_enabled=self.dist.enabled, when_busy=when_busy, save_timeout_s=save_timeout_s
@@ -281,7 +290,11 @@ class CheckpointManager:
                 self._open_tiers(tier_list, writer=False)
             return
         self._events, self._metrics, self._lock = open_writer(
-            self.root, self.dist, metrics_registry, cleanup=lambda: cleanup_after_crash(self.ctx)
+            self.root,
+            self.dist,
+            metrics_registry,
+            cleanup=lambda: cleanup_after_crash(self.ctx),
+            name=self.url,
         )
         bind = getattr(self.save_policy, "bind", None)
         if callable(bind):
@@ -359,6 +372,8 @@ class CheckpointManager:
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
+                if err is None and self._lock is not None:
+                    apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
         if self._events is not None:
@@ -620,8 +635,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
-            CorruptCheckpointError: the checkpoint failed an integrity check (nothing handed to load_state_dict;
-                tensors loaded in place before the failure may hold partial data).
+            CorruptCheckpointError: the checkpoint failed an integrity check. In one process every chunk is
+                checked before loading: the state's objects were not modified. Under torch.distributed tensors
+                loaded in place may hold part of it (``state_modified``): rebuild them before training.
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
                 or missing optimizer state); the message lists the checkpoint's and the target's side.
             SuspectCheckpointError: the restored state holds NaN/Inf (``check_finite="error"``) or the probe

@@ -37,4 +37,6 @@ class RestoreTimings:
     load_s: float = 0.0
     validate_s: float = 0.0
     bytes: int = 0
+    verify_bytes: int = 0
+    """Bytes read by the CRC32C pass before loading (one process; 0 under torch.distributed)."""
     skipped: list[dict[str, Any]] = field(default_factory=list)

@@ -95,6 +95,8 @@ def assert_storage_full(err: BaseException, step: int) -> None:
     msg = str(err)
     assert "no space left" in msg and "free space" in msg and "keep=" in msg, msg
     assert "earlier checkpoints are intact" in msg
+    # sentences are joined with a period (the space hint follows the storage's message)
+    assert "intact To" not in msg and "intact No" not in msg and "intact The" not in msg, msg
     assert err.step in (
         step,
         None,

@@ -42,7 +42,7 @@ def test_run_with_a_bad_option_value_is_a_usage_error(option, tmp_path):
 def test_run_help_documents_every_exit_code():
     text = CliRunner().invoke(main, ["run", "--help"]).output
     documented = {line.split()[0] for line in text.split("Exit codes:")[1].splitlines() if line.strip()}
-    assert documented == {"0", "2", "3", "4", "75", "127", "128+N"}
+    assert documented == {"0", "2", "3", "4", "5", "75", "127", "128+N"}
     assert "--heartbeat-timeout" in text and "--no-progress-limit" in text
 
 

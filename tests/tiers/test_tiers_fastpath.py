@@ -66,10 +66,16 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("hot_holds_it", [False, True])
+@pytest.mark.parametrize(
+    "hot_holds_it,verify_first",
+    [(False, False), (True, False), (False, True)],
+    ids=["tier", "hot", "tier-verify"],
+)
 def test_a_restore_with_tiers_checks_each_chunk_it_loads_exactly_once(
-    tmp_path: Path, crc_calls: Counter[str], hot_holds_it: bool
+    tmp_path: Path, crc_calls: Counter[str], hot_holds_it: bool, verify_first: bool
 ) -> None:
+    """Streaming (``verify_before_load=False``): one CRC32C per chunk, where it was read. With the check before
+    the load (the default), a chunk read from a tier is still read and checked once (then copied)."""
     shared = tmp_path / "shared"
     state = make_state()
     hot = tmp_path / ("node1" if hot_holds_it else "node2")
@@ -82,7 +88,9 @@ def test_a_restore_with_tiers_checks_each_chunk_it_loads_exactly_once(
     assert len(chunks) > 2
     crc_calls.clear()
     fresh = make_state(seed=9)
-    with tg.CheckpointManager(hot, tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK) as mgr:
+    with tg.CheckpointManager(
+        hot, tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK, verify_before_load=verify_first
+    ) as mgr:
         assert mgr.restore_latest(fresh) == 3
     assert same(weights(state), weights(fresh))
     # each chunk's bytes went through CRC32C once: where they were read (hot root or tier), not again after

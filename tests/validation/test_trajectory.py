@@ -4,12 +4,14 @@ bit-exact resume never trips it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import trainguard as tg
 from trainguard.recovery.events import read_events
-from trainguard.validation.trajectory import TRAJECTORY_DIR, TrajectoryCheck, history
+from trainguard.validation.trajectory import TRAJECTORY_DIR, TrajectoryCheck, confirmed_steps, history
 
 
 def launch(root, upto, *, scale_from=None, scale=10.0, trajectory_steps=50):
@@ -79,18 +81,56 @@ def test_data_change_after_resume_raises_and_next_launch_resumes_older(tmp_path)
     assert {20, 25, 30} <= set(st)
 
 
-def test_divergence_past_the_failure_point_marks_the_launchs_own_checkpoints(tmp_path):
+def test_a_confirmed_resume_is_not_judged_past_the_failure_point(tmp_path):
+    """Steps 16-18 match the launch that died: the restore is confirmed and the check ends there; what the loss
+    does past the failure point (new territory) never condemns the checkpoints."""
     launch(tmp_path, 18)
+    start, _ = launch(tmp_path, 40, scale_from=22, scale=30.0)  # fine until 22, past the last logged step (18)
+    assert start == 15
+    assert not list(read_events(tmp_path, event="resume_diverged"))
+    [ev] = read_events(tmp_path, event="resume_confirmed")
+    assert ev["restored_step"] == 15 and ev["steps"] == [16, 17, 18]
+    assert confirmed_steps(tmp_path) == {15}
+    assert set(statuses(tmp_path).values()) == {"valid"}
+
+
+def _as_world_size_2(root):
+    """Rewrites every trajectory log as logged at world size 2 (the launch that died ran at another size)."""
+    for p in (root / TRAJECTORY_DIR).iterdir():
+        lines = p.read_text().splitlines()
+        assert json.loads(lines[0]) == {"world_size": 1}
+        p.write_text("\n".join([json.dumps({"world_size": 2}), *lines[1:]]) + "\n")
+
+
+def test_without_same_step_references_the_band_marks_the_launchs_own_checkpoints(tmp_path):
+    launch(tmp_path, 28)  # checkpoints 5-25, 28 losses
+    _as_world_size_2(tmp_path)  # no same-step reference at world size 1: only the band (25 losses) judges
     with pytest.raises(tg.ResumeDivergedError) as ei:
-        launch(tmp_path, 60, scale_from=22, scale=30.0)  # fine until 22, past the last logged step (18)
+        launch(tmp_path, 60, scale_from=32, scale=30.0)
     err = ei.value
-    # the band judges the median of the last 5 losses past the failure point: 3 of them above it (22-24)
-    assert err.restored_step == 15 and err.steps == [24]
-    assert err.suspect_steps == [15, 20]  # the restored checkpoint and the one this launch saved
+    # the band judges the median of the last 5 losses: 3 of them above it (32-34)
+    assert err.restored_step == 25 and err.steps == [34]
+    assert err.suspect_steps == [25, 30]  # the restored checkpoint and the one this launch saved
     st = statuses(tmp_path)
-    assert st[15] == "suspect" and st[20] == "suspect" and st[10] == "valid"
+    assert st[25] == "suspect" and st[30] == "suspect" and st[20] == "valid"
     start, _ = launch(tmp_path, 20)
-    assert start == 10
+    assert start == 20
+
+
+def test_a_trip_never_condemns_a_confirmed_checkpoint(tmp_path):
+    launch(tmp_path, 28)  # checkpoints 5-25
+    start, _ = launch(tmp_path, 29)  # resumes from 25; steps 26-28 match: 25 is confirmed (no save at 30)
+    assert start == 25 and confirmed_steps(tmp_path) == {25}
+    with pytest.raises(tg.ResumeDivergedError) as ei:
+        launch(tmp_path, 60, scale_from=27)  # resumes from 25 again; the data changed at 27
+    err = ei.value
+    assert err.restored_step == 25 and err.steps == [27] and err.suspect_steps == []
+    assert "step 25 is kept: an earlier resume from it was confirmed" in str(err)
+    assert statuses(tmp_path)[25] == "valid"
+    # without same-step references (another world size) a confirmed step gets no band either
+    _as_world_size_2(tmp_path)
+    assert TrajectoryCheck.arm(tmp_path, 25, 50, world_size=1).median is None
+    assert TrajectoryCheck.arm(tmp_path, 20, 50, world_size=1).median is not None
 
 
 def test_never_loops_when_every_candidate_is_suspect(tmp_path):
@@ -103,17 +143,21 @@ def test_never_loops_when_every_candidate_is_suspect(tmp_path):
         launch(tmp_path, 40)
 
 
-def test_check_window_and_band():
-    chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0}, median=2.0, mad=0.1)
+def test_check_same_step_confirmation_and_band():
+    chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.0}, median=None, mad=0.1)
     assert chk.check(11, 1.0) is None  # bit-exact
-    assert chk.check(11, 1.0005) is None  # within REL_TOL
-    assert chk.check(11, 1.7) is not None  # beyond 6 MAD of the losses before the checkpoint
-    assert chk.check(12, 2.5) is None  # band: 2.0 + 6 * 0.1 + 0.002
-    assert chk.check(13, 9.0) is None  # one noisy batch above the band is not a divergence
-    assert chk.check(14, 2.7) is not None  # the median of 2.5, 9.0, 2.7 is above it
-    assert chk.check(15, float("nan")) is not None
-    assert chk.check(17, 100.0) is None  # past the window
-    assert chk.done(17) and not chk.done(16)
+    assert chk.check(12, 1.7) is not None and not chk.confirmed  # beyond 6 MAD of the losses before the checkpoint
+    chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.1}, median=None, mad=0.1)
+    assert chk.check(11, 1.0005) is None and not chk.confirmed  # within REL_TOL; step 12 not seen yet
+    assert chk.check(12, 1.1) is None and chk.confirmed
+    assert chk.check(13, 100.0) is None  # confirmed: past the failure point nothing is judged
+    band = TrajectoryCheck(restored_step=10, window=6, reference={}, median=2.0, mad=0.1)
+    assert band.check(12, 3.0) is None  # band: 2.0 + 10 * 0.1 + 10 % of 2.0 = 3.2
+    assert band.check(13, 9.0) is None  # one noisy batch above the band is not a divergence
+    assert band.check(14, 3.3) is not None  # the median of 3.0, 9.0, 3.3 is above it
+    assert band.check(15, float("nan")) is not None
+    assert band.check(17, 100.0) is None  # past the window
+    assert band.done(17) and not band.done(16)
     with pytest.raises(tg.ConfigError, match="trajectory_steps"):
         tg.CheckpointManager("/tmp/unused-tg-root", trajectory_steps=-1)
 
@@ -156,13 +200,14 @@ def test_same_step_losses_are_references_only_at_the_same_world_size(tmp_path):
     from trainguard.validation.trajectory import TrajectoryLog
 
     log = TrajectoryLog(tmp_path, "run-a", world_size=2)
-    for step in range(1, 21):
+    for step in range(1, 41):
         log.append(step, 3.70 + 0.01 * (step % 3))  # the launch that died, at world size 2 (MAD 0.01)
     log.close()
-    other = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=1)
-    assert other.reference == {} and other.median is not None
-    assert other.check(11, 3.75) is None  # off step 11's loss at world size 2 by 3 MAD: inside the band
-    assert other.check(12, 9.0) is None and other.check(13, 9.0) is not None  # a sustained rise: caught
-    same = TrajectoryCheck.arm(tmp_path, 10, 50, world_size=2)
-    assert same.reference[11] == pytest.approx(3.72)
-    assert same.check(11, 3.75) is None and same.check(12, 3.95) is not None  # 23 MAD off step 12's loss
+    other = TrajectoryCheck.arm(tmp_path, 30, 50, world_size=1)
+    assert other.reference == {} and other.median is not None  # 30 losses before step 30: a band
+    assert other.check(31, 3.75) is None  # off step 31's loss at world size 2 by 4 MAD: inside the band
+    assert other.check(32, 9.0) is None and other.check(33, 9.0) is not None  # a sustained rise: caught
+    assert TrajectoryCheck.arm(tmp_path, 10, 50, world_size=1).median is None  # 10 losses: too few for a band
+    same = TrajectoryCheck.arm(tmp_path, 30, 50, world_size=2)
+    assert same.reference[31] == pytest.approx(3.71) and same.median is None  # references: no band
+    assert same.check(31, 3.75) is None and same.check(32, 3.95) is not None  # 23 MAD off step 32's loss

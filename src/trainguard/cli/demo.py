@@ -11,6 +11,7 @@ import click
 
 from ..errors import ConfigError
 from .main import main
+from .text import echo, markup
 
 
 @main.command("demo")
@@ -56,8 +57,9 @@ def demo_cmd(
     as_json: bool,
 ) -> None:
     """Train a byte-level GPT on the Python standard library's source under `trainguard run`, inject failures
-    (SIGKILL in a step, SIGKILL mid-save, a hang, a corrupted newest checkpoint), train the same job
-    uninterrupted, and check both end bit-identical.
+    (SIGKILL in a step, SIGKILL mid-save, a hang, a corrupted newest checkpoint caught by CRC32C, and silent
+    corruption: a weight and its recorded CRC32C both rewritten, caught only by the probe fingerprint), train
+    the same job uninterrupted, and check both end bit-identical.
 
     Exit 0 when the final state is identical and every recovery succeeded, 1 otherwise, 2 on bad options.
     """
@@ -75,13 +77,13 @@ def demo_cmd(
         )
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
-    echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    say = (lambda msg: echo(msg, err=True)) if as_json else echo
     try:
-        summary = run_demo(cfg, echo=echo, progress=not as_json and sys.stdout.isatty())
+        summary = run_demo(cfg, echo=say, progress=not as_json and sys.stdout.isatty())
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if as_json:
-        click.echo(json.dumps(summary, indent=1, default=str))
+        echo(json.dumps(summary, indent=1, default=str))
     else:
         print_summary(summary)
     sys.exit(0 if summary["ok"] else 1)
@@ -140,10 +142,8 @@ def print_summary(s: dict) -> None:
                 f"corrupt chunk detected at resume and skipped: {', '.join(map(str, f['corrupt_chunk_reported']))}"
             )
         for sk in f.get("suspect_skipped", []):
-            from rich.markup import escape
-
             c.print(
-                f"suspect checkpoint detected at resume and skipped: step {sk['step']} ({escape(str(sk['problem']))})"
+                f"suspect checkpoint detected at resume and skipped: step {sk['step']} ({markup(str(sk['problem']))})"
             )
     c.print(
         f"goodput: {s['goodput'] * 100:.1f}% (useful training {s['useful_train_s']:.1f} s of {s['wall_s']:.1f} s "

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.markup import escape
 
 from ..catalog import (
     find_run_roots,
@@ -27,6 +26,7 @@ from ..format import TensorEntry, step_dir_name
 from ..storage.objects import is_url
 from .main import main
 from .remote import ls_url, tier_columns, url_cache, verify_url
+from .text import StepCommand, echo, markup
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
 
@@ -86,7 +86,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
         if not infos:
             hint = _runs_hint(p, "ls")
             if hint:
-                click.echo(f"no checkpoints in {p}{hint}", err=True)
+                echo(f"no checkpoints in {p}{hint}", err=True)
         rows = []
         for i in infos:
             row: dict[str, Any] = i.to_json()
@@ -96,37 +96,66 @@ def ls_cmd(root: str, as_json: bool) -> None:
             if tiers is not None:
                 row["tiers"] = tiers.get(i.step, {})
             rows.append(row)
-        click.echo(json.dumps(rows, indent=1))
+        echo(json.dumps(rows, indent=1))
         return
+    rows = []
+    for i in infos:
+        ev = timings.get(i.step, {})
+        rows.append({**i.to_json(), "block_s": ev.get("block_s"), "persist_s": ev.get("persist_s")})
+    if rows:
+        print_listing(str(p), rows)
+    else:
+        echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+
+
+def print_listing(where: str, rows: list[dict[str, Any]]) -> None:
+    """The ``ls`` table of a run root (a path or a URL): one row per step, then each problem whole.
+
+    Args:
+        where: the run root as the user gave it (the table's title).
+        rows: ``{step, status, bytes, time, problem}`` (and optionally ``block_s``, ``persist_s``) per step;
+            ``time`` is ISO 8601 UTC, shown to the second.
+    """
     from rich.table import Table
 
-    table = Table(title=f"checkpoints in {escape(str(p))}")  # every string from data is escaped: no markup
+    table = Table(title=f"checkpoints in {markup(where)}")  # every string from data is escaped: no markup
     for col in ("step", "status", "size", "time (UTC)", "block s", "persist s"):
         # fold: a value that does not fit wraps onto the next line, never cut with an ellipsis
         right = col in ("step", "size", "block s", "persist s")
         table.add_column(col, justify="right" if right else "left", overflow="fold")
     problems = []
-    for i in infos:
-        ev = timings.get(i.step, {})
-        color = STATUS_COLORS[i.status]
+    for r in rows:
+        color = STATUS_COLORS.get(r["status"], "none")
+        status = markup(r["status"])
         table.add_row(
-            str(i.step),
-            f"[{color}]{i.status}[/]",
-            human_bytes(i.bytes),
-            escape((i.time or "")[:19].replace("T", " ")),
-            _fmt_s(ev.get("block_s")),
-            _fmt_s(ev.get("persist_s")),
+            str(r["step"]),
+            f"[{color}]{status}[/]",
+            human_bytes(r["bytes"]),
+            markup((r["time"] or "")[:19].replace("T", " ")),
+            _fmt_s(r.get("block_s")),
+            _fmt_s(r.get("persist_s")),
         )
-        if i.problem:
-            problems.append(f"step {i.step} [{color}]{i.status}[/]: {escape(i.problem)}")
-    if infos:
-        c = console()
-        c.print(table)
-        # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
-        for line in problems:
-            c.print(line, highlight=False, overflow="fold")
-    else:
-        click.echo(f"no checkpoints in {p}" + _runs_hint(p, "ls"))
+        if r["problem"]:
+            problems.append(f"step {r['step']} [{color}]{status}[/]: {markup(r['problem'])}")
+    c = console()
+    c.print(table)
+    # Problems are printed whole below the table, wrapped at spaces: never cut to a column's width.
+    for line in problems:
+        c.print(line, highlight=False, overflow="fold")
+
+
+def corrupt_line(step: int, problem: str) -> str:
+    """``verify``'s line for a corrupt step (``problem`` may itself start with "corrupt")."""
+    text = str(problem)
+    if text.lower().startswith("corrupt "):
+        text = text[len("corrupt ") :]
+    return f"step {step}: CORRUPT {text}"
+
+
+def verify_summary(ok: bool, n_checked: int, n_bad: int, bytes_read: int) -> str:
+    """``verify``'s last line: the verdict, the checkpoints checked and the bytes re-read."""
+    verdict = "OK" if ok else f"FAILED: {n_bad} of"
+    return f"{verdict} {n_checked} checkpoint(s) checked, {human_bytes(bytes_read)} re-read"
 
 
 STATUS_COLORS = {
@@ -159,8 +188,8 @@ def require_run_root(p: Path, command: str, as_json: bool) -> None:
         return
     message = f"no checkpoints in {p}{_runs_hint(p, command)}"
     if as_json:
-        click.echo(json.dumps({"error": message}))
-    click.echo(f"{command}: {message}", err=True)
+        echo(json.dumps({"error": message}))
+    echo(f"{command}: {message}", err=True)
     sys.exit(1)
 
 
@@ -168,7 +197,7 @@ def _fmt_s(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, (int, float)) else ""
 
 
-@main.command("info")
+@main.command("info", cls=StepCommand)
 @click.argument("root")
 @click.argument("step", required=False, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's summary as JSON.")
@@ -193,8 +222,8 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             if not valid:
                 message = f"no valid checkpoint in {p}"
                 if as_json:
-                    click.echo(json.dumps({"error": message}))
-                click.echo(message, err=True)
+                    echo(json.dumps({"error": message}))
+                echo(message, err=True)
                 sys.exit(1)
             step = valid[-1]
         assert step is not None
@@ -207,14 +236,14 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         except CorruptCheckpointError as e:
             if latest and not is_committed(p, step):
                 continue
-            click.echo(f"step {step}: {e}", err=True)
+            echo(f"step {step}: {e}", err=True)
             sys.exit(1)
         status = inspect_step(p, step, p / step_dir_name(step), store)[0]
         if latest and not status.usable and not is_committed(p, step):
             continue  # deleted (chunks and all) while being read: take the new newest
         break
     else:
-        click.echo(f"{p}: the newest checkpoint kept being deleted while being read; try again", err=True)
+        echo(f"{p}: the newest checkpoint kept being deleted while being read; try again", err=True)
         sys.exit(1)
     entries = _entries(store, m)
     state, problem = status.status, status.problem
@@ -238,9 +267,9 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     }
     bad = state in ("corrupt", "suspect", "incomplete")  # lacking only a full read is not a failure
     if as_json:
-        click.echo(json.dumps(summary, indent=1, allow_nan=False))
+        echo(json.dumps(summary, indent=1, allow_nan=False))
         if bad:
-            click.echo(f"step {step} is {state}: {problem}", err=True)
+            echo(f"step {step} is {state}: {problem}", err=True)
         sys.exit(1 if bad else 0)
     _print_info(summary)
     if bad:
@@ -250,7 +279,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
             )
         else:
             nxt = f"`trainguard verify {root} --step {step}` re-reads every chunk"
-        click.echo(f"step {step} is {state}: {problem}; it will not be restored ({nxt})", err=True)
+        echo(f"step {step} is {state}: {problem}; it will not be restored ({nxt})", err=True)
         sys.exit(1)
 
 
@@ -343,25 +372,25 @@ def _print_info(summary: dict[str, Any]) -> None:
 
     c = console()
     c.print(
-        f"[bold]step {summary['step']}[/]  {escape(str(summary['time']))}  world size {summary['world_size']}  "
+        f"[bold]step {summary['step']}[/]  {markup(str(summary['time']))}  world size {summary['world_size']}  "
         f"format v{summary['format_version']}  {human_bytes(summary['bytes'])} in {summary['chunks']} chunks"
     )
     if summary["status"] != "valid":
-        problem = f": {escape(str(summary['problem']))}" if summary["problem"] else ""
+        problem = f": {markup(str(summary['problem']))}" if summary["problem"] else ""
         color = "cyan" if summary["status"] == "unverified" else "red"
         c.print(f"[{color}]{summary['status']}[/]{problem}")
     if summary["run"] is not None:
         run, src = summary["run"], summary["run"]["resumed_from"]
         c.print(
-            f"run {run['id'] or '(unnamed)'}"
+            f"run {markup(run['id'] or '(unnamed)')}"
             + (
-                f", resumed from run {src['run_id'] or '(unnamed)'} at step {src['step']}"
+                f", resumed from run {markup(src['run_id'] or '(unnamed)')} at step {src['step']}"
                 if src
                 else ", started fresh"
             )
         )
     if summary["metrics"]:
-        c.print("metrics: " + ", ".join(escape(f"{k}={v}") for k, v in summary["metrics"].items()))
+        c.print("metrics: " + ", ".join(markup(f"{k}={v}") for k, v in summary["metrics"].items()))
     table = Table()
     for col in ("entry", "kind", "dtype / codec", "shape", "bytes"):
         table.add_column(col, overflow="fold")  # wrap, never cut a name or a shape
@@ -369,9 +398,9 @@ def _print_info(summary: dict[str, Any]) -> None:
     for row in summary["entries"]:
         if row["kind"] == "tensor":
             table.add_row(
-                escape(row["fqn"]),
+                markup(row["fqn"]),
                 "tensor",
-                escape(row["dtype"]),
+                markup(row["dtype"]),
                 str(row["shape"]),
                 human_bytes(row["bytes"]),
                 "",
@@ -381,12 +410,12 @@ def _print_info(summary: dict[str, Any]) -> None:
         for i, (label, text) in enumerate(_value_rows(row)):
             first = i == 0
             table.add_row(
-                escape(label),
+                markup(label),
                 "value" if first else "",
-                escape(row["codec"]) if first else "",
+                markup(row["codec"]) if first else "",
                 "",
                 "",
-                f"[{style}]{escape(text)}[/]",
+                f"[{style}]{markup(text)}[/]",
             )
     c.print(table)
 
@@ -431,10 +460,8 @@ def verify_cmd(
     if not is_run_root(p):
         message = f"no checkpoints in {p}{_runs_hint(p, 'verify')}; nothing was verified"
         if as_json:
-            click.echo(
-                json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message})
-            )
-        click.echo(f"FAILED: {message}", err=True)
+            echo(json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message}))
+        echo(f"FAILED: {message}", err=True)
         sys.exit(1)
     dirs, partials = step_dirs(p)
     # A stable listing: a single one can see no checkpoint while a writer commits one and deletes the last.
@@ -445,10 +472,8 @@ def verify_cmd(
         hint = "" if dirs or partials else _runs_hint(p, "verify")
         message = f"{what} in {p}{hint}; nothing was verified"
         if as_json:
-            click.echo(
-                json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message})
-            )
-        click.echo(f"FAILED: {message}", err=True)
+            echo(json.dumps({"ok": False, "checked": [], "corrupt": [], "bytes_read": 0, "error": message}))
+        echo(f"FAILED: {message}", err=True)
         sys.exit(1)
     show = not as_json and sys.stderr.isatty()
     for attempt in range(RACE_RETRIES):  # the newest checkpoint may be deleted by a writer meanwhile
@@ -486,24 +511,21 @@ def verify_cmd(
     if as_json:
         doc = report.to_json()
         doc["suspect"] = [{"step": s, "reason": r} for s, r in sorted(suspect.items())]
-        click.echo(json.dumps(doc, indent=1))
+        echo(json.dumps(doc, indent=1))
     else:
         for s in report.checked:
             bad = [c for c in report.corrupt if c["step"] == s]
             if not bad and s in suspect:
-                click.echo(
+                echo(
                     f"step {s}: ok (bytes intact) but SUSPECT: {suspect[s]}; it will not be restored until "
                     f"`trainguard mark {root} {s} --clear` (once you have checked it)"
                 )
             elif not bad:
-                click.echo(f"step {s}: ok")
+                echo(f"step {s}: ok")
             for c in bad:
-                click.echo(f"step {s}: CORRUPT {c['problem']}")
+                echo(corrupt_line(s, c["problem"]))
         n_bad = len({c["step"] for c in report.corrupt})
-        verdict = "OK" if report.ok else f"FAILED: {n_bad} of"
-        click.echo(
-            f"{verdict} {len(report.checked)} checkpoint(s) checked, {human_bytes(report.bytes_read)} re-read"
-        )
+        echo(verify_summary(report.ok, len(report.checked), n_bad, report.bytes_read))
     sys.exit(0 if report.ok else 1)
 
 

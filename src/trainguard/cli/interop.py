@@ -19,6 +19,7 @@ from ..errors import (
     TrainguardError,
 )
 from .main import main
+from .text import echo
 
 
 @contextmanager
@@ -50,8 +51,8 @@ def _fail(e: BaseException, as_json: bool) -> None:
     )
     code = 2 if usage and not isinstance(e, CorruptCheckpointError) else 1
     if as_json:
-        click.echo(json.dumps({"ok": False, "error": str(e), "error_type": type(e).__name__}))
-    click.echo(f"error: {e}", err=True)
+        echo(json.dumps({"ok": False, "error": str(e), "error_type": type(e).__name__}))
+    echo(f"error: {e}", err=True)
     sys.exit(code)
 
 
@@ -121,10 +122,10 @@ def export_cmd(
         _fail(e, as_json)
         return
     if as_json:
-        click.echo(json.dumps({"ok": True, **res.to_json()}, indent=1))
+        echo(json.dumps({"ok": True, **res.to_json()}, indent=1))
         return
     shape = f"{len(res.files) - 1} shards + index" if fmt == "safetensors" and res.files else fmt
-    click.echo(
+    echo(
         f"exported step {res.step} ({res.entry}: {res.tensors} tensors, {res.bytes} bytes"
         + (f", {res.values} values" if res.values else "")
         + f") to {res.out} ({shape})"
@@ -189,9 +190,9 @@ def import_cmd(
         return
     if as_json:
         out: dict[str, Any] = {"ok": True, **res.to_json()}
-        click.echo(json.dumps(out, indent=1))
+        echo(json.dumps(out, indent=1))
         return
-    click.echo(
+    echo(
         f"imported {res.tensors} tensors ({res.bytes} bytes)"
         + (f" and {res.values} values" if res.values else "")
         + f" from {src} as step {res.step} under {res.root} (entries: {', '.join(res.entries)})"

@@ -9,9 +9,19 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .text import printable
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:  # a usage error naming a path or checkpoint data: terminal-safe
+            e.message = printable(e.message, lines=True)  # type: ignore[misc]
+            raise
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="trainguard")
 def main() -> None:
     """trainguard: fast, verified, resumable checkpoints for PyTorch training jobs."""

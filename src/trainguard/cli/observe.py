@@ -11,6 +11,7 @@ import click
 
 from .inspect import _root, console, require_run_root
 from .main import main
+from .text import echo
 
 
 @main.command("report")
@@ -56,10 +57,10 @@ def report_cmd(root: str, output: Path | None, as_json: bool) -> None:
     if as_json:
         if path is not None:
             figs["report"] = str(path)
-        click.echo(json.dumps(figs, indent=1, default=str))
+        echo(json.dumps(figs, indent=1, default=str))
         return
     good = figs["goodput"]
-    click.echo(
+    echo(
         f"report: {path}\n{len(figs['failures'])} failure(s), {figs['checkpoints']['count']} checkpoint(s), "
         f"goodput {'-' if good is None else f'{100 * good:.1f} %'}, status {figs['run']['status']}"
     )
@@ -86,7 +87,7 @@ def status_cmd(root: str, watch: bool, interval: float, as_json: bool) -> None:
     if not interval > 0:
         raise click.UsageError(f"--interval must be > 0 seconds, got {interval}")
     if as_json:
-        click.echo(json.dumps(run_status(p), indent=1, default=str))
+        echo(json.dumps(run_status(p), indent=1, default=str))
         return
     c = console()
     if not watch:

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError, TrainguardError
+from .text import echo
 
 
 def open_remote(url: str) -> Any:
@@ -31,18 +32,14 @@ def ls_url(url: str, as_json: bool) -> None:
     remote = open_remote(url)
     rows = [r.to_json() for r in remote.scan()]
     if as_json:
-        click.echo(json.dumps(rows, indent=1))
+        echo(json.dumps(rows, indent=1))
         return
     if not rows:
-        click.echo(f"no checkpoints in {url}")
+        echo(f"no checkpoints in {url}")
         return
-    from .inspect import human_bytes
+    from .inspect import print_listing
 
-    for r in rows:
-        extra = f"  {r['problem']}" if r["problem"] else ""
-        click.echo(
-            f"{r['step']:>10}  {r['status']:<8}  {human_bytes(r['bytes']):>10}  {r['time'] or ''}{extra}"
-        )
+    print_listing(url, rows)
 
 
 def verify_url(
@@ -74,17 +71,18 @@ def verify_url(
             report["ok"] = False
             report["corrupt"].append({"step": s, "chunk": chunk, "tensors": [], "problem": problem})
     if as_json:
-        click.echo(json.dumps(report, indent=1))
+        echo(json.dumps(report, indent=1))
     else:
+        from .inspect import corrupt_line, verify_summary
+
         for s in report["checked"]:
             bad = [c for c in report["corrupt"] if c["step"] == s]
-            click.echo(f"step {s}: ok" if not bad else f"step {s}: CORRUPT {bad[0]['problem']}")
+            echo(f"step {s}: ok" if not bad else corrupt_line(s, bad[0]["problem"]))
         if "error" in report:
-            click.echo(f"FAILED: {report['error']}", err=True)
+            echo(f"FAILED: {report['error']}", err=True)
         else:
-            click.echo(
-                f"{'OK' if report['ok'] else 'FAILED'}: {len(report['checked'])} checkpoint(s) checked"
-            )
+            n_bad = len({c["step"] for c in report["corrupt"]})
+            echo(verify_summary(report["ok"], len(report["checked"]), n_bad, report["bytes_read"]))
     sys.exit(0 if report["ok"] else 1)
 
 
@@ -102,7 +100,7 @@ def url_cache(url: str, step: int | None) -> Path:
     except (OSError, TrainguardError) as e:
         raise click.UsageError(f"{url}: {e}") from None
     if done is None:
-        click.echo(f"no restorable checkpoint{'' if step is None else f' of step {step}'} in {url}", err=True)
+        echo(f"no restorable checkpoint{'' if step is None else f' of step {step}'} in {url}", err=True)
         sys.exit(1)
     return cache
 
@@ -124,7 +122,7 @@ def tier_columns(hot: Path, steps: list[int]) -> dict[int, dict[str, str]] | Non
 
             links.append(TierLink(Tier(t["url"]), open_objects(t["url"], opts, stall_timeout_s=30.0)))
         except (OSError, TrainguardError) as e:
-            click.echo(f"tier {t['url']}: {e}", err=True)
+            echo(f"tier {t['url']}: {e}", err=True)
     return TierSet(hot, links, lambda *a, **k: None).status(steps) if links else None
 
 
@@ -143,9 +141,9 @@ def prefetch_cmd_impl(root: str, tier_urls: tuple[str, ...], as_json: bool) -> N
     except (OSError, TrainguardError) as e:
         raise click.UsageError(str(e)) from None
     if as_json:
-        click.echo(json.dumps({"ok": step is not None, "step": step, "root": str(hot)}))
+        echo(json.dumps({"ok": step is not None, "step": step, "root": str(hot)}))
     elif step is None:
-        click.echo(f"no restorable checkpoint on {', '.join(urls)}", err=True)
+        echo(f"no restorable checkpoint on {', '.join(urls)}", err=True)
     else:
-        click.echo(f"step {step} is intact in {hot}")
+        echo(f"step {step} is intact in {hot}")
     sys.exit(0 if step is not None else 1)

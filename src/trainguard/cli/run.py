@@ -17,6 +17,7 @@ from ..recovery.heartbeat import parse_signal
 from ..recovery.supervisor import RunResult, Supervisor
 from ..recovery.ttr import PHASES
 from .main import main
+from .text import echo
 
 _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, meaning in EXIT_CODES.items())
 
@@ -128,7 +129,7 @@ def run_command(
         raise click.UsageError("no COMMAND given; usage: trainguard run [OPTIONS] -- COMMAND [ARGS]...")
     job_root = next((a for a in command if a == "--root" or a.startswith("--root=")), None)
     if root is None and job_root is not None and not os.environ.get(ROOT_ENV):
-        click.echo(
+        echo(
             "[trainguard] note: the --root after COMMAND goes to the job, not to `trainguard run`, so the "
             "supervisor's event log goes to the default root (its path follows). Give the supervisor the "
             "same root before COMMAND: trainguard run --root R -- python train.py --root R",
@@ -153,7 +154,7 @@ def run_command(
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:
         # A log file has no width; do not squeeze the phase columns into 80.
         print_summary(result, Console(file=sys.stdout, width=None if sys.stdout.isatty() else 132))

@@ -13,9 +13,10 @@ from ..catalog import is_committed, read_manifest
 from ..errors import ConfigError, CorruptCheckpointError, RootLockedError
 from .inspect import _root, human_bytes, require_run_root
 from .main import main
+from .text import StepCommand, echo
 
 
-@main.command("mark")
+@main.command("mark", cls=StepCommand)
 @click.argument("root")
 @click.argument("step", type=click.IntRange(min=0))
 @click.option("--suspect", "reason", default=None, metavar="REASON", help="Mark STEP suspect, with why.")
@@ -36,25 +37,23 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
         raise click.UsageError(f"no committed checkpoint of step {step} under {p} (`trainguard ls {root}`)")
     if clear:
         removed = clear_suspect(p, step)
-        click.echo(
-            f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect"
-        )
+        echo(f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect")
         return
     if not reason or not reason.strip():
         raise click.UsageError("--suspect needs a non-empty REASON")
     try:
         read_manifest(p, step)
     except CorruptCheckpointError as e:  # never restored anyway: a suspect mark would change nothing
-        click.echo(
+        echo(
             f"step {step} is corrupt, not marked: {e}. A corrupt checkpoint is never restored, so a suspect mark "
             f"would change nothing (`trainguard ls {root}` shows it)",
             err=True,
         )
         sys.exit(1)
     if not mark_suspect(p, step, reason, by="operator"):
-        click.echo(f"step {step}: could not write the marker under {p} (read-only?)", err=True)
+        echo(f"step {step}: could not write the marker under {p} (read-only?)", err=True)
         sys.exit(1)
-    click.echo(f"step {step}: marked suspect ({reason})")
+    echo(f"step {step}: marked suspect ({reason})")
 
 
 @main.command("gc")
@@ -97,10 +96,10 @@ def gc_cmd(
     try:
         report = gc(p, quarantine_older_than_s=q, orphans_older_than_s=o, dry_run=dry_run)
     except ConfigError as e:  # not a run root: refused like verify/info, nothing created
-        click.echo(f"gc: {e}", err=True)
+        echo(f"gc: {e}", err=True)
         sys.exit(1)
     except RootLockedError:
-        click.echo(
+        echo(
             f"gc: run root {p} is locked by a job writing to it{_holder(p)}. gc removes chunks a running job may still write or read, so it needs the root to "
             "itself: stop the job, or wait until it ends, then run gc again (while a job runs, its own "
             "retention removes the chunks its checkpoints no longer reference)",
@@ -108,20 +107,20 @@ def gc_cmd(
         )
         sys.exit(1)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        echo(json.dumps(report.to_json(), indent=1))
         return
     verb = "would remove" if dry_run else "removed"
     for rel in report.quarantined:
-        click.echo(f"{verb} quarantined {rel}")
+        echo(f"{verb} quarantined {rel}")
     for rel in report.orphans:
-        click.echo(f"{verb} orphan {rel}")
-    click.echo(
+        echo(f"{verb} orphan {rel}")
+    echo(
         f"{verb} {len(report.quarantined)} quarantined and {len(report.orphans)} orphan chunk(s), "
         f"{human_bytes(report.bytes_freed)}; {report.referenced} referenced chunk(s) kept"
     )
     if report.unreadable_manifests:
         steps = ", ".join(map(str, report.unreadable_manifests))
-        click.echo(
+        echo(
             f"the manifest of step(s) {steps} cannot be read, so the chunks it references are unknown: no "
             "orphan was removed (`trainguard ls` shows why; remove or repair that step and run gc again)"
         )

@@ -121,9 +121,12 @@ class TrainguardWriter(StorageWriter):
             self.store.sync(step=self.step)  # durable and visible under chunks/ before the commit
             self.write_s = time.perf_counter() - t0
             fut.set_result(results)
-        except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
+        except Exception as e:  # noqa: BLE001 - DCP collects it per rank
             self.store.drop_unpublished(self.staging)
-            fut.set_exception(e)  # type: ignore[arg-type]
+            fut.set_exception(e)
+        except BaseException:  # KeyboardInterrupt, SystemExit: a Future cannot hold them; they propagate
+            self.store.drop_unpublished(self.staging)  # the save's finally removes its partial directory
+            raise
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

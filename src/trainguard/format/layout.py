@@ -24,6 +24,19 @@ _PARTIAL_RE = re.compile(r"step-([0-9]+)\.partial-([0-9a-zA-Z]+)")
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
+MAX_STEP = 1 << 62
+"""The largest step a checkpoint may have (a manifest with a larger one is corrupt)."""
+
+
+def step_problem(step: object) -> str | None:
+    """None for a valid step (an int in ``[0, MAX_STEP]``, not a bool), else what is wrong and the fix."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step must be an int >= 0, got {step!r}"
+    if step > MAX_STEP:
+        return f"step must be at most 2**62 ({MAX_STEP}), got {step}; count steps from 0 with a plain counter"
+    return None
+
+
 def step_dir_name(step: int) -> str:
     """``step-000001000`` for step 1000 (zero-padded to 9 digits; wider steps keep all their digits)."""
     if step < 0:

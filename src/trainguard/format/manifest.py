@@ -28,7 +28,7 @@ from .bounds import (
     check_shard_segments,
     check_tiling,
 )
-from .layout import chunk_relpath, validate_relpath
+from .layout import MAX_STEP, chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
 FORMAT_VERSION = 1
@@ -293,8 +293,21 @@ def manifest_to_json(m: Manifest) -> bytes:
         body["run"] = m.run.to_json()
     if m.chunk_sizes is not None:
         body["chunk_sizes"] = list(m.chunk_sizes)
-    body["crc32c"] = _crc32c.crc32c(_canonical(body))
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    # Encoded once: the canonical form is the sorted members joined; the output is the same with the
+    # ``crc32c`` member inserted at its sorted place (byte-identical to encoding the dict with the field).
+    members = [
+        _members({k: v for k, v in body.items() if k < "crc32c"}),
+        "",
+        _members({k: v for k, v in body.items() if k > "crc32c"}),
+    ]
+    crc = _crc32c.crc32c(("{" + ",".join(x for x in members if x) + "}").encode())
+    members[1] = f'"crc32c":{crc}'
+    return ("{" + ",".join(x for x in members if x) + "}").encode()
+
+
+def _members(obj: dict[str, Any]) -> str:
+    """The canonical JSON of ``obj`` without its braces (empty for an empty dict)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)[1:-1]
 
 
 def _jsonable(x: Any) -> Any:
@@ -437,7 +450,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         raise _bad(f"unserializable content ({e})", expect_step) from None
     if crc != actual:
         raise _bad(f"manifest CRC32C mismatch (stored {crc!r}, computed {actual})", expect_step)
-    step = _int(body.get("step"), "step", 0, 1 << 62)
+    step = _int(body.get("step"), "step", 0, MAX_STEP)
     if expect_step is not None and step != expect_step:
         raise _bad(f"manifest says step {step} but lives in the directory of step {expect_step}", expect_step)
     chunk_sizes = _chunk_sizes(body.get("chunk_sizes"), step)

@@ -206,6 +206,7 @@ class ChunkStore:
         *,
         step: int | None = None,
         encoding: Encoding | None = None,
+        raw_hash: str | None = None,
     ) -> tuple[ChunkRecord, bool]:
         """Store ``buf`` as a chunk; pins it. Returns ``(record, written)`` (written False when deduplicated).
 
@@ -214,15 +215,18 @@ class ChunkStore:
             staging: the staging prefix of the save (:meth:`staging_for`).
             step: the step being saved, for error messages.
             encoding: how ``buf`` decodes (None: raw bytes).
+            raw_hash: :func:`content_hash` of ``buf`` when the caller already computed it (raw chunks only:
+                ignored for an encoded one), so the bytes are hashed once.
 
         Raises:
             StorageFullError: ENOSPC while writing.
         """
         view = memoryview(buf).cast("B")
         enc = encoding or Encoding(size=len(view))
-        h = content_hash(view, enc.recipe())
+        recipe = enc.recipe()
+        h = raw_hash if raw_hash and not recipe else content_hash(view, recipe)
         rel = chunk_relpath(h)
-        if enc.recipe():
+        if recipe:
             rec = ChunkRecord(
                 h, rel, len(view), crc32c.crc32c(view), enc.codec, enc.size, enc.base, enc.delta, enc.word
             )

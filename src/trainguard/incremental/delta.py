@@ -141,12 +141,12 @@ class SaveEncoder:
             if head.base is None:  # damaged or gone: written anew the same way, which repairs older saves
                 stored = view if head.codec == "raw" else compress(view, itemsize)
                 enc = None if head.codec == "raw" else Encoding(head.codec, len(view))
-                rec, written = store.put(stored, staging, step=step, encoding=enc)
+                rec, written = store.put(stored, staging, step=step, encoding=enc, raw_hash=raw_hash)
                 assert key is not None
                 self._remember(key, Piece(raw_hash, (rec,), self._copy(view)))
                 return (rec,), written
         if not self.compress:
-            rec, written = store.put(view, staging, step=step)
+            rec, written = store.put(view, staging, step=step, raw_hash=raw_hash)
             if key is not None:
                 self._remember(key, Piece(raw_hash, (rec,), self._copy(view)))
             return (rec,), written

@@ -23,6 +23,7 @@ import torch
 from .._optional import require
 from ..errors import CheckpointExistsError, ConfigError, RunConflictError, UnsafeCheckpointError, plain_text
 from ..format import validate_relpath
+from ..format.layout import step_problem
 
 FORMATS = ("dcp", "torch", "safetensors")
 
@@ -103,8 +104,9 @@ def import_checkpoint(
 
     if format not in FORMATS:
         raise ConfigError(f"unknown import format {format!r}; use one of {', '.join(FORMATS)}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step must be an int >= 0, got {step!r}")
+    bad_step = step_problem(step)
+    if bad_step is not None:
+        raise ConfigError(bad_step)
     if key is not None and all_state:
         raise ConfigError("give either --key or --all, not both")
     if format == "safetensors":

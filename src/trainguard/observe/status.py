@@ -131,17 +131,24 @@ def render_status(s: dict[str, Any]) -> Any:
     from rich import box
     from rich.table import Table
 
+    from .._text import markup
+
     t = Table(
-        title=f"trainguard status: {s['root']}", box=box.SIMPLE_HEAD, show_header=False, title_justify="left"
+        title=f"trainguard status: {markup(s['root'])}",
+        box=box.SIMPLE_HEAD,
+        show_header=False,
+        title_justify="left",
     )
     t.add_column("what", style="bold")
     t.add_column("value")
     colour = {"running": "green", "succeeded": "green", "gave_up": "red", "stopped": "yellow"}.get(
         s["status"], ""
     )
-    t.add_row("status", f"[{colour}]{s['status']}[/]" if colour else s["status"])
+    t.add_row("status", f"[{colour}]{markup(s['status'])}[/]" if colour else markup(s["status"]))
     if s["run_id"]:
-        t.add_row("run", f"{s['run_id']} (attempt {s['attempt'] if s['attempt'] is not None else '-'})")
+        t.add_row(
+            "run", f"{markup(s['run_id'])} (attempt {s['attempt'] if s['attempt'] is not None else '-'})"
+        )
     step = "-" if s["step"] is None else f"{s['step']} ({s['step_source']}, {_age(s['step_age_s'])})"
     t.add_row("current step", step)
     nv = s["newest_valid"]
@@ -158,7 +165,9 @@ def render_status(s: dict[str, Any]) -> Any:
     t.add_row("failures", str(s["failures"]))
     if s["last_failure"]:
         lf = s["last_failure"]
-        t.add_row("last failure", f"{lf['cause']} at step {lf['step'] if lf['step'] is not None else '-'}")
+        t.add_row(
+            "last failure", f"{markup(lf['cause'])} at step {lf['step'] if lf['step'] is not None else '-'}"
+        )
     if s["last_recovery"] and s["last_recovery"]["ttr_s"] is not None:
         lr = s["last_recovery"]
         t.add_row("last recovery", f"TTR {lr['ttr_s']:.2f} s, {lr['steps_lost']} steps lost")

@@ -19,6 +19,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_MAX_RESTARTS = 3
 EXIT_NO_PROGRESS = 4
+EXIT_NO_VALID_CHECKPOINT = 5
 EXIT_SPAWN_FAILED = 127
 EXIT_SIGNAL_BASE = 128
 
@@ -28,6 +29,8 @@ EXIT_CODES: dict[str, str] = {
     "3": "gave up: the job failed again after --max-restarts restarts",
     "4": "gave up: --no-progress-limit restarts in a row made no progress (heartbeat step did not advance, or "
     "the job died within 60 s of starting without any heartbeat)",
+    "5": "gave up: the job failed with NoValidCheckpointError (checkpoints exist under its root but none is valid; "
+    "a relaunch would fail the same way): `trainguard verify ROOT --all` says why",
     "75": "preempted: a --preempt-signal arrived, the job was told to save (SIGTERM) and was not restarted; "
     "requeue it",
     "127": "COMMAND could not be started (not found or not executable)",

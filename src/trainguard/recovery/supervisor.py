@@ -29,8 +29,9 @@ supervisor (``PR_SET_PDEATHSIG``), and after each attempt every leftover descend
 those in other sessions (re-parented to the supervisor, a child subreaper), is stopped.
 
 Exit codes (:data:`EXIT_CODES`): 0 the job exited 0; 2 usage error; 3 gave up after ``max_restarts``
-restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without progress; 127 COMMAND could
-not be started; 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
+restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without progress; 5 gave up at once
+because the job's ``restore_latest`` raised NoValidCheckpointError (its ``restore_failed`` event in the run
+root's event log: a relaunch would fail the same way); 127 COMMAND could not be started; 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
 
 Concurrency: one :meth:`Supervisor.run` at a time per object. Signals are forwarded only when ``run`` is
 called from the main thread (Python delivers signals there).
@@ -68,6 +69,7 @@ from .config import (
     EARLY_DEATH_S,
     EXIT_MAX_RESTARTS,
     EXIT_NO_PROGRESS,
+    EXIT_NO_VALID_CHECKPOINT,
     EXIT_OK,
     EXIT_SIGNAL_BASE,
     EXIT_SPAWN_FAILED,
@@ -124,6 +126,7 @@ class Supervisor:
         self._preempt_signal: int | None = None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
+        self._no_valid: str | None = None  # the attempt's restore_failed problem (NoValidCheckpointError)
         self._stop_t: float | None = None
         self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
@@ -195,8 +198,12 @@ class Supervisor:
         return server
 
     def _poll_tail(self, pending: PendingRecovery | None) -> None:
-        """Read the job's new events: feed the metrics and the recovery in progress."""
+        """Read the job's new events: feed the metrics and the recovery in progress, and note a
+        ``restore_failed`` (no valid checkpoint: relaunching cannot help)."""
         records = self._tail.poll()
+        for rec in records:
+            if rec.get("event") == "restore_failed" and rec.get("error") == "NoValidCheckpointError":
+                self._no_valid = str(rec.get("problem") or "no valid checkpoint")
         if self._metrics is not None:
             self._metrics.observe_all(records)
         if pending is not None and not pending.done:
@@ -242,6 +249,7 @@ class Supervisor:
         while True:
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
+            self._no_valid = None
             job = self._spawn(attempt, restart_count)
             if job is None:
                 return self._finish("spawn_failed", "spawn_failed", EXIT_SPAWN_FAILED)
@@ -295,6 +303,15 @@ class Supervisor:
             self._echo(f"[trainguard] attempt {attempt} failed ({how}), {at}")
             if self._stop_signal is not None:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
+            if result.outcome == "exit" and self._no_valid is not None:
+                # deterministic: every relaunch would restore_latest the same invalid checkpoints
+                self._echo(
+                    f"[trainguard] the job found no valid checkpoint to resume from ({self._no_valid}); "
+                    f"a relaunch would fail the same way: not restarting. `trainguard verify {self.root} --all` "
+                    f"says why; restore a replica, `trainguard mark {self.root} STEP --clear` a suspect one, or "
+                    "start a new run root"
+                )
+                return self._finish("gave_up", "no_valid_checkpoint", EXIT_NO_VALID_CHECKPOINT)
             limit = cfg.max_no_progress_restarts
             if limit and best_step is not None and no_progress >= limit:
                 return self._finish("gave_up", "no_progress", EXIT_NO_PROGRESS)
@@ -404,7 +421,7 @@ class Supervisor:
             now = time.time()
             observe()
             waiting = pending is not None and not pending.done
-            if (waiting or self._metrics is not None) and (exited or time.monotonic() >= next_tail):
+            if exited or ((waiting or self._metrics is not None) and time.monotonic() >= next_tail):
                 next_tail = time.monotonic() + TAIL_INTERVAL_S
                 self._poll_tail(pending)
                 if pending is not None and not pending.done and pending.ready(now):

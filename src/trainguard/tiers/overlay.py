@@ -194,10 +194,32 @@ class TierChunkStore(ChunkStore):
             return None  # a tier may hold it: the read checks (a chunk intact nowhere fails the load there)
         return bad
 
+    def verify(
+        self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None, **kw: Any
+    ) -> None:
+        """Check the chunk where the load will read it (``verify_before_load``): on the hot root, else read from
+        the first tier holding it intact and kept in :attr:`fetched` (the load then copies it, not read again)."""
+        hot_err: CorruptCheckpointError | None = None
+        if super().check_present(rec) is None:
+            try:
+                super().verify(rec, step=step, owners=owners, **kw)
+            except CorruptCheckpointError as e:
+                hot_err = e
+            else:
+                with self._lock:
+                    self.hot_ok.add(rec.path)
+                return
+        self._from_tiers(rec, step, owners, hot_err)
+
     def readinto(
         self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
     ) -> None:
         out = out.cast("B") if out.format != "B" else out
+        with self._lock:
+            kept = self.fetched.get(rec.path)
+        if kept is not None:  # read and checked before (verify_before_load, or a chunk shared by two regions)
+            out[: rec.length] = kept[0]
+            return
         hot_err: CorruptCheckpointError | None = None
         if super().check_present(rec) is None:
             try:
@@ -208,11 +230,17 @@ class TierChunkStore(ChunkStore):
                 with self._lock:
                     self.hot_ok.add(rec.path)
                 return
-        with self._lock:
-            kept = self.fetched.get(rec.path)
-        if kept is not None:  # read before (a chunk shared by two tensors' regions)
-            out[: rec.length] = kept[0]
-            return
+        out[: rec.length] = self._from_tiers(rec, step, owners, hot_err)
+
+    def _from_tiers(
+        self,
+        rec: ChunkRecord,
+        step: int | None,
+        owners: list[str] | None,
+        hot_err: CorruptCheckpointError | None,
+    ) -> bytes:
+        """The chunk's bytes from the first tier holding it with the recorded length and CRC32C (kept in
+        :attr:`fetched`); raises ``hot_err`` (the hot root's problem) or "intact on no tier" when none does."""
         problems = []
         for link in self.links:
             try:
@@ -229,10 +257,9 @@ class TierChunkStore(ChunkStore):
             elif crc32c.crc32c(data) != rec.crc32c:
                 problems.append(f"corrupt on {link.key}: fails CRC32C")
             else:
-                out[: rec.length] = data
                 with self._lock:
                     self.fetched[rec.path] = (data, link.key)
-                return
+                return data
             log.warning("chunk %s: %s", rec.path, problems[-1])
         if hot_err is not None:
             raise hot_err

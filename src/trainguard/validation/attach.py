@@ -178,7 +178,8 @@ class Validation:
         check is armed: every rank calls ``maybe_save`` each step, with or without a loss).
 
         Raises:
-            ResumeDivergedError: the loss left the band of the losses logged before the failure.
+            ResumeDivergedError: the loss differs from the one logged for the same step before the failure, or
+                (no such reference) left the band of the losses before the restored step.
         """
         tr = self.trajectory
         if tr is None:
@@ -191,4 +192,7 @@ class Validation:
             bad = self.dist.any(bad)
         if bad:
             raise hooks.diverged(self, step)
+        confirmed = tr.confirm()
+        if confirmed is not None:  # the resume reproduced the failed launch: nothing more is judged
+            self.event("resume_confirmed", restored_step=confirmed[0], steps=confirmed[1])
         tr.passed(step)

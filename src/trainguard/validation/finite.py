@@ -11,10 +11,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 BLOCK_ELEMS = 1 << 22  # elements scanned per block (bounded temporary memory: 4 Mi bools)
 NAMES_SHOWN = 8  # tensors named in an error message (the rest are counted)
+HALF_BLOCK_ELEMS = 1 << 20  # 16-bit floats: elements per block of the exponent test (a 2 MiB temporary)
+# 16-bit floats whose bits, sign cleared, are at least this are NaN or +-Inf (the exponent all ones)
+_HALF_NONFINITE = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_WIDE = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
 
 
 def _local(v: Any) -> torch.Tensor | None:
@@ -39,6 +49,8 @@ def count_nonfinite(t: torch.Tensor) -> int:
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return 0
     flat = t.detach().reshape(-1)
+    if all_finite_cpu(flat):
+        return 0
     bad = 0
     for start in range(0, flat.numel(), BLOCK_ELEMS):
         block = flat[start : start + BLOCK_ELEMS]
@@ -50,6 +62,37 @@ def count_nonfinite(t: torch.Tensor) -> int:
             continue
         bad += int((~torch.isfinite(block)).sum())
     return bad
+
+
+def all_finite_cpu(flat: torch.Tensor) -> bool:
+    """True when a 1-D CPU tensor of a common float dtype certainly holds no NaN/Inf; False when it may (or
+    when the dtype, device or layout is not handled here: the caller then counts exactly).
+
+    Runs in NumPy in the calling thread: no intra-op worker threads, which on a busy machine spin and multiply
+    the CPU time of this memory-bound pass (measured: 1 GiB of fp32/bf16 tensors, torch reductions with 2
+    threads 0.13-0.63 s of CPU, this 0.07-0.08 s). 32/64-bit floats: one sum per block (a NaN or Inf anywhere
+    makes it non-finite; an overflowing sum of finite values only sends the block to the exact count).
+    bfloat16 and float16: the largest bit pattern with the sign cleared, compared with the exponent's all-ones
+    pattern (exact; no float arithmetic on 16-bit values)."""
+    if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():
+        return False
+    if flat.dtype in _HALF_NONFINITE:
+        bits = flat.view(torch.int16).numpy().view(np.uint16)
+        limit = _HALF_NONFINITE[flat.dtype]
+        tmp = np.empty(min(HALF_BLOCK_ELEMS, bits.size), dtype=np.uint16)
+        for start in range(0, bits.size, HALF_BLOCK_ELEMS):
+            block = bits[start : start + HALF_BLOCK_ELEMS]
+            out = tmp[: block.size]
+            np.bitwise_and(block, 0x7FFF, out=out)
+            if int(out.max()) >= limit:
+                return False
+        return True
+    wide = _WIDE.get(flat.dtype)
+    if wide is None:
+        return False
+    values = (torch.view_as_real(flat) if flat.is_complex() else flat).reshape(-1).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is an answer here, not a warning
+        return all(np.isfinite(values[s : s + BLOCK_ELEMS].sum()) for s in range(0, values.size, BLOCK_ELEMS))
 
 
 def scan(

@@ -90,7 +90,12 @@ def _suspect(mgr: ValidationHost, step: int, reason: str, by: str) -> SuspectChe
         mark_suspect(mgr.root, step, reason, by=by, fsync=mgr.fsync)
     mgr.event("checkpoint_suspect", step=step, reason=reason, by=by)
     log.warning("checkpoint of step %d is suspect: %s", step, reason)
-    return SuspectCheckpointError(f"checkpoint of step {step} is suspect: {reason}", step=step, reason=reason)
+    return SuspectCheckpointError(
+        f"checkpoint of step {step} is suspect: {reason}; the state objects hold the values loaded from it: do not "
+        "train on them (restore an older checkpoint over them, or rebuild them)",
+        step=step,
+        reason=reason,
+    )
 
 
 FINITE_SCOPE_KEY = "trainguard.check_finite_only"  # manifest metadata: the entries the save's scan covered
@@ -195,7 +200,10 @@ def diverged(mgr: ValidationHost, step: int) -> ResumeDivergedError:
             f"the loss diverged by step {step} after resuming from step {chk.restored_step} (found by rank 0)"
         )
     own = sorted({r.step for r in mgr.saves if r.step > chk.restored_step})
-    marked = [chk.restored_step, *own]
+    from .trajectory import confirmed_steps
+
+    kept = confirmed_steps(mgr.root)  # a resume from them reproduced the failed launch: never condemned
+    marked = [s for s in (chk.restored_step, *own) if s not in kept]
     if mgr.dist.is_coordinator:
         for s in marked:
             mark_suspect(
@@ -221,7 +229,12 @@ def diverged(mgr: ValidationHost, step: int) -> ResumeDivergedError:
     tr.check = None
     return ResumeDivergedError(
         f"{reason}. Checkpoints {marked} are marked suspect; the next launch resumes from an older checkpoint "
-        f"(`trainguard mark {mgr.root} STEP --clear` if the change was intended)",
+        f"(`trainguard mark {mgr.root} STEP --clear` if the change was intended)"
+        + (
+            f"; step {chk.restored_step} is kept: an earlier resume from it was confirmed"
+            if chk.restored_step in kept
+            else ""
+        ),
         restored_step=chk.restored_step,
         steps=[x.step for x in v],
         values=[x.loss for x in v],

@@ -4,19 +4,23 @@ Every launch's writer (rank 0) appends the ``loss`` it is given by ``maybe_save(
 to ``trajectory/<start time ns>-<run id>.jsonl`` in the run root, one JSON line per step
 (``{"step": 12, "loss": 0.53}``): one buffered ``write`` per step, no fsync (a line lost in a crash only
 shortens the reference). After a restore of step S, for the next ``trajectory_steps`` steps, each new loss is
-compared with:
+compared with one of two references:
 
-- the loss recorded for the same step by the launches before this one (the newest launch that logged the step
-  wins: the launch that died); equal when resume is bit-exact, so the tolerance only absorbs a resume that is
-  not (another device): ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``. Only launches at the same world
-  size are references for the same step (each log starts with ``{"world_size": N}``): at another world size a
-  step trains on other samples per rank, so its loss is not comparable and only the band below applies;
-- past the failure point (steps no earlier launch logged): a robust band around the last ``BAND_WINDOW``
-  losses logged at or before S: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must
-  stay ``<= median + K * MAD + REL_TOL * |median|`` (one noisy batch above the band is not a divergence).
+- **same-step references**: the losses recorded for the steps after S by the launches before this one (the
+  newest launch that logged the step wins: the launch that died), only from launches at the same world size
+  (each log starts with ``{"world_size": N}``; at another world size a step trains on other samples per rank).
+  Equal when resume is bit-exact, so the tolerance only absorbs a resume that is not (another device):
+  ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``. Once every reference step in the window matched, the
+  restore is **confirmed** (``{"confirmed": S}`` in this launch's log, a ``resume_confirmed`` event) and the
+  check ends: past the failure point the trajectory is new territory, which no band may judge.
+- **the band**, only when there is no same-step reference (an elastic resize, a lost log) and the restored step
+  was never confirmed: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must stay
+  ``<= median + BAND_K * MAD + BAND_REL * |median|`` of the last ``BAND_WINDOW`` losses logged at or before S,
+  and needs at least ``MIN_BAND`` of them (fewer: no band).
 
 MAD is the median absolute deviation of those same losses. A NaN/Inf loss always violates. A launch that
-tripped the check writes ``{"diverged": true}`` into its own log, which is then never used as a reference.
+tripped the check writes ``{"diverged": true}`` into its own log, which is then never used as a reference; a
+trip never marks a confirmed checkpoint suspect.
 """
 
 from __future__ import annotations
@@ -34,13 +38,20 @@ from ..storage.safeio import MAX_EVENT_FILE_BYTES, read_bounded
 
 TRAJECTORY_DIR = "trajectory"
 K = 6.0
-"""Width of the band in MADs."""
+"""Tolerance of a same-step comparison in MADs of the losses before the restored step."""
 REL_TOL = 1e-3
 """Relative tolerance always allowed (a resume that is not bit-exact; a flat loss whose MAD is 0)."""
+MIN_SPREAD = 5
+"""Fewer losses than this before the restored step: the same-step tolerance is ``REL_TOL`` alone."""
 BAND_WINDOW = 50
 """Losses at or before the restored step that define the band."""
-MIN_BAND = 5
-"""Fewer losses than this before the restored step: no band check past the failure point."""
+MIN_BAND = 20
+"""Fewer losses than this before the restored step: no band (a band of a few noisy losses condemns healthy
+runs)."""
+BAND_K = 10.0
+"""Width of the band in MADs."""
+BAND_REL = 0.1
+"""Relative margin of the band, on top of ``BAND_K`` MADs: 10 % of the median."""
 BAND_RUN = 5
 """Past the failure point the band judges the median of the last ``BAND_RUN`` losses (at least
 ``MIN_RUN``), not one step: a single noisy batch above the band is not a divergence, a sustained rise is."""
@@ -54,8 +65,10 @@ def loss_value(metrics: Any) -> Any:
         return None
     x = metrics["loss"]
     device = getattr(getattr(x, "device", None), "type", "cpu")
-    if device != "cpu" and hasattr(x, "detach"):
-        return x.detach()
+    if hasattr(x, "detach"):
+        x = x.detach()  # float() of a tensor that requires grad warns
+        if device != "cpu":
+            return x
     try:
         return float(x)
     except (TypeError, ValueError, RuntimeError):
@@ -89,6 +102,9 @@ class TrajectoryLog:
     def append(self, step: int, loss: float) -> None:
         self._write({"step": step, "loss": loss})
 
+    def mark_confirmed(self, restored_step: int) -> None:
+        self._write({"confirmed": restored_step})
+
     def mark_diverged(self, step: int) -> None:
         self._write({"diverged": True, "step": step})
 
@@ -101,7 +117,8 @@ class TrajectoryLog:
             self._f = None
 
 
-def _read_log(path: Path) -> tuple[dict[int, float], bool, int | None]:
+def _read_log(path: Path, confirmed: set[int] | None = None) -> tuple[dict[int, float], bool, int | None]:
+    """``(step -> loss, diverged, world size)`` of one log; adds the steps it confirmed to ``confirmed``."""
     steps: dict[int, float] = {}
     diverged = False
     world_size: int | None = None
@@ -118,6 +135,9 @@ def _read_log(path: Path) -> tuple[dict[int, float], bool, int | None]:
             continue
         if rec.get("diverged") is True:
             diverged = True
+        c = rec.get("confirmed")
+        if confirmed is not None and isinstance(c, int) and not isinstance(c, bool):
+            confirmed.add(c)
         ws = rec.get("world_size")
         if isinstance(ws, int) and not isinstance(ws, bool) and world_size is None:
             world_size = ws
@@ -136,11 +156,22 @@ def history(
     return _histories(root, exclude=exclude, world_size=world_size)[1]
 
 
+def confirmed_steps(root: str | os.PathLike[str]) -> set[int]:
+    """The restored steps whose resume matched the failed launch's losses (confirmed), in any launch's log."""
+    out: set[int] = set()
+    _histories(root, exclude=None, world_size=None, confirmed=out)
+    return out
+
+
 def _histories(
-    root: str | os.PathLike[str], *, exclude: Path | None, world_size: int | None
+    root: str | os.PathLike[str],
+    *,
+    exclude: Path | None,
+    world_size: int | None,
+    confirmed: set[int] | None = None,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Reads each log once: ``(every launch's losses, those of launches at world_size)`` (see :func:`history`;
-    the second is the first when ``world_size`` is None)."""
+    the second is the first when ``world_size`` is None); collects confirmed restored steps into ``confirmed``."""
     d = Path(root) / TRAJECTORY_DIR
     every: dict[int, float] = {}
     same: dict[int, float] = {}
@@ -152,7 +183,7 @@ def _histories(
         p = d / name
         if exclude is not None and p == exclude:
             continue
-        steps, diverged, ws = _read_log(p)
+        steps, diverged, ws = _read_log(p, confirmed)
         if diverged:
             continue
         every.update(steps)
@@ -216,6 +247,19 @@ class Recorder:
                 bad = True
         return bad
 
+    def confirm(self) -> tuple[int, list[int]] | None:
+        """Once, when the armed check just became confirmed (coordinator: the one that judges): log it and return
+        ``(restored step, matched steps)``. The check stays armed, judging nothing more, until its window ends
+        (every rank calls the collective of the check for the same steps)."""
+        chk = self.check
+        if chk is None or not chk.confirmed or chk.announced:
+            return None
+        chk.announced = True
+        if self.log is None:
+            self.log = TrajectoryLog(self.root, self.run_id, self.world_size)
+        self.log.mark_confirmed(chk.restored_step)
+        return chk.restored_step, sorted(chk.matched)
+
     def passed(self, step: int) -> None:
         """After the check of ``step`` passed on every rank: disarm once past the window."""
         if self.check is not None and self.check.done(step):
@@ -251,6 +295,14 @@ class TrajectoryCheck:
     mad: float | None
     violations: list[Violation] = field(default_factory=list)
     recent: list[float] = field(default_factory=list)
+    matched: set[int] = field(default_factory=set)
+    """Reference steps whose loss matched."""
+    announced: bool = False
+
+    @property
+    def confirmed(self) -> bool:
+        """Every same-step reference in the window matched: the resume reproduced the failed launch."""
+        return bool(self.reference) and self.matched >= self.reference.keys()
 
     @classmethod
     def arm(
@@ -262,14 +314,18 @@ class TrajectoryCheck:
         exclude: Path | None = None,
         world_size: int | None = None,
     ) -> TrajectoryCheck:
-        hist, same = _histories(root, exclude=exclude, world_size=world_size)
+        confirmed: set[int] = set()
+        hist, same = _histories(root, exclude=exclude, world_size=world_size, confirmed=confirmed)
         reference = {s: x for s, x in same.items() if restored_step < s <= restored_step + window}
         before = [hist[s] for s in sorted(s for s in hist if s <= restored_step)][-BAND_WINDOW:]
         before = [x for x in before if math.isfinite(x)]
         median = mad = None
-        if len(before) >= MIN_BAND:
-            median = statistics.median(before)
-            mad = statistics.median(abs(x - median) for x in before)
+        if len(before) >= MIN_SPREAD:
+            m = statistics.median(before)
+            mad = statistics.median(abs(x - m) for x in before)
+            # the band only without same-step references, from enough losses, for a step never confirmed
+            if not reference and len(before) >= MIN_BAND and restored_step not in confirmed:
+                median = m
         return cls(restored_step, window, reference, median, mad)
 
     def done(self, step: int) -> bool:
@@ -277,21 +333,23 @@ class TrajectoryCheck:
 
     def check(self, step: int, loss: float) -> Violation | None:
         """Judge the loss of ``step``; returns the violation (also kept in ``violations``) or None."""
-        if step <= self.restored_step or self.done(step):
-            return None
+        if step <= self.restored_step or self.done(step) or self.confirmed:
+            return None  # a confirmed restore is never judged again: past the failure point is new territory
         v: Violation | None = None
         ref = self.reference.get(step)
-        spread = K * (self.mad or 0.0)
+        mad = self.mad or 0.0
         if not math.isfinite(loss):
             v = Violation(step, loss, ref if ref is not None else float("nan"), "the loss is not finite")
         elif ref is not None:
-            tol = max(spread, REL_TOL * abs(ref))
+            tol = max(K * mad, REL_TOL * abs(ref))
             if abs(loss - ref) > tol:
                 v = Violation(
                     step, loss, ref, f"the loss recorded for step {step} before the failure was {ref:.6g}"
                 )
-        elif self.median is not None:
-            upper = self.median + spread + REL_TOL * abs(self.median)
+            else:
+                self.matched.add(step)
+        elif self.median is not None and not self.reference:
+            upper = self.median + BAND_K * mad + BAND_REL * abs(self.median)
             self.recent = [*self.recent, loss][-BAND_RUN:]
             run = statistics.median(self.recent)
             if len(self.recent) >= MIN_RUN and run > upper:
@@ -300,7 +358,8 @@ class TrajectoryCheck:
                     loss,
                     upper,
                     f"the median of the last {len(self.recent)} losses ({run:.6g}) is above the band of the "
-                    f"losses before step {self.restored_step} (median {self.median:.6g} + {K:g} MAD = {upper:.6g})",
+                    f"losses before step {self.restored_step} (median {self.median:.6g} + {BAND_K:g} MAD + "
+                    f"{BAND_REL:.0%} = {upper:.6g})",
                 )
         if v is not None:
             self.violations.append(v)

@@ -1,0 +1,41 @@
+"""Terminal-safe text for human-readable output (the CLI, ``trainguard status``).
+
+A checkpoint or an event log is untrusted input: an entry key, a metric name, a problem string, a run id or a
+run root's path may hold terminal control sequences (``ESC [ 2 J`` clears the screen, ``ESC ] 0 ; ... BEL``
+retitles the window). Every human-readable line printed from such data goes through :func:`printable` (plain
+text) or :func:`markup` (rich markup), which show each control character (C0, DEL, C1) as a visible ``\\xNN``
+escape. JSON output needs nothing: ``json.dumps`` already escapes them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _show(m: re.Match[str]) -> str:
+    return f"\\x{ord(m.group()):02x}"
+
+
+def printable(text: Any, *, lines: bool = False) -> str:
+    """``str(text)`` with every control character (C0, DEL, C1) replaced by its ``\\xNN`` escape.
+
+    Args:
+        text: anything; converted with ``str``.
+        lines: keep newlines and tabs (for a whole message the CLI composed; never for one field).
+
+    Returns:
+        The text, safe to write to a terminal: ``"k\\x1b[2J"`` becomes the 9 characters ``k\\x1b[2J``.
+    """
+    return (_CONTROL_BUT_LINES if lines else _CONTROL).sub(_show, str(text))
+
+
+def markup(text: Any) -> str:
+    """``text`` for a rich markup string: control characters escaped as by :func:`printable`, and ``[``
+    escaped so that data never becomes markup."""
+    from rich.markup import escape
+
+    return escape(printable(text))
