@@ -264,14 +264,13 @@ def main() -> None:
             + ", ".join(f"({wo:.3f} s, {w:.3f} s)" for wo, w in vis)
         )
         print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
-        print_targets(
-            [
-                ("upload >= 0.9x raw parallel put", up_ratio >= 0.9, f"{up_ratio:.2f}x"),
-                ("download >= 0.9x raw parallel get", down_ratio >= 0.9, f"{down_ratio:.2f}x"),
-                ("restore from S3 alone >= 0.9x raw get", restore_ratio >= 0.9, f"{restore_ratio:.2f}x"),
-                ("training-visible time with async tier <= 1.05x", vis_ratio <= 1.05, f"{vis_ratio:.2f}x"),
-            ]
-        )
+        targets = [
+            ("upload >= 0.9x raw parallel put", up_ratio >= 0.9, f"{up_ratio:.2f}x"),
+            ("download >= 0.9x raw parallel get", down_ratio >= 0.9, f"{down_ratio:.2f}x"),
+            ("restore from S3 alone >= 0.9x raw get", restore_ratio >= 0.9, f"{restore_ratio:.2f}x"),
+            ("training-visible time with async tier <= 1.05x", vis_ratio <= 1.05, f"{vis_ratio:.2f}x"),
+        ]
+        print_targets([t for t in targets if t[2] != "nanx"])  # parts left out with --only are not judged
     shutil.rmtree(scratch, ignore_errors=True)
 
 

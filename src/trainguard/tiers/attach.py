@@ -55,7 +55,9 @@ def check_writable(store: ObjectStore, key: str) -> None:
     try:
         store.delete(name)
     except OSError as e:
-        log.warning("tier %s: could not delete the probe object %s (%s); retention there will fail", key, name, e)
+        log.warning(
+            "tier %s: could not delete the probe object %s (%s); retention there will fail", key, name, e
+        )
 
 
 def open_links(
