@@ -65,6 +65,7 @@ OWN_EVENTS = frozenset(
         "save_nonfinite",
         "checkpoint_suspect",
         "resume_diverged",
+        "resume_confirmed",
         "scrub",
         "tier_upload",
         "tier_restore",
