@@ -175,9 +175,14 @@ def load_dcp(path: Path, target: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return target
 
 
+VERIFY_BEFORE_LOAD = True  # --no-verify-before-load: the one-read restore path
+
+
 def load_trainguard(root: Path, step: int, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = {"model": target}
-    trainguard.CheckpointManager(root, read_only=True).restore(step, state)
+    trainguard.CheckpointManager(root, read_only=True, verify_before_load=VERIFY_BEFORE_LOAD).restore(
+        step, state
+    )
     return state["model"]
 
 
@@ -355,7 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", action="store_true", help="print machine-readable results instead of the tables"
     )
+    ap.add_argument(
+        "--no-verify-before-load",
+        action="store_true",
+        help="restore with verify_before_load=False (one read, chunks checked as they load)",
+    )
     args = ap.parse_args(argv)
+    global VERIFY_BEFORE_LOAD
+    VERIFY_BEFORE_LOAD = not args.no_verify_before_load
     if args.repeat < 1 or args.size_gib <= 0:
         ap.error("--repeat must be >= 1 and --size-gib > 0")
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
