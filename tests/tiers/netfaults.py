@@ -118,7 +118,7 @@ class Proxy:
                     if not data:
                         return
                     (b if s is a else a).sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the other side closed the socket (select on fd -1)
             return
         finally:
             for s in (a, b):
