@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,3 +47,27 @@ def save_on_shared_tier(tmp_path: Any, step: int) -> tuple[Any, dict[str, Any]]:
         train(state, 2)
         mgr.save(step, state).wait()
     return shared, state
+
+
+def save_two_steps(hot: Path, tiers: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Save steps 1 and 2 from ``hot`` with ``tiers`` (``tg.Tier``s), training once before each; returns the
+    weights saved at each step."""
+    import trainguard as tg
+
+    state = make_state()
+    with tg.CheckpointManager(hot, tiers=tiers, chunk_size_bytes=CHUNK) as mgr:
+        train(state)
+        mgr.save(1, state).wait()
+        w1 = weights(state)
+        train(state)
+        mgr.save(2, state).wait()
+    return w1, weights(state)
+
+
+def chunks_only_in_step_2(root: Path) -> list[str]:
+    """The paths of the chunks step 2 references and step 1 does not (sorted), read from ``root``'s manifests."""
+    from trainguard.format import manifest_from_json
+
+    m1 = manifest_from_json((root / "step-000000001/manifest.json").read_bytes())
+    m2 = manifest_from_json((root / "step-000000002/manifest.json").read_bytes())
+    return sorted(m2.chunks[k].path for k in set(m2.chunks) - set(m1.chunks))

@@ -18,7 +18,7 @@ import trainguard as tg
 from trainguard.format import manifest_from_json
 from trainguard.recovery.events import read_events
 
-from .helpers import CHUNK, make_state, same, train, weights
+from .helpers import CHUNK, chunks_only_in_step_2, make_state, same, save_two_steps, train, weights
 
 
 def _chunks(root: Path) -> dict[str, bytes]:
@@ -37,27 +37,6 @@ def crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     monkeypatch.setattr(crc32c, "crc32c", counting)
     return seen
-
-
-def _saved_twice(tmp_path: Path, tiers: list[Path]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Steps 1 and 2 saved from ``tmp_path/node1`` with ``tiers`` (shared-filesystem tiers); returns the weights
-    of each step."""
-    state = make_state()
-    with tg.CheckpointManager(
-        tmp_path / "node1", tiers=[tg.Tier(str(t)) for t in tiers], chunk_size_bytes=CHUNK
-    ) as mgr:
-        train(state)
-        mgr.save(1, state).wait()
-        w1 = weights(state)
-        train(state)
-        mgr.save(2, state).wait()
-    return w1, weights(state)
-
-
-def _only_in_step_2(root: Path) -> str:
-    m1 = manifest_from_json((root / "step-000000001/manifest.json").read_bytes())
-    m2 = manifest_from_json((root / "step-000000002/manifest.json").read_bytes())
-    return m2.chunks[sorted(set(m2.chunks) - set(m1.chunks))[0]].path
 
 
 def _flip(path: Path) -> None:
@@ -106,8 +85,8 @@ def test_a_step_only_tiers_hold_with_a_chunk_intact_nowhere_falls_back_to_an_old
     tmp_path: Path,
 ) -> None:
     shared = tmp_path / "shared"
-    w1, _ = _saved_twice(tmp_path, [shared])
-    _flip(shared / _only_in_step_2(shared))
+    w1, _ = save_two_steps(tmp_path / "node1", [tg.Tier(str(shared))])
+    _flip(shared / chunks_only_in_step_2(shared)[0])
     hot = tmp_path / "node2"  # empty: both steps are only on the tier
     fresh = make_state(seed=5)
     with tg.CheckpointManager(hot, tiers=[tg.Tier(str(shared))], chunk_size_bytes=CHUNK) as mgr:
@@ -122,8 +101,8 @@ def test_a_step_only_tiers_hold_with_a_chunk_intact_nowhere_falls_back_to_an_old
 
 def test_a_chunk_corrupt_on_the_first_tier_is_read_from_the_second(tmp_path: Path) -> None:
     a, b = tmp_path / "tier-a", tmp_path / "tier-b"
-    _, w2 = _saved_twice(tmp_path, [a, b])
-    bad = _only_in_step_2(a)
+    _, w2 = save_two_steps(tmp_path / "node1", [tg.Tier(str(a)), tg.Tier(str(b))])
+    bad = chunks_only_in_step_2(a)[0]
     _flip(a / bad)
     hot = tmp_path / "node2"
     fresh = make_state(seed=6)
@@ -141,17 +120,11 @@ def test_prefetch_streams_to_files_and_never_leaves_a_corrupt_or_partial_one(
     bucket: str, tmp_path: Path
 ) -> None:
     url = f"s3://{bucket}/run"
-    state = make_state()
-    with tg.CheckpointManager(tmp_path / "node1", tiers=[tg.Tier(url)], chunk_size_bytes=CHUNK) as mgr:
-        train(state)
-        mgr.save(1, state).wait()
-        w1 = weights(state)
-        train(state)
-        mgr.save(2, state).wait()
+    w1, _ = save_two_steps(tmp_path / "node1", [tg.Tier(url)])
     from trainguard.storage.objects import open_objects
 
     store = open_objects(url)
-    bad = _only_in_step_2(tmp_path / "node1")
+    bad = chunks_only_in_step_2(tmp_path / "node1")[0]
     data = bytearray(store.get(bad))
     data[0] ^= 0x01
     store.put(bad, bytes(data))  # same length, wrong CRC32C on the only tier

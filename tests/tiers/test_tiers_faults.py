@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 import trainguard as tg
-from trainguard.format import manifest_from_json
 from trainguard.recovery.events import read_events
 from trainguard.storage import Fault, FaultyStorage, open_object_storage
 from trainguard.tiers import upload as upload_mod
 from trainguard.tiers.remote import RemoteRoot
 
-from .helpers import CHUNK, make_state, same, train, weights
+from .helpers import CHUNK, chunks_only_in_step_2, make_state, same, save_two_steps, train, weights
 
 pytestmark = pytest.mark.s3
 
@@ -36,24 +35,6 @@ def _tier_scan(url: str) -> list[tuple[int, str]]:
     from trainguard.storage.objects import open_objects
 
     return [(r.step, r.status) for r in RemoteRoot(open_objects(url)).scan()]
-
-
-def _only_in_step2(hot: Path) -> list[str]:
-    m1 = manifest_from_json((hot / "step-000000001/manifest.json").read_bytes())
-    m2 = manifest_from_json((hot / "step-000000002/manifest.json").read_bytes())
-    return sorted(m2.chunks[k].path for k in set(m2.chunks) - set(m1.chunks))
-
-
-def _save_two_steps(hot: Path, tiers: list[tg.Tier]) -> tuple[dict, dict]:
-    """Save steps 1 and 2 (each trained once more); returns the weights of each."""
-    state = make_state()
-    with tg.CheckpointManager(hot, tiers=tiers, chunk_size_bytes=CHUNK) as mgr:
-        train(state)
-        mgr.save(1, state).wait()
-        w1 = weights(state)
-        train(state)
-        mgr.save(2, state).wait()
-    return w1, weights(state)
 
 
 def test_a_failed_put_of_the_nth_chunk_is_retried_and_the_upload_completes(
@@ -112,8 +93,8 @@ def test_a_bit_flip_on_a_tier_read_is_caught_by_crc32c_and_the_restore_reads_the
     url = _url(bucket)
     shared = tmp_path / "shared"  # a second tier: a shared filesystem
     hot = tmp_path / "hot"
-    w1, w2 = _save_two_steps(hot, [tg.Tier(url), tg.Tier(str(shared))])
-    victim = _only_in_step2(hot)[0]
+    w1, w2 = save_two_steps(hot, [tg.Tier(url), tg.Tier(str(shared))])
+    victim = chunks_only_in_step_2(hot)[0]
     shutil.rmtree(hot)  # a new node: the hot root is empty, every chunk comes from a tier
 
     def flipped() -> FaultyStorage:
@@ -157,7 +138,7 @@ def test_a_truncated_object_on_the_tier_is_reported_corrupt_never_restored_and_r
         mgr.save(2, state).wait()
         w2 = weights(state)
     torn = {key for op, key, what in s3.injected if what == "truncated to 100"}
-    assert torn and torn == set(_only_in_step2(hot))  # only the chunks step 1 did not have were sent
+    assert torn and torn == set(chunks_only_in_step_2(hot))  # only the chunks step 1 did not have were sent
     assert _tier_scan(url) == [(1, "valid"), (2, "corrupt")]
     listing = {
         i.step: i.tiers for i in tg.CheckpointManager(hot, read_only=True, tiers=[tg.Tier(url)]).checkpoints()
