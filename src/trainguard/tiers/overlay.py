@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
@@ -199,17 +200,11 @@ class TierChunkStore(ChunkStore):
     ) -> None:
         """Check the chunk where the load will read it (``verify_before_load``): on the hot root, else read from
         the first tier holding it intact and kept in :attr:`fetched` (the load then copies it, not read again)."""
-        hot_err: CorruptCheckpointError | None = None
-        if super().check_present(rec) is None:
-            try:
-                super().verify(rec, step=step, owners=owners, **kw)
-            except CorruptCheckpointError as e:
-                hot_err = e
-            else:
-                with self._lock:
-                    self.hot_ok.add(rec.path)
-                return
-        self._from_tiers(rec, step, owners, hot_err)
+        intact, hot_err = self._on_hot(
+            rec, lambda: ChunkStore.verify(self, rec, step=step, owners=owners, **kw)
+        )
+        if not intact:
+            self._from_tiers(rec, step, owners, hot_err)
 
     def readinto(
         self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
@@ -220,17 +215,30 @@ class TierChunkStore(ChunkStore):
         if kept is not None:  # read and checked before (verify_before_load, or a chunk shared by two regions)
             out[: rec.length] = kept[0]
             return
-        hot_err: CorruptCheckpointError | None = None
-        if super().check_present(rec) is None:
-            try:
-                super().readinto(rec, out, step=step, owners=owners)
-            except CorruptCheckpointError as e:
-                hot_err = e
-            else:
-                with self._lock:
-                    self.hot_ok.add(rec.path)
-                return
-        out[: rec.length] = self._from_tiers(rec, step, owners, hot_err)
+        intact, hot_err = self._on_hot(
+            rec, lambda: ChunkStore.readinto(self, rec, out, step=step, owners=owners)
+        )
+        if not intact:
+            out[: rec.length] = self._from_tiers(rec, step, owners, hot_err)
+
+    def _on_hot(
+        self, rec: ChunkRecord, read: Callable[[], None]
+    ) -> tuple[bool, CorruptCheckpointError | None]:
+        """Run ``read`` (a checked read of ``rec`` from the hot root) when the hot root holds the chunk.
+
+        Returns:
+            ``(True, None)``: read and intact (recorded in :attr:`hot_ok`); ``(False, error)``: the hot copy is
+            corrupt; ``(False, None)``: the hot root does not hold it.
+        """
+        if ChunkStore.check_present(self, rec) is not None:
+            return False, None
+        try:
+            read()
+        except CorruptCheckpointError as e:
+            return False, e
+        with self._lock:
+            self.hot_ok.add(rec.path)
+        return True, None
 
     def _from_tiers(
         self,
