@@ -252,10 +252,11 @@ def validation_options(
     trajectory_steps: int,
     scrub_interval_s: float | None,
     scrub_max_bandwidth: float | str | None = None,
-) -> float | None:
+) -> dict[str, Any]:
     """Check the validation options (issue 11).
 
     Returns:
+        The options as keyword arguments of :class:`~trainguard.validation.attach.Validation`, with
         ``scrub_max_bandwidth`` in bytes per second (None: uncapped).
 
     Raises:
@@ -280,7 +281,15 @@ def validation_options(
         raise ConfigError(
             f"scrub_interval_s must be a number of seconds > 0 or None, got {scrub_interval_s!r}"
         )
-    return scrub_bandwidth(scrub_max_bandwidth)
+    return {
+        "check_finite": check_finite,
+        "probe": probe,
+        "probe_rtol": probe_rtol,
+        "probe_atol": probe_atol,
+        "trajectory_steps": trajectory_steps,
+        "scrub_interval_s": scrub_interval_s,
+        "scrub_max_bandwidth": scrub_bandwidth(scrub_max_bandwidth),
+    }
 
 
 def scrub_bandwidth(value: float | str | None) -> float | None:

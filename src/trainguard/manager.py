@@ -205,7 +205,7 @@ class CheckpointManager:
             save_timeout_s=save_timeout_s,
         )
         self.retention = as_retention(keep)
-        scrub_bw = validation_options(
+        checked_validation = validation_options(
             check_finite=check_finite,
             probe=probe,
             probe_rtol=probe_rtol,
@@ -230,13 +230,7 @@ class CheckpointManager:
             event=self._event,
             saves=saves,
             fsync=fsync,
-            check_finite=check_finite,
-            probe=probe,
-            probe_rtol=probe_rtol,
-            probe_atol=probe_atol,
-            trajectory_steps=trajectory_steps,
-            scrub_interval_s=scrub_interval_s,
-            scrub_max_bandwidth=scrub_bw,
+            **checked_validation,
         )
         self.validation.wait = self.wait
         self.ctx = RootContext(
