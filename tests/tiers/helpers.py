@@ -71,3 +71,23 @@ def chunks_only_in_step_2(root: Path) -> list[str]:
     m1 = manifest_from_json((root / "step-000000001/manifest.json").read_bytes())
     m2 = manifest_from_json((root / "step-000000002/manifest.json").read_bytes())
     return sorted(m2.chunks[k].path for k in set(m2.chunks) - set(m1.chunks))
+
+
+def object_round_trip(store: Any) -> None:
+    """The ``ObjectStore`` contract on an empty ``store``: put, get, size, list by prefix, create-if-absent,
+    delete (twice: deleting a missing object is fine), and a get of a deleted object raising FileNotFoundError."""
+    import pytest
+
+    store.put("chunks/ab/x", b"hello")
+    store.put("step-000000001/manifest.json", b"{}")
+    assert store.get("chunks/ab/x") == b"hello"
+    assert store.size("chunks/ab/x") == 5 and store.size("nope") is None
+    assert store.list("chunks/") == {"chunks/ab/x": 5}
+    assert set(store.list("step-")) == {"step-000000001/manifest.json"}
+    assert store.create(".lock", b"1") is True and store.create(".lock", b"2") is False
+    assert store.get(".lock") == b"1"
+    store.delete("chunks/ab/x")
+    store.delete("chunks/ab/x")  # missing is fine
+    assert store.size("chunks/ab/x") is None and store.list("chunks/") == {}
+    with pytest.raises(FileNotFoundError):
+        store.get("chunks/ab/x")

@@ -13,7 +13,7 @@ from trainguard.recovery.events import read_events
 from trainguard.storage.objects import FsspecObjects, LocalObjects, ObjectStore, open_objects
 from trainguard.tiers.remote import RemoteRoot
 
-from .helpers import CHUNK, make_state, same, save_on_shared_tier, train, weights
+from .helpers import CHUNK, make_state, object_round_trip, same, save_on_shared_tier, train, weights
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
@@ -23,19 +23,7 @@ def test_each_object_store_backend_satisfies_the_protocol_and_moves_bytes(kind: 
     store = open_objects(tmp_path / "t" if kind == "local" else f"memory://tg-{uuid.uuid4().hex}/run")
     assert isinstance(store, ObjectStore)
     assert isinstance(store, LocalObjects if kind == "local" else FsspecObjects)
-    store.put("chunks/ab/x", b"hello")
-    store.put("step-000000001/manifest.json", b"{}")
-    assert store.get("chunks/ab/x") == b"hello"
-    assert store.size("chunks/ab/x") == 5 and store.size("nope") is None
-    assert store.list("chunks/") == {"chunks/ab/x": 5}
-    assert set(store.list("step-")) == {"step-000000001/manifest.json"}
-    assert store.create(".lock", b"1") is True and store.create(".lock", b"2") is False
-    assert store.get(".lock") == b"1"
-    store.delete("chunks/ab/x")
-    store.delete("chunks/ab/x")  # missing is fine
-    assert store.size("chunks/ab/x") is None
-    with pytest.raises(FileNotFoundError):
-        store.get("chunks/ab/x")
+    object_round_trip(store)
 
 
 def test_tier_arguments_are_checked_and_secrets_are_never_recorded(tmp_path: Path) -> None:

@@ -22,25 +22,11 @@ from trainguard.storage import (
 from trainguard.storage.objects import ObjectStore
 
 from ..storage.test_storage_protocol import test_write_read_list_delete_round_trip as storage_round_trip
+from .helpers import object_round_trip
 
 
 def _memory() -> ObjectStorage:
     return open_object_storage(f"memory://tg-{uuid.uuid4().hex[:12]}/run")
-
-
-def _object_round_trip(store: ObjectStore) -> None:
-    store.put("chunks/ab/x", b"hello")
-    store.put("step-000000001/manifest.json", b"{}")
-    assert store.get("chunks/ab/x") == b"hello"
-    assert store.size("chunks/ab/x") == 5 and store.size("nope") is None
-    assert store.list("chunks/") == {"chunks/ab/x": 5}
-    assert set(store.list("step-")) == {"step-000000001/manifest.json"}
-    assert store.create(".lock", b"1") is True and store.create(".lock", b"2") is False
-    assert store.get(".lock") == b"1"
-    store.delete("chunks/ab/x")
-    assert store.size("chunks/ab/x") is None and store.list("chunks/") == {}
-    with pytest.raises(FileNotFoundError):
-        store.get("chunks/ab/x")
 
 
 def test_object_storage_on_memory_passes_the_storage_round_trip_and_refuses_climbing_keys() -> None:
@@ -82,7 +68,7 @@ def test_storage_objects_drive_any_storage_with_the_tiers_calls(inner: str, tmp_
         s = FaultyStorage(s)
     store = StorageObjects(s)
     assert isinstance(store, ObjectStore)
-    _object_round_trip(store)
+    object_round_trip(store)
 
 
 def test_a_tier_given_as_a_storage_is_keyed_by_its_url_and_takes_no_options(tmp_path: Path) -> None:
