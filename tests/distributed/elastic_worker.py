@@ -95,7 +95,9 @@ def main() -> None:
         log.flush()
         mgr.maybe_save(step, state, metrics={"loss": loss.item()}, force=step == last)
         if a.kill_at == step and world == 2 and rank == 1:
-            (control / "at-kill").write_text(str(os.getpid()))  # the harness kills it with its agent
+            # whole or absent (the harness polls for the name, then reads the pid), then killed with its agent
+            (control / "at-kill.tmp").write_text(str(os.getpid()))
+            os.replace(control / "at-kill.tmp", control / "at-kill")
             while True:
                 time.sleep(1)
         if a.hold_at == step and world == 1:

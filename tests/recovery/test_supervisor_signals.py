@@ -25,8 +25,11 @@ JOB = """
 import os, pathlib, subprocess, sys, time
 d = pathlib.Path(sys.argv[1])
 g = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"], start_new_session=True)
-(d / "grandchild").write_text(str(g.pid))
-(d / "job").write_text(str(os.getpid()))
+def publish(name, value):  # whole or absent: the test polls for the name, then reads it
+    (d / (name + ".tmp")).write_text(str(value))
+    os.replace(d / (name + ".tmp"), d / name)
+publish("grandchild", g.pid)
+publish("job", os.getpid())
 while True:
     time.sleep(0.05)
 """
