@@ -96,6 +96,29 @@ def test_lightning_files_are_pointers_and_checkpoints_are_trainguard_ones(runs: 
     }
 
 
+def test_the_weights_of_a_lightning_run_export_to_safetensors_by_default(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """`trainguard export ROOT --format safetensors OUT` on a Lightning run takes `lightning.state_dict`."""
+    from safetensors.torch import load_file
+
+    root = runs["faulted"] / "root"
+    state: dict[str, Any] = {"lightning": {}}
+    tg.CheckpointManager(root, read_only=True).restore(24, state)
+    want = state["lightning"]["state_dict"]
+    for extra in ([], ["--entry", "lightning.state_dict"]):
+        out = tmp_path / f"w{len(extra)}.safetensors"
+        r = subprocess.run(
+            [sys.executable, "-m", "trainguard", "export", str(root), str(out), "--format", "safetensors", *extra],
+            capture_output=True, text=True, env=run_env(), timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "step 24 (lightning.state_dict: 4 tensors" in r.stdout
+        got = load_file(out)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_last_resumes_from_the_newest_valid_checkpoint_when_the_newest_is_corrupt(tmp_path: Path) -> None:
     root = tmp_path / "root"
     io = TrainguardCheckpointIO(root, async_save=False)

@@ -159,6 +159,22 @@ def test_an_explicit_entry_and_a_missing_default_entry(tmp_path):
         export(root, tmp_path / "y.pt", format="torch", entry="nope")
 
 
+def test_a_dotted_entry_names_a_part_and_a_mixed_entry_is_refused_without_mentioning_all(tmp_path):
+    model, _ = trained(3)
+    root = tmp_path / "root"
+    with tg.CheckpointManager(root) as mgr:
+        mgr.save(1, {"app": {"net": model.state_dict(), "epoch": 4}}).wait()
+    with pytest.raises(ConfigError, match=r"also holds values \(epoch\)") as e:
+        export(root, tmp_path / "a.safetensors", format="safetensors", entry="app")
+    assert "--all" not in str(e.value) and "'app.net'" in str(e.value)  # names the part that would work
+    res = export(root, tmp_path / "n.safetensors", format="safetensors", entry="app.net")
+    assert res.entry == "app.net"
+    same(load_file(tmp_path / "n.safetensors"), model.state_dict())
+    with pytest.raises(ConfigError, match=r"no state entry 'app.nope'; 'app' holds \['epoch', 'net'\]"):
+        export(root, tmp_path / "b.safetensors", format="safetensors", entry="app.nope")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.safetensors", "root"]
+
+
 def test_safetensors_refuses_values_with_the_whole_state_and_names_the_formats_that_hold_them(run, tmp_path):
     with pytest.raises(ConfigError, match=r"tensors only.*epoch.*--format dcp or --format torch"):
         export(run["root"], tmp_path / "a.safetensors", format="safetensors", all_state=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from trainguard.recovery.events import read_events
 from trainguard.storage.objects import FsspecObjects, LocalObjects, ObjectStore, open_objects
 from trainguard.tiers.remote import RemoteRoot
 
+from ..conftest import run_env
 from .helpers import CHUNK, make_state, object_round_trip, same, save_on_shared_tier, train, weights
 
 
@@ -169,3 +172,24 @@ def test_background_scrubber_without_tiers_only_reports(tmp_path: Path) -> None:
     assert corrupt_marker(tmp_path, 1) is not None
     assert not list(read_events(tmp_path, event="tier_repair"))
     assert "repaired" not in list(read_events(tmp_path, event="scrub"))[-1]
+
+
+def test_a_filesystem_that_fails_to_construct_is_a_config_error_without_unraisable_noise(tmp_path: Path) -> None:
+    """ftp:// without its required `host` option: FTPFileSystem.__init__ raises TypeError and its __del__
+    then fails on the half-built object; the user sees one ConfigError naming the URL and nothing else."""
+    code = (
+        "import trainguard as tg\n"
+        "for make in (lambda: tg.CheckpointManager('ftp://host/y'),\n"
+        f"             lambda: tg.CheckpointManager({str(tmp_path / 'hot')!r}, tiers=[tg.Tier('ftp://host/y')])):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except tg.ConfigError as e:\n"
+        "        print('CONFIG', e)\n"
+        "import gc; gc.collect()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("CONFIG 'ftp://host/y': the ftp:// filesystem") for line in lines)
+    assert "host" in lines[0] and "storage_options" in lines[0]
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr

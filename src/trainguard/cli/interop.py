@@ -70,7 +70,8 @@ def _fail(e: BaseException, as_json: bool) -> None:
 @click.option(
     "--entry",
     default=None,
-    help="State entry to export (default: `model`, or the model of the only ModelOptimizerState entry).",
+    help="State entry to export, or a dotted path to a part of one (e.g. `lightning.state_dict`); default: "
+    "`model`, the model of the only ModelOptimizerState entry, or a Lightning checkpoint's `lightning.state_dict`.",
 )
 @click.option(
     "--all",
@@ -97,7 +98,8 @@ def export_cmd(
 ) -> None:
     """Export a checkpoint of ROOT to OUT as safetensors, a plain DCP directory or a torch.save file.
 
-    Sharded tensors are consolidated. By default the weights of the entry `model`, keyed by the model's own
+    Sharded tensors are consolidated. By default the weights of the entry `model` (a Lightning run's:
+    `lightning.state_dict`), keyed by the model's own
     state_dict keys: `safetensors.torch.load_file(OUT)` and `model.load_state_dict(...)` accept them. OUT must
     not exist; it appears only when complete. Exit 0 ok, 1 the checkpoint is not valid (corrupt, no valid
     one), 2 usage error.

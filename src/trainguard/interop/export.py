@@ -23,7 +23,7 @@ import torch
 from .._optional import require
 from ..errors import ConfigError
 from ..state.flatten import unflatten
-from .select import Selection, groups, open_checkpoint, read_selection, select, tensor_bytes
+from .select import Selection, groups, open_checkpoint, read_selection, select, tensor_bytes, tensor_parts
 
 FORMATS = ("safetensors", "dcp", "torch")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", Hugging Face's default max_shard_size
@@ -72,7 +72,7 @@ def export(
     """Export the checkpoint of ``step`` under ``root`` to ``out`` in ``format``.
 
     By default the weights of the state entry ``model`` (or the model inside a ``ModelOptimizerState``
-    entry), keyed by the model's own ``state_dict`` keys, so ``model.load_state_dict(...)`` accepts them.
+    entry, or ``lightning.state_dict`` in a checkpoint of ``tg.lightning.TrainguardCheckpointIO``), keyed by the model's own ``state_dict`` keys, so ``model.load_state_dict(...)`` accepts them.
 
     - ``safetensors``: ``out`` is one file ``safetensors.torch.load_file`` reads when the tensors total at
       most ``max_shard_bytes``; else a directory of ``model-0000K-of-0000N.safetensors`` files with
@@ -88,7 +88,8 @@ def export(
         out: the output path; it must not exist yet.
         format: ``"safetensors"``, ``"dcp"`` or ``"torch"``.
         step: the checkpoint's step (default: the newest valid one).
-        entry: the top-level state entry to export (default as above).
+        entry: the state entry to export, or a dotted path to a part of one (``lightning.state_dict``);
+            default as above.
         all_state: export the whole state (model, optimizer, scheduler, RNG, data position) keyed by FQN.
         max_shard_bytes: largest safetensors file, in bytes (default 5 GB = 5e9 bytes); a single larger
             tensor gets a file of its own.
@@ -122,7 +123,12 @@ def export(
         shown = ", ".join(values[:5]) + (f" and {len(values) - 5} more" if len(values) > 5 else "")
         raise ConfigError(
             f"safetensors holds tensors only, but {sel.name} of step {m.step} also holds values ({shown}); "
-            "export it with --format dcp or --format torch, or export the model weights alone (no --all)"
+            "export it with --format dcp or --format torch, or "
+            + (
+                "export the model weights alone (no --all)"
+                if all_state
+                else _tensor_hint(tensor_parts(m, sel))
+            )
         )
     tensor_keys = [k for k in sel.keys if k not in set(values)]
     total = sum(tensor_bytes(m, sel.keys[k]) for k in tensor_keys)
@@ -147,6 +153,13 @@ def export(
             _save_dcp(obj, tmp)
         result.files = sorted(p.name for p in out.iterdir())
     return result
+
+
+def _tensor_hint(parts: list[str]) -> str:
+    if not parts:
+        return "choose an entry that holds tensors only with --entry (entry=...)"
+    shown = ", ".join(repr(p) for p in parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
+    return f"choose a part that holds tensors only with --entry (entry=...): {shown}"
 
 
 def _save_safetensors(tensors: dict[str, Any], path: Path, step: int) -> None:

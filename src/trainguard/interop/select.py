@@ -71,11 +71,13 @@ class Selection:
         keys: output key -> manifest FQN, in manifest order. For a model, the keys are the model's own
             ``state_dict`` keys (no ``model.`` prefix); for the whole state, the FQNs.
         paths: output key -> path of nested keys that rebuilds the nested structure (``torch`` output).
+        prefix: the path of keys of the selected part (empty for the whole state).
     """
 
     name: str
     keys: dict[str, str]
     paths: dict[str, PathT]
+    prefix: PathT = ()
 
 
 def _top_level_names(m: Manifest) -> list[str]:
@@ -87,13 +89,72 @@ def _top_level_names(m: Manifest) -> list[str]:
     return names
 
 
+LIGHTNING_WEIGHTS = "lightning.state_dict"  # the model weights inside a TrainguardCheckpointIO checkpoint
+
+
+def _is_lightning(m: Manifest, names: list[str]) -> bool:
+    """A checkpoint written by ``tg.lightning.TrainguardCheckpointIO``: a ``lightning`` dict with a
+    ``state_dict`` (the LightningModule's weights)."""
+    return "lightning" in names and any(
+        tuple(e.path[:2]) == (("s", "lightning"), ("s", "state_dict")) for e in m.entries.values()
+    )
+
+
+def _children(m: Manifest, prefix: PathT) -> list[str]:
+    """The keys one level below ``prefix``, in manifest order."""
+    out: list[str] = []
+    for e in m.entries.values():
+        if len(e.path) > len(prefix) and tuple(e.path[: len(prefix)]) == prefix:
+            k = str(e.path[len(prefix)][1])
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def resolve_entry(m: Manifest, entry: str) -> PathT:
+    """The path of keys named by ``entry``: a top-level state entry (``model``) or a dotted path to a part
+    of one (``lightning.state_dict``, ``app.model``).
+
+    Raises:
+        ConfigError: nothing in the checkpoint has that name (the message lists what exists at the deepest
+            level that matched).
+    """
+    names = _top_level_names(m)
+    if entry in names:
+        return (("s", entry),)
+    for e in m.entries.values():  # a nested part: the shortest path prefix whose FQN is ``entry``
+        for i in range(2, len(e.path) + 1):
+            if fqn_of(e.path[:i]) == entry:
+                return tuple(e.path[:i])
+    # the deepest prefix that exists, to list what is there
+    prefix: PathT = ()
+    known = names
+    parts = entry.split(".")
+    for j in range(1, len(parts)):
+        here = ".".join(parts[:j])
+        hit = next(
+            (tuple(e.path[:i]) for e in m.entries.values() for i in range(1, len(e.path)) if fqn_of(e.path[:i]) == here),
+            None,
+        )
+        if hit is None:
+            break
+        prefix, known = hit, _children(m, hit)
+    where = f"{fqn_of(prefix)!r} holds" if prefix else "its entries are"
+    raise ConfigError(
+        f"the checkpoint of step {m.step} has no state entry {entry!r}; {where} {known} (a part of an entry is "
+        "named by its dotted path, e.g. 'lightning.state_dict')"
+    )
+
+
 def select(m: Manifest, entry: str | None = None, *, all_state: bool = False) -> Selection:
     """Choose what to export from the checkpoint ``m``.
 
     Args:
         m: the checkpoint's manifest.
-        entry: a top-level state entry; default ``model``, or the only ``ModelOptimizerState`` entry. The
-            weights inside a ``ModelOptimizerState`` entry are its ``model`` part.
+        entry: a top-level state entry, or a dotted path to a part of one (``lightning.state_dict``); default
+            ``model``, the only ``ModelOptimizerState`` entry, or ``lightning.state_dict`` in a checkpoint of
+            ``tg.lightning.TrainguardCheckpointIO``. The weights inside a ``ModelOptimizerState`` entry are its
+            ``model`` part. The output keys are the keys below ``entry`` (the model's own ``state_dict`` keys).
         all_state: every entry (model, optimizer, RNG, loader position, ...), keyed by FQN.
 
     Raises:
@@ -114,19 +175,18 @@ def select(m: Manifest, entry: str | None = None, *, all_state: bool = False) ->
             entry = "model"
         elif len(mos) == 1:
             entry = mos[0]
+        elif not mos and _is_lightning(m, names):
+            entry = LIGHTNING_WEIGHTS
         else:
             why = f"several ModelOptimizerState entries ({', '.join(mos)})" if mos else "no entry 'model'"
             raise ConfigError(
                 f"the checkpoint of step {m.step} has {why}; its entries are {names}: choose one with "
-                "--entry NAME (entry=...), or export everything with --all"
+                "--entry NAME (entry=...; a dotted path names a part of an entry, e.g. 'app.model'), or export "
+                "everything with --all"
             )
-    if entry not in names:
-        raise ConfigError(
-            f"the checkpoint of step {m.step} has no state entry {entry!r}; its entries are {names}"
-        )
-    prefix: PathT = (("s", entry),)
+    prefix = resolve_entry(m, entry)
     name = entry
-    if m.top_level.get(entry, {}).get("type") == MODEL_OPTIMIZER_STATE:
+    if len(prefix) == 1 and m.top_level.get(entry, {}).get("type") == MODEL_OPTIMIZER_STATE:
         prefix = (*prefix, ("s", "model"))
         name = f"{entry}.model"
     keys: dict[str, str] = {}
@@ -140,7 +200,19 @@ def select(m: Manifest, entry: str | None = None, *, all_state: bool = False) ->
         paths[key] = rest if rest else e.path
     if not keys:
         raise ConfigError(f"the state entry {name!r} of step {m.step} holds nothing to export")
-    return Selection(name, keys, paths)
+    return Selection(name, keys, paths, prefix)
+
+
+def tensor_parts(m: Manifest, sel: Selection) -> list[str]:
+    """Dotted paths of the parts one level below ``sel`` that hold tensors only (what safetensors can take)."""
+    kinds: dict[str, set[str]] = {}
+    n = len(sel.prefix)
+    if not n:
+        return []
+    for e in m.entries.values():
+        if len(e.path) > n and tuple(e.path[:n]) == sel.prefix:
+            kinds.setdefault(fqn_of(e.path[: n + 1]), set()).add(e.kind)
+    return [k for k, v in kinds.items() if v == {"tensor"}]
 
 
 def tensor_bytes(m: Manifest, fqn: str) -> int:

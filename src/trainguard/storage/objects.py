@@ -14,8 +14,10 @@ missing backend package, missing credentials, missing bucket, access denied fail
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -187,6 +189,35 @@ def configuration_error(url: str, bucket: str, kind: str, e: BaseException) -> N
         ) from None
 
 
+def _construct(cls: Any, opts: dict[str, Any], url: str, scheme: str) -> Any:
+    """``cls(**opts)``; a filesystem that fails to construct (``ftp://`` without its ``host`` option, a bad
+    option) is a ConfigError naming the URL and the problem. While it is built, the ``__del__`` of ``cls``
+    reports nothing: some (FTPFileSystem's) fail on an object whose ``__init__`` did not finish and would print
+    "Exception ignored in ..." noise; any other unraisable exception goes to Python's hook as usual."""
+    hook = sys.unraisablehook
+    own_del = getattr(cls, "__del__", None)
+
+    def quiet(u: Any) -> None:
+        if own_del is None or u.object is not own_del:
+            hook(u)
+
+    sys.unraisablehook = quiet
+    problem = None
+    try:
+        return cls(**opts)
+    except Exception as e:  # noqa: BLE001 - any construction failure is a configuration problem
+        problem = f"{type(e).__name__}: {e}"
+    finally:
+        if problem is not None:
+            gc.collect()  # a half-built object in a reference cycle goes now, while its __del__ is quiet
+        sys.unraisablehook = hook
+    raise ConfigError(
+        f"{url!r}: the {scheme}:// filesystem could not be created from this URL and its storage_options "
+        f"({problem}); pass the filesystem's required options in storage_options (see the fsspec "
+        f"documentation of {cls.__name__}) or use a supported URL (s3://, gs://, az://, memory://)"
+    )
+
+
 class FsspecObjects:
     """Any fsspec URL as an object store.
 
@@ -242,7 +273,7 @@ class FsspecObjects:
             cfg.setdefault("read_timeout", self.stall_timeout_s)
             cfg.setdefault("retries", {"max_attempts": 1})  # trainguard retries with its own backoff
             opts["config_kwargs"] = cfg
-        self.fs = cls(**opts)
+        self.fs = _construct(cls, opts, url, self.scheme)
         self.async_ = bool(getattr(self.fs, "async_impl", False))
         self.root = self.fs._strip_protocol(url).rstrip("/")
         self.supports_conditional_create = self.scheme in ("s3", "s3a", "memory", "file", "local")
