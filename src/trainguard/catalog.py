@@ -396,12 +396,17 @@ def inspect_step(
     ), m
 
 
+def where_of(root: str | os.PathLike[str] | Storage) -> str:
+    """The run root as a user types it (a path or a URL), for messages that name a command to run."""
+    return str(root) if isinstance(root, (str, os.PathLike)) else str(getattr(root, "url", root))
+
+
 def _check_status(root: str | os.PathLike[str] | Storage, step: int) -> tuple[str, str | None]:
     check = check_record(root, step)
     if check is None:
         return (
             "unverified",
-            f"no full read of its bytes is recorded (run `trainguard verify {root} --step {step}`)",
+            f"no full read of its bytes is recorded (run `trainguard verify {where_of(root)} --step {step}`)",
         )
     if check.get("ok") is True:
         return "valid", None

@@ -25,7 +25,7 @@ from ..eventlog import read_events
 from ..format import TensorEntry, step_dir_name
 from ..storage.objects import is_url
 from .main import main
-from .remote import ls_url, tier_columns, url_cache, verify_url
+from .remote import ls_url, tier_listing, url_cache, verify_url
 from .text import StepCommand, echo, markup
 
 RACE_RETRIES = 100  # rescans when a writer's retention deletes the checkpoint being read
@@ -81,7 +81,9 @@ def ls_cmd(root: str, as_json: bool) -> None:
     require_run_root(p, "ls", as_json)
     infos = scan(p, failed_saves=True)  # a failed save leaves no directory: listed from the event log
     timings = _save_timings(p)
-    tiers = tier_columns(p, [i.step for i in infos]) if as_json else None
+    tiered = tier_listing(p, infos)  # with tiers: each step's tiers mapping, and the steps only on a tier
+    if tiered is not None:
+        infos = tiered
     if as_json:
         if not infos:
             hint = _runs_hint(p, "ls")
@@ -93,8 +95,6 @@ def ls_cmd(root: str, as_json: bool) -> None:
             ev = timings.get(i.step)
             if ev is not None:
                 row.update(block_s=ev.get("block_s"), persist_s=ev.get("persist_s"))
-            if tiers is not None:
-                row["tiers"] = tiers.get(i.step, {})
             rows.append(row)
         echo(json.dumps(rows, indent=1))
         return

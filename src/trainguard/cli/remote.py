@@ -105,9 +105,11 @@ def url_cache(url: str, step: int | None) -> Path:
     return cache
 
 
-def tier_columns(hot: Path, steps: list[int]) -> dict[int, dict[str, str]] | None:
-    """The ``tiers`` mapping of each step for the tiers recorded in ``hot`` (None when it records none)."""
-    from ..tiers.attach import TierSet, read_record
+def tier_listing(hot: Path, infos: list[Any]) -> list[Any] | None:
+    """The hot root's checkpoints ``infos`` with each step's ``tiers`` mapping, plus the steps held only by a
+    tier (as ``CheckpointManager.checkpoints()`` lists them), for the tiers recorded in ``hot``; None when it
+    records none (or none of them can be opened)."""
+    from ..tiers.attach import TierSet, listing, read_record
     from ..tiers.config import Tier
     from ..tiers.upload import TierLink
 
@@ -123,7 +125,9 @@ def tier_columns(hot: Path, steps: list[int]) -> dict[int, dict[str, str]] | Non
             links.append(TierLink(Tier(t["url"]), open_objects(t["url"], opts, stall_timeout_s=30.0)))
         except (OSError, TrainguardError) as e:
             echo(f"tier {t['url']}: {e}", err=True)
-    return TierSet(hot, links, lambda *a, **k: None).status(steps) if links else None
+    if not links:
+        return None
+    return listing(TierSet(hot, links, lambda *a, **k: None), lambda: infos)
 
 
 def prefetch_cmd_impl(root: str, tier_urls: tuple[str, ...], as_json: bool) -> None:
