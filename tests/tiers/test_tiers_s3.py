@@ -378,3 +378,33 @@ def test_verify_of_a_url_honours_max_bandwidth(bucket: str, tmp_path: Path, monk
     assert {rate for rate, _ in capped} == {1e9}
     res = CliRunner().invoke(main, ["verify", url, "--max-bandwidth", "fast"])
     assert res.exit_code == 2 and "--max-bandwidth" in res.output
+
+
+def test_url_roots_in_ls_status_and_report(bucket: str, tmp_path: Path, monkeypatch) -> None:
+    """`ls` of a URL without checkpoints exits 1 naming the run roots below it; `status`/`report` of a URL
+    root read the writer's local cache, and say so when this machine has none."""
+    from click.testing import CliRunner
+
+    from trainguard.cli.main import main
+
+    monkeypatch.setenv("TRAINGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    url = _s3(bucket, "run1")
+    with tg.CheckpointManager(url, chunk_size_bytes=CHUNK) as mgr:
+        mgr.save(1, make_state()).wait()
+    run = CliRunner().invoke
+    r = run(main, ["ls", f"s3://{bucket}/nothere"])
+    assert r.exit_code == 1 and "nothing is stored under it" in r.output
+    r = run(main, ["ls", f"s3://{bucket}", "--json"])
+    assert r.exit_code == 1 and "holds 1 run root(s): " + url in r.output
+    assert json.loads(r.stdout.splitlines()[0])["error"].startswith(f"no checkpoints in s3://{bucket}")
+    r = run(main, ["status", url, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["newest_valid"]["step"] == 1
+    r = run(main, ["report", url, "--json"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TRAINGUARD_CACHE_DIR", str(tmp_path / "elsewhere"))  # another machine: no cache
+    for cmd in ("status", "report"):
+        r = run(main, [cmd, url])
+        assert r.exit_code == 2 and "URL run root keeps on the local disk" in r.output, r.output
+    r = run(main, ["gc", url])
+    assert r.exit_code == 2 and "needs a local run root" in r.output

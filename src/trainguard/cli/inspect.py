@@ -47,11 +47,36 @@ def console() -> Any:
     return c if c.is_terminal else Console(width=200, highlight=False)
 
 
-def _root(root: str) -> Path:
+def _root(root: str, command: str = "") -> Path:
+    """The local run root ``root``; a URL is refused naming the command (``ls``, ``info`` and ``verify``
+    take URLs; the others read local files)."""
+    if is_url(root):
+        raise click.UsageError(
+            f"{root!r} is a URL: `trainguard {command or 'this command'}` needs a local run root (a directory); "
+            "`trainguard ls|info|verify` take URL roots"
+        )
     p = Path(root)
     if not p.is_dir():
         raise click.UsageError(f"run root {root!r} does not exist or is not a directory")
     return p
+
+
+def event_root(root: str, command: str) -> Path:
+    """The local directory holding the event log of ``root``: ``root`` itself, or for a URL run root the
+    local cache its writer kept (``$TRAINGUARD_CACHE_DIR``), where its events, heartbeat and metrics are."""
+    if not is_url(root):
+        return _root(root, command)
+    from ..tiers.attach import cache_root
+
+    cache = cache_root(root.rstrip("/"))
+    if (cache / "events").is_dir():
+        return cache
+    raise click.UsageError(
+        f"`trainguard {command}` reads the run's event log, which a URL run root keeps on the local disk of the "
+        f"machine that ran the job (its cache {cache}, under $TRAINGUARD_CACHE_DIR); there is none here: run "
+        f"it on that machine (same TRAINGUARD_CACHE_DIR), or give a local run root. `trainguard ls {root}` "
+        "lists the checkpoints stored at the URL"
+    )
 
 
 def _save_timings(root: Path) -> dict[int, dict[str, Any]]:

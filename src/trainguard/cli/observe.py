@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .inspect import _root, console, require_run_root
+from .inspect import console, event_root, require_run_root
 from .main import main
 from .text import echo
 
@@ -38,7 +38,7 @@ def report_cmd(root: str, output: Path | None, as_json: bool) -> None:
     """
     from ..observe.figures import report_figures
 
-    p = _root(root)
+    p = event_root(root, "report")
     if not (p / "events").is_dir():
         raise click.UsageError(
             f"{root} has no event log (events/); pass the run root that a CheckpointManager or "
@@ -82,7 +82,7 @@ def status_cmd(root: str, watch: bool, interval: float, as_json: bool) -> None:
     """
     from ..observe.status import render_status, run_status
 
-    p = _root(root)
+    p = event_root(root, "status")
     require_run_root(p, "status", as_json)
     if not interval > 0:
         raise click.UsageError(f"--interval must be > 0 seconds, got {interval}")

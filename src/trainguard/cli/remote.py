@@ -28,14 +28,42 @@ def open_remote(url: str) -> Any:
     return RemoteRoot(store)
 
 
+def remote_run_roots(store: Any, limit: int = 20) -> list[str]:
+    """The run roots below ``store``'s URL (not itself): the prefixes holding committed ``step-N/manifest.json``
+    objects, at most ``limit``, sorted (one recursive listing)."""
+    import re
+
+    from ..format import MANIFEST_NAME
+
+    pattern = re.compile(rf"^(.+)/step-\d+/{re.escape(MANIFEST_NAME)}$")
+    roots = sorted({m.group(1) for name in store.list("") if (m := pattern.match(name))})
+    return [f"{store.url}/{r}" for r in roots[:limit]]
+
+
 def ls_url(url: str, as_json: bool) -> None:
+    """``trainguard ls URL``: the table (or ``--json`` rows) of the run root at ``url``. A URL that holds no
+    checkpoint exits 1 naming the run roots below it (as a local folder does)."""
     remote = open_remote(url)
     rows = [r.to_json() for r in remote.scan()]
+    if not rows and not remote.store.list(""):
+        message = f"no checkpoints in {url} (nothing is stored under it)"
+    elif not rows:
+        runs = remote_run_roots(remote.store)
+        message = f"no checkpoints in {url}" + (
+            f"; it is not a run root but holds {len(runs)} run root(s): {', '.join(runs)}. Give one of them, "
+            f"e.g. `trainguard ls {runs[0]}`"
+            if runs
+            else " (not a run root: it holds no step-N/manifest.json objects)"
+        )
+    else:
+        message = ""
+    if message:
+        if as_json:
+            echo(json.dumps({"error": message}))
+        echo(f"ls: {message}", err=True)
+        sys.exit(1)
     if as_json:
         echo(json.dumps(rows, indent=1))
-        return
-    if not rows:
-        echo(f"no checkpoints in {url}")
         return
     from .inspect import print_listing
 

@@ -30,7 +30,7 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
     """
     from ..validation.suspect import clear_suspect, mark_suspect
 
-    p = _root(root)
+    p = _root(root, "mark")
     if (reason is None) == (not clear):
         raise click.UsageError("give either --suspect REASON or --clear")
     if not is_committed(p, step):
@@ -86,7 +86,7 @@ def gc_cmd(
     from ..planning.units import parse_duration_s
     from ..validation.scrub import gc
 
-    p = _root(root)
+    p = _root(root, "gc")
     require_run_root(p, "gc", as_json)  # before the lock: taking it would create ROOT/.lock
     try:
         q = parse_duration_s(quarantine_older_than, what="--quarantine-older-than")
