@@ -107,7 +107,8 @@ def restore_newest(ctx: RootContext, state: MutableMapping[str, Any], *, strict:
             if session is not None:
                 session.step = step
     except NoValidCheckpointError as e:  # `trainguard run` reads it: a relaunch cannot fix this
-        ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e).split("\n")[0])
+        # the whole message: which checkpoints, and why each was skipped (bounded: one line per checkpoint)
+        ctx.event("restore_failed", error="NoValidCheckpointError", problem=str(e)[:8000])
         raise
     if step is not None:
         ctx.last_restore = timings

@@ -43,7 +43,9 @@ def test_a_job_with_no_valid_checkpoint_is_not_relaunched(tmp_path: Path) -> Non
     assert len(result.attempts) == 1, "relaunched a job that cannot restore"
     [failed] = read_events(root, event="restore_failed")
     assert failed["error"] == "NoValidCheckpointError" and "none is valid" in failed["problem"]
+    assert "step 1" in failed["problem"].split("\n", 1)[1]  # the whole message, not its first line
     said = "\n".join(messages)
+    assert "none is valid:)" not in said and "[trainguard]     step 1: corrupt manifest" in said, said
     assert "no valid checkpoint" in said and f"trainguard verify {root} --all" in said, said
     assert read_events(root, event="give_up")[0]["reason"] == "no_valid_checkpoint"
 

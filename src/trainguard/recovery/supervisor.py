@@ -305,11 +305,12 @@ class Supervisor:
                 return self._finish("stopped", signal.Signals(self._stop_signal).name, None)
             if result.outcome == "exit" and self._no_valid is not None:
                 # deterministic: every relaunch would restore_latest the same invalid checkpoints
+                why = self._no_valid.rstrip().replace("\n", "\n[trainguard]   ")
                 self._echo(
-                    f"[trainguard] the job found no valid checkpoint to resume from ({self._no_valid}); "
-                    f"a relaunch would fail the same way: not restarting. `trainguard verify {self.root} --all` "
-                    f"says why; restore a replica, `trainguard mark {self.root} STEP --clear` a suspect one, or "
-                    "start a new run root"
+                    f"[trainguard] the job found no valid checkpoint to resume from:\n[trainguard]   {why}\n"
+                    f"[trainguard] a relaunch would fail the same way: not restarting. `trainguard verify "
+                    f"{self.root} --all` says why; restore a replica, `trainguard mark {self.root} STEP --clear` "
+                    "a suspect one, or start a new run root"
                 )
                 return self._finish("gave_up", "no_valid_checkpoint", EXIT_NO_VALID_CHECKPOINT)
             limit = cfg.max_no_progress_restarts
