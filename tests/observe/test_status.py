@@ -54,7 +54,7 @@ def test_status_of_a_running_supervised_job_reads_its_heartbeat_and_the_root(tmp
     assert s["newest_valid"]["step"] == 20 and 0 <= s["newest_valid"]["age_s"] < 60
     assert s["saves_in_flight"] == [30] and s["checkpoints"] == {"valid": 2, "incomplete": 1}
     assert s["last_failure"] == {"cause": "signal", "step": 25, "t": 125.1}
-    assert s["last_recovery"] == {"ttr_s": 3.5, "steps_lost": 5}
+    assert s["last_recovery"] == {"ttr_s": 3.5, "steps_lost": 5, "restored_step": 20}
 
 
 def test_status_without_a_heartbeat_falls_back_to_the_newest_step_in_the_event_log(tmp_path):
@@ -134,3 +134,28 @@ def test_an_odd_heartbeat_file_named_in_the_log_is_ignored_not_read(tmp_path):
         t0 = time.monotonic()
         s = run_status(tmp_path)
         assert time.monotonic() - t0 < 5 and s["step"] is None and s["status"] == "running"
+
+
+def test_status_where_every_attempt_failed_names_the_last_heartbeat_step_and_a_fresh_start(tmp_path):
+    """No checkpoint was ever restored: the current step comes from the failures' last heartbeat, and the
+    recovery says it started over instead of printing "None steps lost"."""
+    from rich.console import Console
+
+    from trainguard.observe.status import render_status
+
+    recs = [
+        sup(100.0, "supervisor_start"),
+        sup(100.5, "job_start", restart_count=0, heartbeat_file=str(tmp_path / "gone")),
+        sup(101.0, "failure", cause="exit", last_step=1, restart_count=0),
+        sup(105.4, "recovery", restart_count=1, last_step=1, restored_step=None, steps_lost=None, ttr_s=4.37),
+        sup(106.0, "give_up", reason="max_restarts"),
+    ]
+    write_log(tmp_path, recs)
+    s = run_status(tmp_path)
+    assert (s["status"], s["step"], s["step_source"]) == ("gave_up", 1, "events")
+    assert s["last_recovery"] == {"ttr_s": 4.37, "steps_lost": None, "restored_step": None}
+    c = Console(width=120, record=True, file=open(os.devnull, "w"))
+    c.print(render_status(s))
+    text = c.export_text()
+    assert "None" not in text and "started over: no checkpoint was restored" in text
+    assert "current step" in text and "1 (events" in text

@@ -32,10 +32,11 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         A JSON-ready dict: ``root``, ``t``, ``status`` (``running``, ``succeeded``, ``gave_up``, ``stopped``,
         ``unsupervised`` or ``no_events``), ``run_id``, ``attempt`` (the current restart count),
         ``restarts`` (so far, this run), ``failures`` (this run), ``step`` (the newest heartbeat step, else
-        the newest step in the event log), ``step_source`` (``heartbeat`` or ``events``), ``step_age_s``,
+        the newest step in the event log, a failure's last heartbeat included), ``step_source`` (``heartbeat`` or ``events``), ``step_age_s``,
         ``newest_valid`` (``{step, bytes, time, age_s}`` or None), ``checkpoints`` (counts by status),
         ``saves_in_flight`` (steps with a save directory not yet committed), ``last_failure`` (cause,
-        step, time) and ``last_recovery`` (``ttr_s``, ``steps_lost``).
+        step, time) and ``last_recovery`` (``ttr_s``, ``steps_lost``, ``restored_step``: None when the
+        relaunch found no checkpoint and started over, ``steps_lost`` then None).
     """
     now = time.time() if now is None else now
     records = read_events(root)
@@ -53,10 +54,16 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         if beats:
             newest = max(beats, key=lambda b: b.t)
             step, step_t, source = max(b.step for b in beats), newest.t, "heartbeat"
-    if step is None:
-        stepped = [r for r in mine if r.get("event") in _STEP_EVENTS and isinstance(r.get("step"), int)]
+    if step is None:  # the newest step the event log names: a progress/save event, or a failure's last heartbeat
+        stepped = [
+            (r["step"] if r.get("event") in _STEP_EVENTS else r["last_step"], float(r["t"]))
+            for r in mine
+            if (r.get("event") in _STEP_EVENTS and isinstance(r.get("step"), int))
+            or (r.get("event") == "failure" and isinstance(r.get("last_step"), int))
+        ]
         if stepped:
-            step, step_t, source = stepped[-1]["step"], float(stepped[-1]["t"]), "events"
+            step, step_t = stepped[-1]
+            source = "events"
     infos = scan(root) if Path(root).is_dir() else []
     counts: dict[str, int] = {}  # in the catalog's order of statuses, as `trainguard ls` labels them
     for status_name in STATUSES:
@@ -98,7 +105,11 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         else {"cause": last_fail.get("cause"), "step": last_fail.get("last_step"), "t": last_fail.get("t")},
         "last_recovery": None
         if last_rec is None
-        else {"ttr_s": last_rec.get("ttr_s"), "steps_lost": last_rec.get("steps_lost")},
+        else {
+            "ttr_s": last_rec.get("ttr_s"),
+            "steps_lost": last_rec.get("steps_lost"),
+            "restored_step": last_rec.get("restored_step"),
+        },
     }
 
 
@@ -170,5 +181,12 @@ def render_status(s: dict[str, Any]) -> Any:
         )
     if s["last_recovery"] and s["last_recovery"]["ttr_s"] is not None:
         lr = s["last_recovery"]
-        t.add_row("last recovery", f"TTR {lr['ttr_s']:.2f} s, {lr['steps_lost']} steps lost")
+        lost = (
+            f"{lr['steps_lost']} steps lost"
+            if lr["steps_lost"] is not None
+            else "started over: no checkpoint was restored"
+            if lr.get("restored_step") is None
+            else "steps lost unknown"
+        )
+        t.add_row("last recovery", f"TTR {lr['ttr_s']:.2f} s, {lost}")
     return t
