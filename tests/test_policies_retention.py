@@ -41,6 +41,8 @@ def test_any_of_saves_when_one_policy_says_so():
     "bad",
     [
         lambda: tg.EveryNSteps(0),
+        lambda: tg.EveryNSteps(2.5),  # would save at 5, 10, 15
+        lambda: tg.EveryNSteps(True),
         lambda: tg.EveryTSeconds(-1),
         lambda: tg.KeepLatest(0),
         lambda: tg.KeepEvery(0),

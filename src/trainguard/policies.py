@@ -14,6 +14,8 @@ record why they chose an interval).
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -47,15 +49,24 @@ class EveryNSteps:
         every_steps: the interval in steps, >= 1.
 
     Raises:
-        ConfigError: if ``every_steps`` < 1.
+        ConfigError: if ``every_steps`` is not an int >= 1 (``2.5``, ``True`` and ``"2"`` are refused).
     """
 
     every_steps: int
     step_based = True  # the same answer on every rank: no collective needed under torch.distributed
 
     def __post_init__(self) -> None:
-        if int(self.every_steps) < 1:
-            raise ConfigError(f"every_steps must be >= 1, got {self.every_steps}")
+        n = self.every_steps
+        try:
+            whole = None if isinstance(n, bool) else operator.index(n)  # int, numpy ints; not 2.5 nor "2"
+        except TypeError:
+            whole = None
+        if whole is None or whole < 1:
+            raise ConfigError(
+                f"every_steps must be a whole number of steps >= 1 (an int), got {n!r}: saves happen at "
+                "multiples of it, so a fraction would save at unintended steps"
+            )
+        self.every_steps = whole
 
     def should_save(self, step: int, *, now_s: float) -> bool:
         return step > 0 and step % self.every_steps == 0
