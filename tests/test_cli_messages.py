@@ -38,3 +38,18 @@ def test_ls_of_a_hot_root_lists_tier_only_steps_like_checkpoints_and_a_tier_hint
     problems = [x["problem"] for x in json.loads(r.stdout) if x["problem"]]
     assert problems, r.stdout  # the tier's steps were never fully re-read here: the hint says how
     assert all(f"trainguard verify {tier} --step" in p and "Storage(" not in p for p in problems)
+
+
+def test_verify_summary_says_how_many_failed() -> None:
+    from trainguard.cli.inspect import verify_summary
+
+    assert verify_summary(False, 7, 3, 2048).startswith("FAILED: 3 of 7 checkpoint(s) checked failed,")
+    assert verify_summary(True, 7, 0, 2048).startswith("OK 7 checkpoint(s) checked,")
+
+
+def test_plan_prints_no_trailing_spaces() -> None:
+    r = invoke("plan", "--checkpoint-time", "5min", "--restart-time", "10min", "--mtbf", "24h")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) > 5 and "goodput" in r.output
+    assert [line for line in lines if line != line.rstrip()] == []

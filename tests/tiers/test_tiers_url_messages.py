@@ -89,7 +89,7 @@ def test_ls_and_verify_print_a_url_root_like_a_local_one(
     v = runner.invoke(main, ["verify", url, "--step", "2"])
     assert v.exit_code == 1, v.output
     assert "step 2: CORRUPT manifest" in v.output and "CORRUPT corrupt" not in v.output, v.output
-    assert "FAILED: 1 of 1 checkpoint(s) checked" in v.output, v.output
+    assert "FAILED: 1 of 1 checkpoint(s) checked failed," in v.output, v.output
 
 
 def test_steps_kept_only_while_they_uploaded_are_deleted_by_retention_at_close(

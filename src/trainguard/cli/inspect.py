@@ -179,8 +179,9 @@ def corrupt_line(step: int, problem: str) -> str:
 
 def verify_summary(ok: bool, n_checked: int, n_bad: int, bytes_read: int) -> str:
     """``verify``'s last line: the verdict, the checkpoints checked and the bytes re-read."""
-    verdict = "OK" if ok else f"FAILED: {n_bad} of"
-    return f"{verdict} {n_checked} checkpoint(s) checked, {human_bytes(bytes_read)} re-read"
+    if ok:
+        return f"OK {n_checked} checkpoint(s) checked, {human_bytes(bytes_read)} re-read"
+    return f"FAILED: {n_bad} of {n_checked} checkpoint(s) checked failed, {human_bytes(bytes_read)} re-read"
 
 
 STATUS_COLORS = {
@@ -232,7 +233,7 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
     Lists every entry (tensors with dtype, shape and bytes; non-tensor values such as a loader position or
     a scheduler's state with their stored value) and the metrics. Exit 1 when the checkpoint is not valid
     (a missing or damaged chunk, a recorded CRC32C mismatch): what can still be read is shown with the
-    problem.
+    problem; exit 2 when there is no checkpoint of STEP (the message lists the steps there are).
     """
     from ..incremental.chunkstore import ChunkStore
 
@@ -254,10 +255,19 @@ def info_cmd(root: str, step: int | None, as_json: bool) -> None:
         assert step is not None
         try:
             m = read_manifest(p, step)
-        except CheckpointNotFoundError as e:
+        except CheckpointNotFoundError:
             if latest:
                 continue
-            raise click.UsageError(str(e)) from None
+            steps = [i.step for i in scan(p, store)]
+            message = f"no checkpoint of step {step} under {root}; " + (
+                f"its steps are {', '.join(map(str, steps))} (`trainguard ls {root}`)"
+                if steps
+                else "it holds no checkpoint"
+            )
+            if as_json:
+                echo(json.dumps({"error": message}))
+            echo(f"error: {message}", err=True)
+            sys.exit(2)
         except CorruptCheckpointError as e:
             if latest and not is_committed(p, step):
                 continue

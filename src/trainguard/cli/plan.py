@@ -67,10 +67,23 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.2f}%" if abs(x) >= 0.01 else f"{100.0 * x:.3g}%"
 
 
-def _console() -> Any:
-    from rich.console import Console
+class _Trimmed:
+    """A rich Console whose lines are printed without the trailing spaces rich pads table rows with."""
 
-    return Console(width=max(120, Console().width), highlight=False)
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(width=max(120, Console().width), highlight=False)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        with self.console.capture() as cap:
+            self.console.print(*objects, **kwargs)
+        text = "\n".join(line.rstrip() for line in cap.get().splitlines())
+        click.echo(text)
+
+
+def _console() -> Any:
+    return _Trimmed()
 
 
 # ---------------------------------------------------------------------------------------------------------
