@@ -53,3 +53,9 @@ def test_plan_prints_no_trailing_spaces() -> None:
     lines = r.output.splitlines()
     assert len(lines) > 5 and "goodput" in r.output
     assert [line for line in lines if line != line.rstrip()] == []
+
+
+def test_run_help_lists_every_environment_variable_the_job_gets() -> None:
+    text = " ".join(invoke("run", "--help").output.split())
+    for name in ("RESTART_COUNT", "RUN_ID", "HEARTBEAT_FILE", "ROOT", "ATTEMPT_ID"):
+        assert f"TRAINGUARD_{name}" in text, name

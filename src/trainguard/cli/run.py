@@ -121,7 +121,9 @@ def run_command(
           -- torchrun --nproc-per-node 8 train.py
 
     COMMAND runs in its own process group with TRAINGUARD_RESTART_COUNT, TRAINGUARD_RUN_ID,
-    TRAINGUARD_HEARTBEAT_FILE and TRAINGUARD_ROOT in its environment. SIGTERM/SIGINT are forwarded to it
+    TRAINGUARD_HEARTBEAT_FILE, TRAINGUARD_ROOT and TRAINGUARD_ATTEMPT_ID (a token per attempt, inherited
+    by the job's descendants: after an attempt the supervisor stops only the processes carrying it) in its
+    environment. SIGTERM/SIGINT are forwarded to it
     and the supervisor then stops without restarting. Each recovery's time-to-resume phases are printed as
     they complete; a summary follows at the end.
     """
