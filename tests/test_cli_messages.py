@@ -59,3 +59,35 @@ def test_run_help_lists_every_environment_variable_the_job_gets() -> None:
     text = " ".join(invoke("run", "--help").output.split())
     for name in ("RESTART_COUNT", "RUN_ID", "HEARTBEAT_FILE", "ROOT", "ATTEMPT_ID"):
         assert f"TRAINGUARD_{name}" in text, name
+
+
+def test_the_documented_fault_injection_examples_inject_as_written(tmp_path: Path, monkeypatch) -> None:
+    """README's ENOSPC example and docs/tiers.md's tier PUT example, run as written (a local directory in
+    place of the S3 store): each fault fires (`unfired()` is empty), as the comments say."""
+    import errno
+
+    from trainguard.storage import Fault, FaultyStorage, LocalStorage
+
+    monkeypatch.chdir(tmp_path)
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB: four 1 MiB chunks
+    disk = FaultyStorage(LocalStorage("ckpts/run1"), Fault("write", match="chunks/*", nth=2, errno=errno.ENOSPC))
+    with tg.CheckpointManager(disk, async_save=False, chunk_size_bytes=1 << 20) as mgr:
+        try:
+            mgr.save(1, state)
+            raise AssertionError("the save did not fail")
+        except tg.StorageFullError:
+            pass
+        assert mgr.checkpoints() == []
+    assert [(op, what) for op, _, what in disk.injected] == [("write", "errno 28")]
+    assert disk.unfired() == []
+    never = FaultyStorage(LocalStorage("ckpts/run2"), Fault("write", match="chunks/*", nth=9, errno=errno.ENOSPC))
+    with tg.CheckpointManager(never, async_save=False, chunk_size_bytes=1 << 20) as mgr:
+        mgr.save(1, state)  # 4 chunks: the 9th chunk write never comes
+    assert never.injected == [] and len(never.unfired()) == 1
+
+    s3 = FaultyStorage(LocalStorage("shared/run1"), Fault("write", match="chunks/*", nth=2, errno=errno.EIO))
+    with tg.CheckpointManager("nvme/run1", chunk_size_bytes=1 << 20, tiers=[tg.Tier(s3)]) as mgr:
+        mgr.save(1, state).wait()
+    assert [(op, what) for op, _, what in s3.injected] == [("write", "errno 5")] and s3.unfired() == []
+    with tg.CheckpointManager("nvme/run1", read_only=True, tiers=[tg.Tier(s3)]) as mgr:
+        assert {i.step: i.tiers for i in mgr.checkpoints()} == {1: {s3.url: "valid"}}  # retried, completed

@@ -68,6 +68,7 @@ class Fault:
     Attributes:
         seen: matching calls so far.
         written: ``budget_bytes`` faults: bytes the matching writes stored so far.
+        fired: calls it affected so far (0: it never fired, e.g. fewer than ``nth`` calls matched).
 
     Raises:
         ValueError: an unknown ``op``, or ``truncate_to``/``flip_byte``/``budget_bytes`` on the wrong operation.
@@ -88,6 +89,7 @@ class Fault:
     enabled: bool = True
     seen: int = field(default=0, init=False)
     written: int = field(default=0, init=False)
+    fired: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -166,8 +168,15 @@ class FaultyStorage:
             self.calls[op] += 1
             for f in self.faults:
                 if f.op == op and f.hits(key, size, staging):
+                    f.fired += 1
                     return f
         return None
+
+    def unfired(self) -> list[Fault]:
+        """The faults that never affected a call: a test or an example that expected a failure can check
+        ``disk.unfired() == []`` (a fault whose ``match`` or ``nth`` no call reached injects nothing)."""
+        with self._lock:
+            return [f for f in self.faults if f.fired == 0]
 
     def _apply(self, op: str, key: str, data: Any = None, staging: str | None = None) -> Fault | None:
         """Call, stall and raise as the fault of this call says; return it (for truncation and bit flips)."""
