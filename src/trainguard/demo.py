@@ -292,16 +292,20 @@ def run_demo(cfg: DemoConfig, *, echo=print, progress: bool = True) -> dict[str,
         if ref.poll() is None:
             ref.kill()
     summary = summarize(cfg, plan, result, faulted, reference, t_faulted, t_ref, ref_rc)
-    summary["report"] = str(write_demo_report(faulted, out / "report.html"))
+    path, figs = write_demo_report(faulted, out / "report.html")
+    summary["report"] = str(path)
+    if figs["goodput"] is not None:  # one definition, one number: the report's (productive time / wall time)
+        summary["goodput"] = figs["goodput"]
     return summary
 
 
-def write_demo_report(faulted: Path, path: Path) -> Path:
-    """Write the HTML report (``trainguard report``) of the faulted run and return its path."""
+def write_demo_report(faulted: Path, path: Path) -> tuple[Path, dict[str, Any]]:
+    """Write the HTML report (``trainguard report``) of the faulted run; return its path and its figures."""
     from .observe.figures import report_figures
     from .observe.html import write_report
 
-    return write_report(report_figures(str(faulted)), path)
+    figs = report_figures(str(faulted))
+    return write_report(figs, path), figs
 
 
 def summarize(

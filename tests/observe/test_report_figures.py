@@ -250,3 +250,23 @@ def test_a_long_run_keeps_the_report_small_and_its_goodput_exact():
     # no failure: the recovery plot and the interval plot say so instead of plotting
     empty = re.findall(r'id="plot-(\w+)" data-has-data="no"', page)
     assert empty == ["recoveries", "interval"] and page.count('data-has-data="yes"') == 4
+
+
+def test_a_step_saved_again_replaces_its_first_checkpoint_and_suspect_skips_are_not_called_corrupt():
+    """Attempt 1 resumes from step 10 and saves step 20 again: the first step-20 checkpoint is replaced at that
+    second commit (not "still kept" from its first). A step skipped as suspect is listed apart from corrupt."""
+    recs = one_failure_run()
+    at = next(i for i, r in enumerate(recs) if r["event"] == "save" and r["step"] == 30)
+    recs.insert(at, save(136.0, 20, 1))  # attempt 1 redoes step 20 (replacing the first checkpoint of it)
+    recs.insert(at, mgr(127.4, "restore_skipped", 1, step=20, problem="suspect: the probe loss 9.1 > 2.0"))
+    recs.insert(at, mgr(127.3, "restore_skipped", 1, step=15, problem="chunk chunks/ab/x of step 15 fails CRC32C"))
+    figs = compute_figures(sorted(recs, key=lambda r: r["t"]))
+    ck = figs["checkpoints"]
+    assert (ck["corrupt_detected"], ck["suspect_detected"]) == ([15], [20])
+    rows = [(r["step"], r["from_s"], r["to_s"], r["replaced"]) for r in ck["retention"]]
+    assert rows == [
+        (10, pytest.approx(11.0), pytest.approx(39.1), False),
+        (20, pytest.approx(21.0), pytest.approx(36.0), True),  # replaced at the second commit of step 20
+        (20, pytest.approx(36.0), None, False),
+        (30, pytest.approx(39.0), None, False),
+    ]

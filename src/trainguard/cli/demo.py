@@ -146,8 +146,9 @@ def print_summary(s: dict) -> None:
                 f"suspect checkpoint detected at resume and skipped: step {sk['step']} ({markup(str(sk['problem']))})"
             )
     c.print(
-        f"goodput: {s['goodput'] * 100:.1f}% (useful training {s['useful_train_s']:.1f} s of {s['wall_s']:.1f} s "
-        f"wall; the reference run took {s['reference_wall_s']:.1f} s)"
+        f"goodput: {s['goodput'] * 100:.1f}% (as in the report: productive training time over wall time, from the "
+        f"event log; the surviving steps computed {s['useful_train_s']:.1f} s of {s['wall_s']:.1f} s wall; the "
+        f"reference run took {s['reference_wall_s']:.1f} s)"
     )
     verdict = "[green]yes[/]" if s["identical"] else "[red]no[/]"
     c.print(

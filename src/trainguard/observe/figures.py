@@ -408,7 +408,9 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         ``ttr_s``, ``phases``, ``exit_code``, ``signal``, ``t``, ``t_s``), ``goodput`` (float in (0, 1] or
         None), ``goodput_timeline``, ``saves`` (each: ``step``, ``t``, ``t_s``, ``start_s``, ``block_s``,
         ``persist_s``, ``bytes``, ``stored_bytes``, ``bytes_written``, ``chunks``, ``restart_count``),
-        ``save_failures``, ``checkpoints`` (totals and retention), ``interval``
+        ``save_failures``, ``checkpoints`` (totals; ``corrupt_detected`` and ``suspect_detected``, the steps a
+        restore skipped as corrupt or as suspect; ``retention``: each commit from ``from_s`` to ``to_s``, its
+        deletion or, ``replaced`` True, a later save of the same step; None while kept), ``interval``
         (:func:`checkpoint_interval`), ``run`` (start, end, wall time, attempts, restarts, status, last step)
         and ``timeline`` (steps over time per attempt, commits, failures, restarts, and each recovery at its
         first step after the restore: ``[t_s, restored_step]``). Times ``*_s`` are seconds since the run's
@@ -435,13 +437,10 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         for r in recs
         if r.get("event") == "save_failed" and _rank0(r)
     ]
-    corrupt = sorted(
-        {
-            int(r["step"])
-            for r in recs
-            if r.get("event") == "restore_skipped" and _int(r.get("step")) is not None
-        }
-    )
+    skipped = [r for r in recs if r.get("event") == "restore_skipped" and _int(r.get("step")) is not None]
+    # a suspect checkpoint (intact bytes, content failed validation: probe, NaN/Inf, loss) is not corrupt
+    suspect = sorted({int(r["step"]) for r in skipped if str(r.get("problem", "")).startswith("suspect")})
+    corrupt = sorted({int(r["step"]) for r in skipped} - set(suspect))
     saved_steps = sorted({s["step"] for s in saves})
     deletions: dict[int, list[float]] = {}
     for r in recs:
@@ -449,8 +448,18 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
             deletions.setdefault(int(r["step"]), []).append(float(r["t"]))
     retention = []
     for s in saves:
-        gone = min((t for t in deletions.get(s["step"], []) if t >= s["t"]), default=None)
-        retention.append({"step": s["step"], "from_s": s["t_s"], "to_s": None if gone is None else gone - t0})
+        deleted_t = min((t for t in deletions.get(s["step"], []) if t >= s["t"]), default=None)
+        # a later save of the same step (a resumed attempt redoing it) replaces this checkpoint
+        replaced_t = min((o["t"] for o in saves if o["step"] == s["step"] and o["t"] > s["t"]), default=None)
+        gone = min((t for t in (deleted_t, replaced_t) if t is not None), default=None)
+        retention.append(
+            {
+                "step": s["step"],
+                "from_s": s["t_s"],
+                "to_s": None if gone is None else gone - t0,
+                "replaced": replaced_t is not None and gone == replaced_t,
+            }
+        )
     blocks = [s["block_s"] for s in saves if s["block_s"] is not None]
     persists = [s["persist_s"] for s in saves if s["persist_s"] is not None]
     checkpoints = {
@@ -465,6 +474,7 @@ def compute_figures(records: list[dict[str, Any]], *, now: float | None = None) 
         "deleted": deleted,
         "retained": [s for s in saved_steps if s not in deleted],
         "corrupt_detected": corrupt,
+        "suspect_detected": suspect,
         "save_failures": len(save_failures),
         "retention": retention,
     }

@@ -193,6 +193,7 @@ def render_html(figs: dict[str, Any]) -> str:
         f"<p>{ck['count']} checkpoints committed, {_bytes(ck['bytes'])} referenced in total, "
         f"{_bytes(ck['bytes_written'])} new bytes written; retained now: {_steps(ck['retained'])}; deleted by "
         f"retention: {_steps(ck['deleted'])}; corrupt and skipped at resume: {_steps(ck['corrupt_detected'])}; "
+        f"suspect (failed validation) and skipped at resume: {_steps(ck.get('suspect_detected', []))}; "
         f"failed saves: {ck['save_failures']}.</p>"
     )
     parts.insert(parts.index("<h2>Failures</h2>"), "<h2>Checkpoints</h2>" + saves)

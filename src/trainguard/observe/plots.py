@@ -205,7 +205,7 @@ def sizes(figs: dict[str, Any]) -> tuple[bytes, bool]:
         rx.set_yticks(range(len(retention)), [str(r["step"]) for r in retention], fontsize=7)
     rx.set_xlabel(f"wall time since the run started ({unit})")
     rx.set_ylabel("step")
-    rx.set_title("Retention: each checkpoint from commit to deletion (green: still kept)")
+    rx.set_title("Retention: each checkpoint from commit to deletion or replacement (green: still kept)")
     rx.grid(alpha=0.3, axis="x")
     return _png(fig)
 
