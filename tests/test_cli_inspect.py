@@ -148,7 +148,9 @@ def test_control_characters_from_a_checkpoint_never_reach_the_terminal(tmp_path,
     # a usage error naming the root is terminal-safe too
     r = runner.invoke(main, ["info", str(root), "7"])
     assert r.exit_code == 2 and not any(c in r.output for c in raw), r.output
-    assert "Usage:" not in r.output and "no checkpoint of step 7" in r.output and "its steps are 1" in r.output
+    assert (
+        "Usage:" not in r.output and "no checkpoint of step 7" in r.output and "its steps are 1" in r.output
+    )
 
 
 def test_a_negative_looking_step_argument_is_a_clear_usage_error(tmp_path):

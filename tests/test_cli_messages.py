@@ -70,7 +70,9 @@ def test_the_documented_fault_injection_examples_inject_as_written(tmp_path: Pat
 
     monkeypatch.chdir(tmp_path)
     state = {"w": torch.randn(1 << 20)}  # 4 MiB: four 1 MiB chunks
-    disk = FaultyStorage(LocalStorage("ckpts/run1"), Fault("write", match="chunks/*", nth=2, errno=errno.ENOSPC))
+    disk = FaultyStorage(
+        LocalStorage("ckpts/run1"), Fault("write", match="chunks/*", nth=2, errno=errno.ENOSPC)
+    )
     with tg.CheckpointManager(disk, async_save=False, chunk_size_bytes=1 << 20) as mgr:
         try:
             mgr.save(1, state)
@@ -80,7 +82,9 @@ def test_the_documented_fault_injection_examples_inject_as_written(tmp_path: Pat
         assert mgr.checkpoints() == []
     assert [(op, what) for op, _, what in disk.injected] == [("write", "errno 28")]
     assert disk.unfired() == []
-    never = FaultyStorage(LocalStorage("ckpts/run2"), Fault("write", match="chunks/*", nth=9, errno=errno.ENOSPC))
+    never = FaultyStorage(
+        LocalStorage("ckpts/run2"), Fault("write", match="chunks/*", nth=9, errno=errno.ENOSPC)
+    )
     with tg.CheckpointManager(never, async_save=False, chunk_size_bytes=1 << 20) as mgr:
         mgr.save(1, state)  # 4 chunks: the 9th chunk write never comes
     assert never.injected == [] and len(never.unfired()) == 1

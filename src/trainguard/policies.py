@@ -15,7 +15,6 @@ record why they chose an interval).
 from __future__ import annotations
 
 import operator
-
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 

@@ -259,7 +259,9 @@ def test_a_step_saved_again_replaces_its_first_checkpoint_and_suspect_skips_are_
     at = next(i for i, r in enumerate(recs) if r["event"] == "save" and r["step"] == 30)
     recs.insert(at, save(136.0, 20, 1))  # attempt 1 redoes step 20 (replacing the first checkpoint of it)
     recs.insert(at, mgr(127.4, "restore_skipped", 1, step=20, problem="suspect: the probe loss 9.1 > 2.0"))
-    recs.insert(at, mgr(127.3, "restore_skipped", 1, step=15, problem="chunk chunks/ab/x of step 15 fails CRC32C"))
+    recs.insert(
+        at, mgr(127.3, "restore_skipped", 1, step=15, problem="chunk chunks/ab/x of step 15 fails CRC32C")
+    )
     figs = compute_figures(sorted(recs, key=lambda r: r["t"]))
     ck = figs["checkpoints"]
     assert (ck["corrupt_detected"], ck["suspect_detected"]) == ([15], [20])

@@ -174,7 +174,9 @@ def test_background_scrubber_without_tiers_only_reports(tmp_path: Path) -> None:
     assert "repaired" not in list(read_events(tmp_path, event="scrub"))[-1]
 
 
-def test_a_filesystem_that_fails_to_construct_is_a_config_error_without_unraisable_noise(tmp_path: Path) -> None:
+def test_a_filesystem_that_fails_to_construct_is_a_config_error_without_unraisable_noise(
+    tmp_path: Path,
+) -> None:
     """ftp:// without its required `host` option: FTPFileSystem.__init__ raises TypeError and its __del__
     then fails on the half-built object; the user sees one ConfigError naming the URL and nothing else."""
     code = (
@@ -187,9 +189,13 @@ def test_a_filesystem_that_fails_to_construct_is_a_config_error_without_unraisab
         "        print('CONFIG', e)\n"
         "import gc; gc.collect()\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=run_env(), timeout=120
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == 2 and all(line.startswith("CONFIG 'ftp://host/y': the ftp:// filesystem") for line in lines)
+    assert len(lines) == 2 and all(
+        line.startswith("CONFIG 'ftp://host/y': the ftp:// filesystem") for line in lines
+    )
     assert "host" in lines[0] and "storage_options" in lines[0]
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -133,7 +133,12 @@ def resolve_entry(m: Manifest, entry: str) -> PathT:
     for j in range(1, len(parts)):
         here = ".".join(parts[:j])
         hit = next(
-            (tuple(e.path[:i]) for e in m.entries.values() for i in range(1, len(e.path)) if fqn_of(e.path[:i]) == here),
+            (
+                tuple(e.path[:i])
+                for e in m.entries.values()
+                for i in range(1, len(e.path))
+                if fqn_of(e.path[:i]) == here
+            ),
             None,
         )
         if hit is None:

@@ -54,7 +54,8 @@ def run_status(root: str | os.PathLike[str], *, now: float | None = None) -> dic
         if beats:
             newest = max(beats, key=lambda b: b.t)
             step, step_t, source = max(b.step for b in beats), newest.t, "heartbeat"
-    if step is None:  # the newest step the event log names: a progress/save event, or a failure's last heartbeat
+    if step is None:
+        # the newest step the event log names: a progress/save event, or a failure's last heartbeat
         stepped = [
             (r["step"] if r.get("event") in _STEP_EVENTS else r["last_step"], float(r["t"]))
             for r in mine
