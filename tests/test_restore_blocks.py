@@ -89,3 +89,22 @@ def test_restore_finds_the_non_finite_values_whatever_the_block_size(tmp_path, m
         tg.CheckpointManager(tmp_path, read_only=True, check_finite="error").restore(1, {"w": live})
     tg.CheckpointManager(tmp_path, read_only=True, check_finite="off").restore(1, {"w": live})
     assert torch.equal(live.view(torch.int32), t.view(torch.int32))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_chunks_read_from_a_tier_are_still_scanned_whole(tmp_path, verify):
+    """A chunk the hot root lacks comes from a tier (copied, not read block by block): the reader scans it
+    whole after the copy, so a NaN in it is still found."""
+    t = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(1))
+    t[50_000] = float("nan")
+    shared = tmp_path / "shared"
+    with tg.CheckpointManager(
+        tmp_path / "node1", tiers=[tg.Tier(str(shared))], chunk_size_bytes=16 << 10, check_finite="off"
+    ) as mgr:
+        mgr.save(1, {"w": t}).wait()
+    live = torch.zeros_like(t)
+    node2 = tg.CheckpointManager(
+        tmp_path / "node2", tiers=[tg.Tier(str(shared))], verify_before_load=verify, check_finite="error"
+    )
+    with node2, pytest.raises(tg.SuspectCheckpointError, match="1 non-finite"):
+        node2.restore(1, {"w": live})
