@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path, PurePosixPath
 
 from ..errors import UnsafeCheckpointError
 
@@ -21,7 +22,6 @@ STEP_DIGITS = 9
 _STEP_RE = re.compile(r"step-([0-9]+)")  # always used with fullmatch: no trailing newline, ASCII digits only
 _PARTIAL_RE = re.compile(r"step-([0-9]+)\.partial-([0-9a-zA-Z]+)")
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
-_DRIVE_RE = re.compile(r"[A-Za-z]:")  # a Windows drive, refused as absolute
 
 
 MAX_STEP = 1 << 62
@@ -73,82 +73,56 @@ def chunk_relpath(content_hash: str) -> str:
     return f"{CHUNKS_DIR}/{content_hash[:2]}/{content_hash}"
 
 
-def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> str:
+def validate_relpath(
+    rel: str, root: str | os.PathLike[str] | None = None, *, resolved: dict[str, Path] | None = None
+) -> str:
     """Check a path read from a manifest and return it unchanged.
 
     A valid path is relative, uses ``/`` separators, has no empty, ``.`` or ``..`` components, no NUL or
     backslash, and, when ``root`` is given, does not resolve (through symlinks) outside ``root``. A path under
     ``chunks/`` may instead resolve inside wherever ``<root>/chunks`` itself resolves: the user may place the
     chunk store on another disk by making ``chunks`` a symlink; a chunk file or a ``chunks/<2 hex>``
-    directory that is a symlink leading out of it is still refused. To check many paths under one root, use
-    one :class:`PathChecker` (it resolves each directory once).
+    directory that is a symlink leading out of it is still refused.
+
+    Args:
+        rel: the path as the manifest spells it.
+        root: the run root it must stay inside; None checks the spelling only.
+        resolved: a cache of the real paths of ``root``'s directories (relative path -> real path) shared by
+            the calls that check one manifest's paths: its chunks share a few directories, each resolved once
+            (then only a path's last component is looked at).
+
+    Returns:
+        ``rel`` unchanged.
 
     Raises:
         UnsafeCheckpointError: naming the path and the rule it breaks.
     """
-    return PathChecker(root).check(rel)
+    if not isinstance(rel, str) or not rel:
+        raise UnsafeCheckpointError(f"manifest path {rel!r} is not a non-empty string")
+    if "\x00" in rel or "\\" in rel:
+        raise UnsafeCheckpointError(f"manifest path {rel!r} contains a NUL or backslash")
+    if rel.startswith("/") or PurePosixPath(rel).is_absolute() or re.match(r"^[A-Za-z]:", rel):
+        raise UnsafeCheckpointError(
+            f"manifest path {rel!r} is absolute; only paths inside the run root are allowed"
+        )
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafeCheckpointError(f"manifest path {rel!r} has an empty, '.' or '..' component")
+    if root is not None:
+        dirs: dict[str, Path] = {} if resolved is None else resolved
 
+        def real(d: str) -> Path:  # a directory of the root ("": the root), resolved through symlinks
+            got = dirs.get(d)
+            if got is None:
+                got = dirs[d] = Path(os.path.realpath(Path(root, d)))
+            return got
 
-class PathChecker:
-    """:func:`validate_relpath` for many paths under one ``root`` (a manifest's chunk paths): each directory's
-    symlink resolution is computed once per checker, so a path costs one ``lstat`` of its last component
-    instead of resolving every component of its absolute path again. Same result as ``os.path.realpath`` of
-    each path (a directory's resolution is cached for the checker's life: make one per manifest read).
-
-    Args:
-        root: the run root; None checks the path's form only.
-    """
-
-    def __init__(self, root: str | os.PathLike[str] | None) -> None:
-        self.root = None if root is None else os.fspath(root)
-        self._dirs: dict[str, str] = {}  # relative directory ("" is the root) -> its resolved absolute path
-
-    def check(self, rel: str) -> str:
-        """Check ``rel`` as :func:`validate_relpath` does and return it unchanged.
-
-        Raises:
-            UnsafeCheckpointError: naming the path and the rule it breaks.
-        """
-        if not isinstance(rel, str) or not rel:
-            raise UnsafeCheckpointError(f"manifest path {rel!r} is not a non-empty string")
-        if "\x00" in rel or "\\" in rel:
-            raise UnsafeCheckpointError(f"manifest path {rel!r} contains a NUL or backslash")
-        if rel.startswith("/") or _DRIVE_RE.match(rel):  # (a POSIX path is absolute iff it starts with /)
-            raise UnsafeCheckpointError(
-                f"manifest path {rel!r} is absolute; only paths inside the run root are allowed"
-            )
-        parts = rel.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            raise UnsafeCheckpointError(f"manifest path {rel!r} has an empty, '.' or '..' component")
-        if self.root is None:
-            return rel
-        root_real = self._resolved("")
-        full = self._resolved(rel)
-        inside = full == root_real or full.startswith(_as_dir(root_real))
+        root_real = real("")
+        within = real("/".join(parts[:-1])) / parts[-1]  # the directory resolved: only the name is left
+        full = Path(os.path.realpath(within)) if os.path.islink(within) else within
+        inside = full == root_real or root_real in full.parents
         if not inside and parts[0] == CHUNKS_DIR and len(parts) > 1:
-            inside = full.startswith(_as_dir(self._resolved(CHUNKS_DIR)))
+            inside = real(CHUNKS_DIR) in full.parents
         if not inside:
             raise UnsafeCheckpointError(f"manifest path {rel!r} resolves outside the run root (symlink?)")
-        return rel
-
-    def _resolved(self, rel: str) -> str:
-        """``os.path.realpath(root / rel)``: the parent's resolution (cached) joined with the last component,
-        resolved again only when that component is a symlink."""
-        hit = self._dirs.get(rel)
-        if hit is not None:
-            return hit
-        assert self.root is not None
-        if not rel:
-            out = os.path.realpath(self.root)
-        else:
-            parent, _, name = rel.rpartition("/")
-            joined = os.path.join(self._resolved(parent), name)
-            out = os.path.realpath(joined) if os.path.islink(joined) else joined
-        if rel.count("/") < 2:  # the root and its directories (chunks/<2 hex>), not every chunk file
-            self._dirs[rel] = out
-        return out
-
-
-def _as_dir(path: str) -> str:
-    """``path`` with one trailing separator (a prefix matching only paths strictly inside it)."""
-    return path.rstrip("/") + "/"
+    return rel

@@ -16,6 +16,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import crc32c as _crc32c
@@ -28,7 +29,7 @@ from .bounds import (
     check_shard_segments,
     check_tiling,
 )
-from .layout import MAX_STEP, PathChecker, chunk_relpath
+from .layout import MAX_STEP, chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
 FORMAT_VERSION = 1
@@ -458,12 +459,12 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     raw_chunks = body.get("chunks")
     if not isinstance(raw_chunks, dict):
         raise _bad("chunks must be an object", step)
-    paths = PathChecker(root)  # resolves the root and each chunks/<2 hex> directory once
+    resolved: dict[str, Path] = {}  # the chunks' few directories, resolved once
     for h, c in raw_chunks.items():
         if not isinstance(c, dict):
             raise _bad(f"chunk {h!r} must be an object", step)
         expected_path = chunk_relpath(h)  # validates the hash itself
-        path = paths.check(c.get("path"))  # type: ignore[arg-type]
+        path = validate_relpath(c.get("path"), root, resolved=resolved)  # type: ignore[arg-type]
         if path != expected_path:
             raise UnsafeCheckpointError(
                 f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}"

@@ -1,5 +1,5 @@
-"""PathChecker (the manifest's chunk-path check, one directory resolution per checker) agrees with resolving
-every path from scratch (os.path.realpath), symlinks included."""
+"""validate_relpath with a shared ``resolved`` cache (a manifest's chunk paths: each directory resolved once)
+gives the verdicts of resolving every path from scratch (os.path.realpath), symlinks included."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import UnsafeCheckpointError
-from trainguard.format.layout import PathChecker, validate_relpath
+from trainguard.format.layout import validate_relpath
 
 
 def reference(rel: str, root: Path) -> bool:
-    """The check as it was written before PathChecker: realpath of every path, from the root down."""
+    """The check without a cache: realpath of every path, from the root down."""
     root_real = Path(os.path.realpath(root))
     full = Path(os.path.realpath(root / rel))
     if full == root_real or root_real in full.parents:
@@ -54,22 +54,24 @@ RELS = [
 ]
 
 
+def verdict(rel: str, root: Path, cache: dict[str, Path]) -> bool:
+    try:
+        validate_relpath(rel, root, resolved=cache)
+    except UnsafeCheckpointError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("rel", RELS)
-def test_resolution_matches_realpath(tree: Path, rel: str) -> None:
-    checker = PathChecker(tree)
-    for _ in range(2):  # the second lookup comes from the cache
-        assert checker._resolved(rel) == os.path.realpath(tree / rel)
+def test_each_verdict_matches_the_reference(tree: Path, rel: str) -> None:
+    assert verdict(rel, tree, {}) == reference(rel, tree)
 
 
-def test_verdicts_match_the_reference_with_one_checker(tree: Path) -> None:
-    checker = PathChecker(tree)
+def test_verdicts_match_the_reference_with_one_cache(tree: Path) -> None:
+    cache: dict[str, Path] = {}
     verdicts = {}
-    for rel in RELS + RELS:  # one checker for all, in any order, twice
-        try:
-            checker.check(rel)
-            ok = True
-        except UnsafeCheckpointError:
-            ok = False
+    for rel in RELS + RELS[::-1]:  # one cache for all, in both orders
+        ok = verdict(rel, tree, cache)
         assert ok == reference(rel, tree), rel
         verdicts[rel] = ok
     assert verdicts["chunks/aa/ok"] and verdicts["chunks/aa/in"] and verdicts["chunks/dd/y"]
@@ -83,4 +85,4 @@ def test_malformed_paths_are_refused_without_a_root(rel: str) -> None:
     with pytest.raises(UnsafeCheckpointError):
         validate_relpath(rel)
     with pytest.raises(UnsafeCheckpointError):
-        PathChecker(None).check(rel)
+        validate_relpath(rel, None, resolved={})
