@@ -87,7 +87,8 @@ def test_async_uploads_send_no_chunk_while_a_save_stages(
     records = _chunk_records(hot)
     url = f"s3://{bucket}/run"
     link = TierLink(tg.Tier(url), open_objects(url))
-    up = Uploader(hot, [link], lambda *a, **k: None)
+    events: list[dict[str, Any]] = []
+    up = Uploader(hot, [link], lambda name, **k: events.append(k) if name == "tier_upload" else None)
     try:
         with up.gate.staging():
             up.submit(1)
@@ -100,6 +101,7 @@ def test_async_uploads_send_no_chunk_while_a_save_stages(
     got = link.store.list("chunks/")
     assert got == {rec.path: rec.length for rec in records}
     assert link.store.list("step-000000001/") != {}
+    assert [e["paused"] for e in events] == [up.gate.pauses]  # the event counts the waits
 
 
 @pytest.mark.s3

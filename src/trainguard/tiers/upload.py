@@ -107,15 +107,15 @@ class StagingGate:
                 if not self._staging:
                     self._cond.notify_all()
 
-    def yield_to_staging(self, max_s: float | None = None) -> None:
+    def yield_to_staging(self, max_s: float | None = None) -> bool:
         """Return at once when no save is staging; else wait until none is (at most ``max_s``, default
-        ``PAUSE_MAX_S``, per save)."""
+        ``PAUSE_MAX_S``, per save). Returns True when it waited."""
         if not self._staging:  # the common case: no lock taken
-            return
+            return False
         limit = PAUSE_MAX_S if max_s is None else max_s
         with self._cond:
             if not self._staging or self._released or self._gave_up == self._generation:
-                return
+                return False
             self.pauses += 1
             generation = self._generation
             deadline = time.monotonic() + limit
@@ -123,8 +123,9 @@ class StagingGate:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._gave_up = generation
-                    return
+                    return True
                 self._cond.wait(left)
+            return True
 
     def release(self) -> None:
         """Wake every waiting worker and never wait again (the uploader is closing)."""
@@ -160,6 +161,7 @@ class ChunkBody(io.RawIOBase):
         self._f = os.fdopen(fd, "rb", buffering=0)
         self.path, self.length, self.crc, self.gate = path, length, crc, gate
         self.problem: str | None = None
+        self.pauses = 0  # times this body waited for a save's staging
         size = os.fstat(fd).st_size
         if size != length or (length == 0 and crc != 0):
             self.close()
@@ -215,8 +217,8 @@ class ChunkBody(io.RawIOBase):
         k = min(len(self._buf), self.length - self._read)
         if k <= 0:
             return
-        if self.gate is not None:
-            self.gate.yield_to_staging()
+        if self.gate is not None and self.gate.yield_to_staging():
+            self.pauses += 1
         assert self._f is not None
         got = 0
         while got < k:
@@ -494,7 +496,8 @@ class Uploader:
                 step=step,
             )
 
-        def put(rec: ChunkRecord) -> int:
+        def put(rec: ChunkRecord) -> tuple[int, int]:
+            """Send one chunk; returns (bytes, pauses for a save's staging)."""
             if put_checked is not None:  # streamed from the file; the store checks our CRC32C too
                 try:
                     body = ChunkBody(self.hot / rec.path, rec.length, rec.crc32c, gate)  # no symlink followed
@@ -512,20 +515,20 @@ class Uploader:
                             raise
 
                     with_retries(rec.path, send, failed, self.stop)
+                pauses = body.pauses
             else:
-                if gate is not None:
-                    gate.yield_to_staging()
+                pauses = int(gate is not None and gate.yield_to_staging())
                 data = read_chunk_file(self.hot / rec.path, rec.length)  # no symlink followed
                 if data is None or crc32c.crc32c(data) != rec.crc32c:
                     raise corrupt(rec)
-                if gate is not None:
-                    gate.yield_to_staging()
+                pauses += int(gate is not None and gate.yield_to_staging())
                 with_retries(rec.path, lambda: link.store.put(rec.path, memoryview(data)), failed, self.stop)
             have[rec.path] = rec.length
-            return rec.length
+            return rec.length, pauses
 
         pool = self.sync_pool if link.tier.sync else self.pool
-        sent = sum(f.result() for f in [pool.submit(put, rec) for rec in todo])
+        done = [f.result() for f in [pool.submit(put, rec) for rec in todo]]
+        sent, paused = sum(n for n, _ in done), sum(p for _, p in done)
         with_retries("manifest", lambda: link.store.put(manifest_name(step), man), failed, self.stop)
         intent.clear(self.hot, link.key, step)  # committed on the tier
         link.remote.forget(step)
@@ -537,6 +540,7 @@ class Uploader:
             bytes=sent,
             chunks=len(todo),
             seconds=round(time.perf_counter() - t0, 6),
+            paused=paused,
         )
         try:
             self.retain(link)
