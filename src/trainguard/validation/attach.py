@@ -129,8 +129,15 @@ class Validation:
         outputs = compute(self.probe)
         self._probes[step] = (outputs, time.perf_counter() - t)
 
-    def before_persist(self, step: int, flat: Mapping[str, Any]) -> tuple[dict[str, Any], float] | None:
+    def before_persist(
+        self, step: int, flat: Mapping[str, Any], *, scan: bool = True
+    ) -> tuple[dict[str, Any], float] | None:
         """In the persist path: take the probe record of ``step`` and scan the staged state for NaN/Inf.
+
+        Args:
+            step: the step being saved.
+            flat: the staged state (flat name -> value).
+            scan: scan here; False when the caller runs :meth:`scan_before_commit` itself (beside the writes).
 
         Returns:
             (probe outputs, seconds the probe took), or None without a probe.
@@ -139,8 +146,17 @@ class Validation:
             NonFiniteStateError: ``check_finite="error"`` and a floating tensor (any rank) holds NaN/Inf.
         """
         probe = self._probes.pop(step, None)
-        hooks.check_before_persist(self, step, flat)
+        if scan:
+            self.scan_before_commit(step, flat)
         return probe
+
+    def scan_before_commit(self, step: int, flat: Mapping[str, Any]) -> None:
+        """The ``check_finite`` scan of the staged state (any thread; a no-op with ``check_finite="off"``).
+
+        Raises:
+            NonFiniteStateError: ``check_finite="error"`` and a floating tensor (any rank) holds NaN/Inf.
+        """
+        hooks.check_before_persist(self, step, flat)
 
     # -- the restore path ---------------------------------------------------------------------------------
     def after_load(
