@@ -56,15 +56,20 @@ def persist(
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
 
-    One process: the ``check_finite`` scan (and, on a manager's first save, the codec sample of
-    ``compression="auto"``) runs in a thread beside the chunk writes and is joined before the commit
-    (:class:`Beside`); under torch.distributed the scan (a collective) runs before the writes.
+    One process: the ``check_finite`` scan of each tensor stored as chunks of its own runs in the writer
+    thread that stored it, skipped for a tensor whose chunks equal those it had when last found finite
+    (:class:`~trainguard.validation.finite.SaveScan`); the remaining (packed) tensors are scanned before the
+    commit. On a manager's first save the codec sample of ``compression="auto"`` runs in a thread beside the
+    writes (:class:`Beside`). Under torch.distributed the whole scan (with a collective) runs before the
+    writes.
 
     Raises:
         NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing committed;
             chunks this save wrote are deleted)."""
     overlap = not ctx.dist.enabled
-    probe = ctx.validation.before_persist(step, flat, scan=not overlap) if ctx.validation is not None else None
+    probe = (
+        ctx.validation.before_persist(step, flat, scan=not overlap) if ctx.validation is not None else None
+    )
     partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
     ctx.storage.make_dir(partial)
     ctx.store.last_progress = time.monotonic()
@@ -75,7 +80,9 @@ def persist(
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
-        beside.join()  # NonFiniteStateError: a state with NaN/Inf is never committed
+        beside.join()
+        if overlap and validation is not None:  # NonFiniteStateError: a state with NaN/Inf is never committed
+            validation.scan_before_commit(step, flat, scan.known if scan is not None else None)
         if sample:
             decision.inputs.update(codec_Bps=ctx.compression.codec_Bps, ratio=ctx.compression.ratio)
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
@@ -89,13 +96,12 @@ def persist(
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
     decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap)
+    validation = ctx.validation
+    scan = validation.save_scan() if overlap and validation is not None else None
     writer = TrainguardWriter(
-        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder
+        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder, scan=scan
     )
     jobs: list[Callable[[], None]] = []
-    validation = ctx.validation
-    if overlap and validation is not None:
-        jobs.append(lambda: validation.scan_before_commit(step, flat))
     if sample:
         jobs.append(lambda: ctx.compression.measure_sample(sample))  # type: ignore[union-attr]
     beside = Beside(jobs)
@@ -104,7 +110,9 @@ def persist(
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        if isinstance(err, NonFiniteStateError):  # rejected by the scan beside the writes (its event is logged)
+        if isinstance(
+            err, NonFiniteStateError
+        ):  # rejected by the scan before the commit (its event is logged)
             discard_new_chunks(ctx, writer)
             raise err from None
         ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]

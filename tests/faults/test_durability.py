@@ -116,7 +116,9 @@ def test_auto_a_failed_per_file_fsync_makes_no_chunk_visible(tmp_path, monkeypat
 
 def test_dirty_bytes_reads_dirty_and_writeback_of_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24641536 kB\nDirty:              1024 kB\nWriteback:           512 kB\n")
+    meminfo.write_text(
+        "MemTotal:       24641536 kB\nDirty:              1024 kB\nWriteback:           512 kB\n"
+    )
     assert chunkstore.dirty_bytes(meminfo) == 1536 * 1024
     meminfo.write_text("MemTotal:       24641536 kB\n")
     assert chunkstore.dirty_bytes(meminfo) is None

@@ -320,9 +320,7 @@ class LocalStorage:
     Files are opened without following a symlink and without blocking (:mod:`trainguard.storage.safeio`).
     """
 
-    def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "auto"
-    ) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "auto") -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
