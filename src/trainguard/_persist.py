@@ -83,7 +83,7 @@ def persist(
         beside.join()
         if overlap and validation is not None:  # NonFiniteStateError: a state with NaN/Inf is never committed
             validation.scan_before_commit(step, flat, scan.known if scan is not None else None)
-        if sample:
+        if sample and ctx.compression is not None:  # the first save's event shows the codec it measured
             decision.inputs.update(codec_Bps=ctx.compression.codec_Bps, ratio=ctx.compression.ratio)
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
         extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
