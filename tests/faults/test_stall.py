@@ -25,6 +25,9 @@ from trainguard.recovery.events import read_events
 from trainguard.storage import Fault, FaultyStorage, LocalStorage
 
 TIMEOUT_S = 0.5
+# where a test needs the next save to come *within* the timeout of the stall (not after it): room for a loaded
+# 2-core machine to deschedule the test's thread between the stall and that save
+WITHIN_TIMEOUT_S = 3.0
 
 
 class Stall:
@@ -104,13 +107,17 @@ def test_with_when_busy_skip_saves_resume_after_the_stalled_one_is_abandoned(tmp
     root = tmp_path / "root"
     st = stall(root, 1)
     mgr = tg.CheckpointManager(
-        st.disk, save_timeout_s=TIMEOUT_S, staging_buffers=1, when_busy="skip", save_policy=tg.EveryNSteps(1)
+        st.disk,
+        save_timeout_s=WITHIN_TIMEOUT_S,
+        staging_buffers=1,
+        when_busy="skip",
+        save_policy=tg.EveryNSteps(1),
     )
     mgr.save(1, make_state(1))
     wait_until(lambda: st.blocked > 0, 30, "the save of step 1 to stall")
     h2 = mgr.maybe_save(2, make_state(2))
     assert h2 is not None and h2.skipped  # within the timeout: skipped as before
-    time.sleep(TIMEOUT_S + 0.2)
+    time.sleep(WITHIN_TIMEOUT_S + 0.2)
     with pytest.raises(tg.SaveError, match="step 1"):
         mgr.maybe_save(3, make_state(3))
     h4 = mgr.maybe_save(4, make_state(4))
@@ -142,12 +149,14 @@ def test_a_slow_save_that_keeps_making_progress_is_not_abandoned(tmp_path):
     slow = Fault("write", match="chunks/*", times=None, stall=0.4)
     disk = FaultyStorage(LocalStorage(root), slow)
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}  # 12 chunks of 1 MiB
-    with tg.CheckpointManager(disk, save_timeout_s=1.0) as mgr:
+    # 12 writes one after another, 0.4 s each: 4.8 s in all, > the 3 s timeout; each write's own time (the
+    # 0.4 s stall and a 1 MiB write + fsync on a busy disk) stays far below it
+    with tg.CheckpointManager(disk, save_timeout_s=3.0) as mgr:
         t0 = time.monotonic()
         result = mgr.save(1, state).wait()
         took = time.monotonic() - t0
     require(slow.seen >= 12, "every chunk write was slowed")
-    assert result is not None and took > 1.0  # longer than the timeout in all, but never idle that long
+    assert result is not None and took > 3.0  # longer than the timeout in all, but never idle that long
     assert manifest_path(root, 1).exists()
 
 
