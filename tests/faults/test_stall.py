@@ -40,6 +40,7 @@ class Stall:
         self.blocked = 0
         self.returned = 0
         self._lock = threading.Lock()
+        self.threads_before = set(threading.enumerate())  # (another test's manager may have left threads)
         faults = [
             Fault("write", staging=f"*step-{s:09d}.partial-*", times=None, call=self._block) for s in steps
         ]
@@ -70,11 +71,25 @@ def stall() -> Any:
         s.release()
 
 
+def save_threads(st: Stall) -> list[threading.Thread]:
+    """The live threads of saves started since ``st`` was made: persist workers and their chunk writers (the
+    managers of the test are closed: what is left belongs to the abandoned save)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("trainguard-persist", "trainguard-write")) and t not in st.threads_before
+    ]
+
+
 def assert_never_committed(root: Path, st: Stall, step: int) -> None:
     st.release()
     wait_until(lambda: st.returned == st.blocked, 30, "the stuck writes to return")
-    time.sleep(0.3)  # the stuck thread's commit would come right after its writes
+    # the stuck save's commit (if it wrongly made one) comes after its remaining writes, on its own threads:
+    # wait until they have ended (not a fixed sleep, which a loaded machine outlasts); its persist worker ends
+    # too once its save returns (a new worker took over its queue)
+    wait_until(lambda: not save_threads(st), 120, "the abandoned save's threads to end")
     assert not manifest_path(root, step).exists(), f"the abandoned save of step {step} committed later"
+    assert not list(root.glob(f"step-{step:09d}.partial-*")), "the abandoned save left its partial directory"
 
 
 def test_a_stalled_save_fails_after_the_timeout_and_the_next_save_waiting_for_buffers_runs(tmp_path, stall):
@@ -146,11 +161,17 @@ def test_close_returns_after_the_timeout_reporting_the_abandoned_save(tmp_path, 
 def test_a_slow_save_that_keeps_making_progress_is_not_abandoned(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
-    slow = Fault("write", match="chunks/*", times=None, stall=0.4)
+    one_at_a_time = threading.Lock()
+
+    def slow_write(key: str) -> None:  # 0.4 s per chunk write, one after another whatever the writer threads
+        with one_at_a_time:
+            time.sleep(0.4)
+
+    slow = Fault("write", match="chunks/*", times=None, call=slow_write)
     disk = FaultyStorage(LocalStorage(root), slow)
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}  # 12 chunks of 1 MiB
-    # 12 writes one after another, 0.4 s each: 4.8 s in all, > the 3 s timeout; each write's own time (the
-    # 0.4 s stall and a 1 MiB write + fsync on a busy disk) stays far below it
+    # 12 stalls one after another: 4.8 s in all, > the 3 s timeout; between two chunks stored there is one
+    # 0.4 s stall and a 1 MiB write + fsync, far below it even on a busy disk
     with tg.CheckpointManager(disk, save_timeout_s=3.0) as mgr:
         t0 = time.monotonic()
         result = mgr.save(1, state).wait()
