@@ -147,13 +147,26 @@ class ShardReader:
 
         def one(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
             rec, view, fqn, dtype = job
+            scanning = (
+                self.scan_finite
+                and fqn not in self._unscanned
+                and len(view) > 0
+                and (dtype.is_floating_point or dtype.is_complex)
+            )
+            bad: int | None = None
             if rec.encoded:
                 self._decode(rec, view)
-            else:
-                self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
-            if self.scan_finite and fqn not in self._unscanned and len(view):
-                # the NaN/Inf scan of these elements, while other chunks are still being read
-                bad = count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
+            else:  # the NaN/Inf scan of each block as it lands, while it is in the cache
+                bad = self.store.readinto(
+                    rec,
+                    view,
+                    step=step,
+                    owners=self.owners.get(rec.hash),
+                    scan=(lambda block: _count_nonfinite_bytes(block, dtype)) if scanning else None,
+                )
+            if scanning:
+                if bad is None:  # decoded, or copied from a tier: the whole chunk, as it now lies in memory
+                    bad = _count_nonfinite_bytes(view, dtype)
                 with self._lock:
                     self.nonfinite[fqn] = self.nonfinite.get(fqn, 0) + bad
 
@@ -224,6 +237,11 @@ class ShardReader:
             if tuple(sh.offsets) == offsets or (not offsets and not any(sh.offsets)):
                 return sh
         raise CorruptCheckpointError(f"{entry.fqn!r}: no saved shard at offsets {offsets}")
+
+
+def _count_nonfinite_bytes(view: memoryview, dtype: torch.dtype) -> int:
+    """NaN/Inf count of the elements of ``dtype`` in ``view`` (whole elements)."""
+    return count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
 
 
 def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bool:
