@@ -159,7 +159,8 @@ class SavePath:
         block: bool,
     ) -> PendingSave:
         """Save ``state`` as the checkpoint of ``step`` (``CheckpointManager.save``; ``block``: wait for a
-        free staging buffer set, else skip the save when every set is busy).
+        free staging buffer set, else skip the save when every set is busy). Async tier uploads pause while
+        the training thread is in here (:class:`~trainguard.tiers.upload.StagingGate`).
 
         Returns:
             The PendingSave (``skipped`` when no buffer set was free and ``block`` is False).
@@ -170,6 +171,20 @@ class SavePath:
             RunConflictError: the first save would interleave with another run's checkpoints.
             SaveError: an earlier background save failed, staging failed, or (synchronous) this save failed.
         """
+        if self.ctx.tiers is None:
+            return self._save(step, state, metrics, metadata, overwrite, block)
+        with self.ctx.tiers.staging():
+            return self._save(step, state, metrics, metadata, overwrite, block)
+
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+        overwrite: bool,
+        block: bool,
+    ) -> PendingSave:
         ctx = self.ctx
         self.raise_background_error()
         bad_step = step_problem(step)

@@ -4,11 +4,12 @@ A chunk's name is the xxh3-128 hash of its bytes; its CRC32C and length go into 
 that already exists with the right length is skipped (identical tensors are written once across checkpoints).
 New chunks are written to a temporary file in the save's partial directory, made durable, and renamed into
 place, so a chunk file under ``chunks/`` is always complete and durable (deduplication against it is safe after
-a machine crash). Durability is either batched (default on Linux: each chunk's writeback starts as soon as it
-is written (``sync_file_range``), then :meth:`ChunkStore.sync` makes every temporary file of the save durable
-with one ``syncfs(2)`` of the run root's filesystem, renames them all and syncs again; one journal commit
-instead of one per file) or per file (``fsync`` of each temporary file in ``put`` and of each touched
-directory in ``sync``).
+a machine crash). Durability is batched (each chunk's writeback starts as soon as it is written
+(``sync_file_range``), then :meth:`ChunkStore.sync` makes every temporary file of the save durable with one
+``syncfs(2)`` of the run root's filesystem, renames them all and syncs again; one journal commit instead of
+one per file), per file (``fsync`` of each temporary file in ``put`` and of each touched directory in
+``sync``), or auto (the default: staged as batched; ``sync`` uses ``syncfs`` only when the node holds no more
+dirty data than the save's own chunks, else fsyncs each temporary file).
 
 Invariants for garbage collection: a chunk referenced by a save in progress is *pinned* from the moment the
 save decides to reference it until it commits or fails; :meth:`ChunkStore.collect` never deletes a pinned chunk.
@@ -50,6 +51,10 @@ log = logging.getLogger("trainguard")
 # An I/O error (EACCES, EIO, a TransientStorageError, ...) is retried READ_ATTEMPTS times in all, with a first
 # backoff of READ_RETRY_BACKOFF_S doubling each time (as every read of committed data: storage/retry.py); a CRC32C
 # or length mismatch is confirmed by one more read before it condemns a chunk.
+CRC_BLOCK_BYTES = 1 << 20
+"""Bytes per ``readinto`` call of a checked read: each block's CRC32C is computed right after the read, while
+the block is still in the CPU's L2 cache, instead of reading a whole chunk back from memory afterwards (a
+verify pass copies into one cache-sized buffer: its memory traffic is the page cache's bytes read once)."""
 
 
 def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
@@ -69,11 +74,12 @@ class ChunkStore:
         root: the run root directory, or the :class:`~trainguard.storage.base.Storage` of the run root.
         fsync: make chunk files and directories durable (default True; False only for tests and benchmarks
             that measure without durability). Used when ``root`` is a directory.
-        durability: ``"batched"`` (default; new chunks become visible under ``chunks/`` only in
-            :meth:`sync`, after one ``syncfs(2)``; falls back to per-file fsyncs where ``syncfs`` is missing)
-            or ``"per_file"`` (each chunk fsynced and renamed into place by ``put``). ``syncfs`` also flushes
-            other processes' dirty data on the same filesystem; choose ``"per_file"`` on a filesystem shared
-            with heavy unrelated writers. Used when ``root`` is a directory.
+        durability: ``"auto"`` (default) or ``"batched"``: new chunks become visible under ``chunks/``
+            only in :meth:`sync`, made durable by one ``syncfs(2)`` (``"auto"``: only when the node holds
+            no more dirty data than the save's own chunks, else an fsync per chunk file); ``"per_file"``:
+            each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes other processes'
+            dirty data on the same filesystem. See :class:`~trainguard.storage.local.LocalStorage`. Used
+            when ``root`` is a directory.
 
     Raises:
         ValueError: an unknown ``durability``.
@@ -82,7 +88,7 @@ class ChunkStore:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "batched"
+        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "auto"
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
@@ -327,24 +333,59 @@ class ChunkStore:
         return buf
 
     def readinto(
-        self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
-    ) -> None:
+        self,
+        rec: ChunkRecord,
+        out: memoryview,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        scan: Callable[[memoryview], int] | None = None,
+    ) -> int | None:
         """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it (retries and
-        confirmation as :meth:`verify`)."""
+        confirmation as :meth:`verify`).
+
+        The chunk is read in blocks of ``CRC_BLOCK_BYTES``; each block's CRC32C (and ``scan``) runs right after
+        its read, while the block is still in the CPU cache.
+
+        Args:
+            rec: the chunk.
+            out: where its bytes go (at least ``rec.length`` bytes).
+            step, owners: name the checkpoint and the tensors in an error.
+            scan: called with each full block (``CRC_BLOCK_BYTES``) and the chunk's last block as they are
+                read; its results are summed (a NaN/Inf count, say).
+
+        Returns:
+            The sum of ``scan``'s results over the read that passed the check (a retried read's blocks are not
+            counted twice); None when ``scan`` is None.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`verify`.
+        """
         out = out.cast("B") if out.format != "B" else out
+        scanned = 0
 
         def once(f: Any) -> tuple[int | None, int]:
-            got = 0
-            while got < rec.length:
-                n = f.readinto(out[got : rec.length])
-                if not n:
+            nonlocal scanned
+            got = crc = scanned = 0
+            while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
+                start, end = got, min(rec.length, got + CRC_BLOCK_BYTES)
+                while got < end:
+                    n = f.readinto(out[got:end])
+                    if not n:
+                        break
+                    got += n
+                if got < end:  # shorter than recorded: the length check below reports it
                     break
-                got += n
+                block = out[start:end]
+                crc = crc32c.crc32c(block, crc)
+                if scan is not None:
+                    scanned += scan(block)
             if got != rec.length or f.read(1):
                 return None, 0
-            return got, crc32c.crc32c(out[: rec.length])
+            return got, crc
 
         self._checked_read(rec, once, step, owners, READ_ATTEMPTS)
+        return scanned if scan is not None else None
 
     def verify(
         self,
@@ -352,7 +393,7 @@ class ChunkStore:
         *,
         step: int | None = None,
         owners: list[str] | None = None,
-        block_bytes: int = 16 << 20,
+        block_bytes: int | None = None,
         attempts: int = READ_ATTEMPTS,
         on_block: Callable[[int], None] | None = None,
     ) -> None:
@@ -366,7 +407,7 @@ class ChunkStore:
             CorruptCheckpointError: ``damaged`` for a confirmed mismatch, ``unreadable`` for a persisting I/O
                 error, neither for a missing chunk or one that is not a regular file.
         """
-        buf = bytearray(min(block_bytes, max(rec.length, 1)))
+        buf = bytearray(min(block_bytes or CRC_BLOCK_BYTES, max(rec.length, 1)))
         view = memoryview(buf)
 
         def once(f: Any) -> tuple[int | None, int]:
