@@ -18,6 +18,7 @@ import gc
 import os
 import secrets
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -189,28 +190,32 @@ def configuration_error(url: str, bucket: str, kind: str, e: BaseException) -> N
         ) from None
 
 
+_HOOK_LOCK = threading.Lock()
+
+
 def _construct(cls: Any, opts: dict[str, Any], url: str, scheme: str) -> Any:
     """``cls(**opts)``; a filesystem that fails to construct (``ftp://`` without its ``host`` option, a bad
     option) is a ConfigError naming the URL and the problem. While it is built, the ``__del__`` of ``cls``
     reports nothing: some (FTPFileSystem's) fail on an object whose ``__init__`` did not finish and would print
     "Exception ignored in ..." noise; any other unraisable exception goes to Python's hook as usual."""
-    hook = sys.unraisablehook
     own_del = getattr(cls, "__del__", None)
-
-    def quiet(u: Any) -> None:
-        if own_del is None or u.object is not own_del:
-            hook(u)
-
-    sys.unraisablehook = quiet
     problem = None
-    try:
-        return cls(**opts)
-    except Exception as e:  # noqa: BLE001 - any construction failure is a configuration problem
-        problem = f"{type(e).__name__}: {e}"
-    finally:
-        if problem is not None:
-            gc.collect()  # a half-built object in a reference cycle goes now, while its __del__ is quiet
-        sys.unraisablehook = hook
+    with _HOOK_LOCK:  # constructions in several threads: each restores the hook it replaced, in order
+        hook = sys.unraisablehook
+
+        def quiet(u: Any) -> None:
+            if own_del is None or u.object is not own_del:
+                hook(u)
+
+        sys.unraisablehook = quiet
+        try:
+            return cls(**opts)
+        except Exception as e:  # noqa: BLE001 - any construction failure is a configuration problem
+            problem = f"{type(e).__name__}: {e}"
+        finally:
+            if problem is not None:
+                gc.collect()  # a half-built object in a reference cycle goes now, while its __del__ is quiet
+            sys.unraisablehook = hook
     raise ConfigError(
         f"{url!r}: the {scheme}:// filesystem could not be created from this URL and its storage_options "
         f"({problem}); pass the filesystem's required options in storage_options (see the fsspec "
