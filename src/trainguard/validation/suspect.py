@@ -91,8 +91,15 @@ def mark_suspect(root: Root, step: int, reason: str, *, by: str = "trainguard", 
 
 
 def clear_suspect(root: Root, step: int) -> bool:
-    """Remove the suspect marker of ``step``. Returns True when one was removed."""
+    """Remove the suspect marker of ``step``. Returns True when one was removed.
+
+    Raises:
+        OSError: the marker exists and cannot be removed (a read-only filesystem, permissions).
+    """
+    storage = as_storage(root)
     try:
-        return as_storage(root).delete(_key(step))
+        if storage.stat(_key(step)) is None:  # nothing to remove (a read-only root refuses even a missing name)
+            return False
+        return storage.delete(_key(step))
     except (FileNotFoundError, NotADirectoryError):
         return False
