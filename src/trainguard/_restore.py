@@ -495,7 +495,8 @@ def delta_chain_users(m: Manifest, hashes: list[str], owners: dict[str, list[str
     users: dict[str, list[str]] = {}
     for h in hashes:
         cur: str | None = h
-        while cur is not None:  # the parser bounded every chain (MAX_DELTA_CHAIN) and checked each base exists
+        # the parser bounded every chain (MAX_DELTA_CHAIN) and checked that each base exists
+        while cur is not None:
             names = users.setdefault(cur, list(owners.get(cur) or []))
             names.extend(n for n in owners.get(h, []) if n not in names)
             rec = m.chunks.get(cur)

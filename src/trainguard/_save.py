@@ -103,15 +103,17 @@ class SavePath:
 
         Args:
             started: the save the calling ``save``/``maybe_save`` made before reporting the earlier error
-                (None: none); it goes on in the background, and the error says so (``SaveError.pending_save``).
+                (None: none); it goes on in the background, and the error says so (``SaveError.pending_save``;
+                None for a skipped save).
         """
         if self.persister is None:
             return
         try:
             self.persister.raise_background_error(skip=started)
         except SaveError as e:
+            started = None if started is None or started.skipped else started
             e.pending_save = started
-            if started is not None and not started.skipped and e.args and isinstance(e.args[0], str):
+            if started is not None and e.args and isinstance(e.args[0], str):
                 e.args = (
                     f"{e.args[0]} [reported by the save of step {started.step}, which was staged and is "
                     f"persisting in the background (SaveError.pending_save; wait() or close() reports its "
@@ -193,7 +195,9 @@ class SavePath:
             SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
                 failed, or (synchronous) this save failed.
         """
-        handle = self._start(step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=block)
+        handle = self._start(
+            step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=block
+        )
         self.raise_background_error(handle)
         return handle
 

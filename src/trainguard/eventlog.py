@@ -214,7 +214,9 @@ class EventLog:
 
     def _open(self) -> None:
         ensure_dir(self.dir, what="event log directory")
-        self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, what="event log")
+        self._fd = open_regular(
+            self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, what="event log"
+        )
 
     def _refused(self, e: OSError) -> None:
         """Count a dropped event; warn at the first one."""

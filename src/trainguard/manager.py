@@ -390,7 +390,10 @@ class CheckpointManager:
                 log.error("close(): the save of step %s failed too: %s", e.step, e)
                 steps.append(e.step)
         if steps and isinstance(first, SaveError) and first.args and isinstance(first.args[0], str):
-            first.args = (f"{first.args[0]} [the saves of steps {steps} failed too; see the log]", *first.args[1:])
+            first.args = (
+                f"{first.args[0]} [the saves of steps {steps} failed too; see the log]",
+                *first.args[1:],
+            )
 
     def _pending_steps(self) -> list[int]:
         return self._saves.pending_steps()

@@ -100,7 +100,11 @@ def test_exiting_after_opening_on_a_full_disk_reports_no_failed_save(tiny):
     tg.CheckpointManager(root).close()
     fill(tiny / "filler")
     out = subprocess.run(
-        [sys.executable, "-c", EXIT_CHILD, str(root)], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", EXIT_CHILD, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "opened" in out.stdout

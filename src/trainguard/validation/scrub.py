@@ -242,13 +242,12 @@ def gc(
             "CheckpointManager writes to (`trainguard ls` lists the run roots inside a folder); nothing was changed"
         )
     now = time.time() if now is None else now
-    lock: RootLock | None = RootLock(root)
+    lock = RootLock(root)
     try:
         lock.acquire()
     except ConfigError as e:  # not writable: a dry run lists without the lock (no writer can change the root)
         if not (dry_run and isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EROFS):
             raise
-        lock = None
     try:
         known: set[str] = set()
         unreadable: list[int] = []
@@ -303,5 +302,4 @@ def gc(
                 report.bytes_freed += st.st_size
         return report
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()  # a no-op where it was not taken

@@ -98,7 +98,8 @@ def clear_suspect(root: Root, step: int) -> bool:
     """
     storage = as_storage(root)
     try:
-        if storage.stat(_key(step)) is None:  # nothing to remove (a read-only root refuses even a missing name)
+        # nothing to remove: no write (a read-only root refuses even the unlink of a missing name)
+        if storage.stat(_key(step)) is None:
             return False
         return storage.delete(_key(step))
     except (FileNotFoundError, NotADirectoryError):
