@@ -18,8 +18,16 @@ the pair's ratio (a shared machine's load changes between pairs, rarely within o
   (as a constructed model's are) vs raw GET, timed from the manager's construction to ``restore_latest`` returning (when training may go on). Target >= 0.9x. Also
   printed: ``tg restore+hot``, the same until ``close()`` returned (the background copy to the hot root
   finished).
-- training-visible save time with an async S3 tier attached vs without (sum of ``PendingSave.staging_s`` over
-  ``--saves`` async saves of a smaller state, each followed by ``wait()``). Target <= 1.05x.
+- training-visible time with an async S3 tier attached vs without, in a training loop: ``--saves`` x ``--every``
+  steps of compute (fp32 matmuls in torch's threads, about ``--step-ms`` each), an async save of a 256 MiB state
+  every ``--every`` steps; before each save the previous one's hot commit is awaited, untimed (saves are
+  far apart in training, so a save never waits for a free staging buffer; the uploads of earlier saves still
+  run beside the steps and the staging, since moto receives slower than the loop saves). Two figures, each the
+  median of per-pair ratios (with / without): the time the training thread is blocked in ``save()`` (sum of
+  ``PendingSave.staging_s``; target <= 1.05x) and the training steps' own time (sum of the compute steps:
+  what uploads running beside them cost; target <= 1.05x). Both are measured twice in one run: with the moto
+  server at normal priority and reniced to ``--moto-nice`` (default 10): on a real deployment the object store
+  is not on the training node, and a niced moto models that; neither figure alone is the whole story.
 moto keeps objects in memory in one Python process: it, not the network, is the bottleneck here, for both
 sides. The machine is shared: compare the rows of one run only.
 """
@@ -60,6 +68,23 @@ def _tier_keys(s3: Any, bucket: str) -> list[str]:
     return keys
 
 
+def renice_children(cmd_part: str, nice: int) -> None:
+    """Set the nice value of every thread of this process's children whose command line contains
+    ``cmd_part`` (threads the server starts later inherit it from its main thread)."""
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[1] != me or cmd_part not in cmd:
+            continue
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        log(f"reniced {cmd.strip()} (pid {pid}) to {nice}")
+
+
 def state_of(nbytes: int) -> dict[str, torch.Tensor]:
     n = max(1, nbytes // (64 << 20))
     per = nbytes // n // 4
@@ -83,7 +108,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--saves", type=int, default=4, help="saves per training loop (training-visible part)")
+    ap.add_argument("--every", type=int, default=10, help="steps between saves in the training loop")
+    ap.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (calibrated)")
+    ap.add_argument("--moto-nice", type=int, default=10, help="the moto server's nice in the second phase")
     ap.add_argument(
         "--only", choices=("all", "transfer", "visible"), default="all", help="a part (when iterating)"
     )
@@ -235,41 +263,86 @@ def main() -> None:
         for k, v in ratios.items():
             print(f"  {k:<14} median {med[k]:.2f}x   all {' '.join(f'{x:.2f}' for x in v)}")
         print(f"download vs raw get + write to files (the same disk work): {down_disk_ratio:.2f}x")
-        # training-visible time: async saves of a smaller state with and without an async S3 tier, in pairs
+        # training-visible time: a training loop with and without an async S3 tier, in pairs
         small = Holder(state_of(min(nbytes, 256 << 20))["model"])
+        a = torch.randn(512, 512)
 
-        def visible(with_tier: bool) -> float:
+        def matmuls(k: int) -> None:
+            for _ in range(k):
+                torch.mm(a, a)
+
+        matmuls(4)
+        t0 = time.perf_counter()
+        matmuls(20)
+        per_step = max(1, round(args.step_ms / 1000 / ((time.perf_counter() - t0) / 20)))
+
+        def visible(with_tier: bool) -> tuple[float, float]:
+            """(seconds blocked in save(), seconds of the compute steps) over one training loop."""
             bucket = f"vis-{uuid.uuid4().hex[:10]}"
             s3.create_bucket(Bucket=bucket)
             root = scratch / f"vis-{uuid.uuid4().hex[:6]}"
             tiers = [tg.Tier(f"s3://{bucket}/run")] if with_tier else None
+            blocked = compute = 0.0
+            last = None
             with tg.CheckpointManager(root, tiers=tiers, fsync=False) as m:
-                block = 0.0
-                for s in range(1, args.saves + 1):
-                    for v in small.d.values():
-                        v.add_(1.0)
-                    h = m.save(s, {"model": small})
-                    block += h.staging_s
-                    h.wait()
-            shutil.rmtree(root)
-            return block
+                for step in range(1, args.saves * args.every + 1):
+                    t0 = time.perf_counter()
+                    matmuls(per_step)
+                    compute += time.perf_counter() - t0
+                    if step % args.every == 0:
+                        for v in small.d.values():  # new weights (untimed: the same work on both sides)
+                            v.add_(1.0)
+                        if last is not None:  # saves far apart, as in training: the hot commit is done
+                            last.wait()  # (untimed; uploads of earlier saves go on)
+                        last = m.save(step, {"model": small})
+                        blocked += last.staging_s
+            shutil.rmtree(root)  # close() above waited for the uploads (untimed)
+            for key in _tier_keys(s3, bucket):
+                s3.delete_object(Bucket=bucket, Key=key)
+            return blocked, compute
 
-        vis: list[tuple[float, float]] = []
-        for r in range(args.repeat if args.only != "transfer" else 0):
-            with_s, without_s = pair(r % 2 == 1, lambda: visible(True), lambda: visible(False))
-            vis.append((without_s, with_s))
-        vis_ratio = statistics.median(w / wo for wo, w in vis) if vis else float("nan")
-        print(
-            f"training-visible save time over {args.saves} saves (without, with async S3 tier), per pair: "
-            + ", ".join(f"({wo:.3f} s, {w:.3f} s)" for wo, w in vis)
-        )
+        vis_ratio: dict[str, tuple[float, float]] = {}
+        vis_phases = [("moto nice 0", 0), (f"moto nice {args.moto_nice}", args.moto_nice)]
+        for label, nice in vis_phases if args.only != "transfer" else []:
+            if nice:
+                renice_children("moto.server", nice)
+            vis: list[tuple[tuple[float, float], tuple[float, float]]] = []
+            for r in range(args.repeat):
+                with_t, without_t = pair(r % 2 == 1, lambda: visible(True), lambda: visible(False))
+                vis.append((without_t, with_t))
+                log(f"{label}, pair {r + 1}: without {without_t}, with {with_t}")
+            blocked_ratio = statistics.median(w[0] / wo[0] for wo, w in vis)
+            step_ratio = statistics.median(w[1] / wo[1] for wo, w in vis)
+            vis_ratio[label] = (blocked_ratio, step_ratio)
+            print(
+                f"training loop, {label} ({args.saves} saves every {args.every} steps of ~{args.step_ms} ms), "
+                "per pair (without, with async S3 tier):\n"
+                + "  blocked in save(): "
+                + ", ".join(f"({wo[0]:.3f} s, {w[0]:.3f} s)" for wo, w in vis)
+                + f"  median ratio {blocked_ratio:.2f}x\n"
+                + "  compute steps:     "
+                + ", ".join(f"({wo[1]:.2f} s, {w[1]:.2f} s)" for wo, w in vis)
+                + f"  median ratio {step_ratio:.2f}x"
+            )
         print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
         targets = [
             ("upload >= 0.9x raw parallel put", up_ratio >= 0.9, f"{up_ratio:.2f}x"),
             ("download >= 0.9x raw parallel get", down_ratio >= 0.9, f"{down_ratio:.2f}x"),
             ("restore from S3 alone >= 0.9x raw get", restore_ratio >= 0.9, f"{restore_ratio:.2f}x"),
-            ("training-visible time with async tier <= 1.05x", vis_ratio <= 1.05, f"{vis_ratio:.2f}x"),
         ]
+        for label, (blocked_ratio, step_ratio) in vis_ratio.items():
+            targets += [
+                (
+                    f"blocked in save() with async tier <= 1.05x ({label})",
+                    blocked_ratio <= 1.05,
+                    f"{blocked_ratio:.2f}x",
+                ),
+                (
+                    f"training step time with async tier <= 1.05x ({label})",
+                    step_ratio <= 1.05,
+                    f"{step_ratio:.2f}x",
+                ),
+            ]
         print_targets([t for t in targets if t[2] != "nanx"])  # parts left out with --only are not judged
     shutil.rmtree(scratch, ignore_errors=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,10 @@ class TierHooks(Protocol):
 
     def protected(self) -> set[int]:
         """Hot steps retention must keep (still to be sent to some tier)."""
+        ...
+
+    def staging(self) -> AbstractContextManager[None]:
+        """Held while the training thread is inside ``save()``: async tier uploads pause meanwhile."""
         ...
 
     def restoring(self, ctx: Any, step: int | None = None) -> Any:

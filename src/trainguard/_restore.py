@@ -20,6 +20,8 @@ from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from . import _statefn
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
@@ -409,7 +411,7 @@ def load(
                 ctx.store,
                 m,
                 threads=getattr(ctx.store, "read_threads", 4),
-                scan_finite=ctx.validation is not None and ctx.validation.check_finite != "off",
+                scan_finite=scan_finite(ctx),
             )
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
             # leaves them untouched (one more read, from the page cache when the checkpoint was just read)
@@ -425,7 +427,7 @@ def load(
 
             from .distributed import TrainguardLoadPlanner, TrainguardReader
 
-            reader = TrainguardReader(ctx.store, m)
+            reader = TrainguardReader(ctx.store, m, scan_finite=scan_finite(ctx))
             writing = (
                 True  # DCP reads each rank's shards in place: no verify pass (it would read every shard)
             )
@@ -435,6 +437,7 @@ def load(
                 dcp.load(
                     template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
                 )
+            known = reader.scanned_covering(local_numels(template))
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
         if isinstance(err, CorruptCheckpointError):
@@ -462,6 +465,21 @@ def load(
         touched.update(template)
     record_resume(ctx, m)
     ctx.last_restore.bytes = reader.bytes_read
+
+
+def scan_finite(ctx: RootContext) -> bool:
+    """Whether the reading threads count NaN/Inf as chunks land (the restore's non-finite scan is on)."""
+    return ctx.validation is not None and ctx.validation.check_finite != "off"
+
+
+def local_numels(template: MutableMapping[str, Any]) -> dict[str, int]:
+    """fqn -> element count of this rank's part of each tensor of ``template`` (a DTensor's local shard)."""
+    out: dict[str, int] = {}
+    for fqn, v in template.items():
+        if isinstance(v, torch.Tensor):
+            to_local = getattr(v, "to_local", None)
+            out[fqn] = (to_local() if callable(to_local) else v).numel()
+    return out
 
 
 def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, Any]) -> int:

@@ -178,7 +178,8 @@ class SavePath:
         block: bool,
     ) -> PendingSave:
         """Save ``state`` as the checkpoint of ``step`` (``CheckpointManager.save``; ``block``: wait for a
-        free staging buffer set, else skip the save when every set is busy).
+        free staging buffer set, else skip the save when every set is busy). Async tier uploads pause while
+        the training thread is in here (:class:`~trainguard.tiers.upload.StagingGate`).
 
         Returns:
             The PendingSave (``skipped`` when no buffer set was free and ``block`` is False).
@@ -195,17 +196,18 @@ class SavePath:
             SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
                 failed, or (synchronous) this save failed.
         """
-        handle = self._start(
-            step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=block
-        )
+        if self.ctx.tiers is None:
+            handle = self._save(step, state, metrics, metadata, overwrite, block)
+        else:
+            with self.ctx.tiers.staging():
+                handle = self._save(step, state, metrics, metadata, overwrite, block)
         self.raise_background_error(handle)
         return handle
 
-    def _start(
+    def _save(
         self,
         step: int,
         state: Mapping[str, Any],
-        *,
         metrics: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None,
         overwrite: bool,

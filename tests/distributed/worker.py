@@ -647,7 +647,58 @@ def scenario_validation(spec: dict[str, Any], out: Path, rank: int, ws: int) -> 
     return res
 
 
+def scenario_finite_load(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """The NaN/Inf scan after a sharded load (issue 15): the reading threads count the NaN/Inf of each
+    rank's whole local shard as its chunks land (``known``, not scanned again), and a NaN saved with
+    ``check_finite="off"`` in the last rank's shard makes the restore fail as suspect on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import trainguard.validation.finite as finite
+
+    root = Path(spec["root"])
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def sharded(rows: int, seed: int) -> Any:
+        local = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(seed * 100 + rank))
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows * ws, 1024)), stride=(1024, 1)
+        )
+
+    # 2 MiB: a chunk of its own; 32 and 16 KiB: packed together into one chunk
+    state = {"big": sharded(512, 1), "small": sharded(8, 2), "bias": sharded(4, 5)}
+    if rank == ws - 1:
+        state["big"].to_local()[5, 7] = float("nan")
+    with tg.CheckpointManager(root, async_save=False, check_finite="off") as mgr:
+        mgr.save(1, {"m": state})
+    seen: list[list[str]] = []
+    real_scan = finite.scan
+
+    def recording_scan(flat: Any, only: Any = None, known: Any = None) -> dict[str, int]:
+        seen.append(sorted(known or {}))
+        return real_scan(flat, only, known)
+
+    finite.scan = recording_scan  # type: ignore[assignment]
+    target = {"m": {"big": sharded(512, 3), "small": sharded(8, 4), "bias": sharded(4, 6)}}
+    res: dict[str, Any] = {}
+    with tg.CheckpointManager(root, async_save=False) as mgr2:
+        try:
+            mgr2.restore(1, target)
+            res["failure"] = None
+        except tg.SuspectCheckpointError as e:
+            res["failure"] = str(e)
+    res["known"] = seen
+    res["bitwise"] = {
+        k: bool(
+            torch.equal(target["m"][k].to_local().view(torch.int32), state[k].to_local().view(torch.int32))
+        )
+        for k in state
+    }
+    return res
+
+
 SCENARIOS = {
+    "finite_load": scenario_finite_load,
     "validation": scenario_validation,
     "perrank": scenario_perrank,
     "perrank_load": scenario_perrank_load,

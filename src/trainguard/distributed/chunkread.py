@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -57,6 +57,8 @@ class ShardReader:
             str, int
         ] = {}  # fqn -> NaN/Inf count, for tensors scanned as their chunks landed
         self._unscanned: set[str] = set()  # fqns read (partly) another way: the caller scans them
+        self._multi: set[str] = set()  # fqns saved in several shards: scanned() leaves them to the caller
+        self.scanned_elems: dict[str, int] = {}  # fqn -> elements the reading threads scanned
         self._chunk_cache: dict[str, bytearray] = {}
         self._jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]] = []
         self._lock = threading.Lock()
@@ -110,21 +112,13 @@ class ShardReader:
                 f"{numel * dtype.itemsize}",
                 step=self.manifest.step,
             )
-        whole = all(o == 0 for o in storage_offsets) and tuple(lengths) == tuple(shard.sizes)
-        if (
-            whole
-            and dest.device.type == "cpu"
-            and dest.dtype == dtype
-            and dest.is_contiguous()
-            and all(
-                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size
-                for s in shard.segments
-            )
-        ):
+        if self._direct(shard, dtype, storage_offsets, lengths, dest):
             raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
             off = 0
-            if len(entry.shards) != 1 or any(seg.length % dtype.itemsize for seg in shard.segments):
+            if any(seg.length % dtype.itemsize for seg in shard.segments):
                 self._unscanned.add(fqn)  # scanned per chunk only when the chunks hold whole elements
+            elif len(entry.shards) != 1:
+                self._multi.add(fqn)  # see scanned_covering
             for seg in shard.segments:
                 self._jobs.append((self.manifest.chunks[seg.chunk], raw[off : off + seg.length], fqn, dtype))
                 off += seg.length
@@ -139,6 +133,48 @@ class ShardReader:
         dest.copy_(src)
         return False
 
+    def _direct(
+        self,
+        shard: ShardRecord,
+        dtype: torch.dtype,
+        storage_offsets: tuple[int, ...],
+        lengths: tuple[int, ...],
+        dest: torch.Tensor,
+    ) -> bool:
+        """Whether a read of ``storage_offsets`` + ``lengths`` of ``shard`` into ``dest`` goes straight into
+        ``dest``'s memory (the whole shard, its own chunks, same dtype, contiguous CPU memory)."""
+        return (
+            all(o == 0 for o in storage_offsets)
+            and tuple(lengths) == tuple(shard.sizes)
+            and dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and all(
+                s.offset == 0 and s.length == self.manifest.chunks[s.chunk].decoded_size
+                for s in shard.segments
+            )
+        )
+
+    def queues_directly(
+        self,
+        fqn: str,
+        shard_offsets: tuple[int, ...],
+        storage_offsets: tuple[int, ...],
+        lengths: tuple[int, ...],
+        dest: torch.Tensor,
+    ) -> bool:
+        """Whether :meth:`read_tensor` with these arguments would only queue the read (no I/O before
+        :meth:`flush`); False also when the entry or shard is missing (read_tensor then raises)."""
+        entry = self.manifest.entries.get(fqn)
+        if not isinstance(entry, TensorEntry):
+            return False
+        try:
+            shard = self._find_shard(entry, shard_offsets)
+            dtype = dtype_from_name(entry.dtype)
+        except (CorruptCheckpointError, ValueError, TypeError):
+            return False
+        return self._direct(shard, dtype, storage_offsets, lengths, dest)
+
     def flush(self) -> None:
         """Read every queued whole chunk into its destination, CRC32C-checked, from ``threads`` threads
         (largest first: one stream at a time leaves the disk idle between files)."""
@@ -147,15 +183,29 @@ class ShardReader:
 
         def one(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
             rec, view, fqn, dtype = job
+            scanning = (
+                self.scan_finite
+                and fqn not in self._unscanned
+                and len(view) > 0
+                and (dtype.is_floating_point or dtype.is_complex)
+            )
+            bad: int | None = None
             if rec.encoded:
                 self._decode(rec, view)
-            else:
-                self.store.readinto(rec, view, step=step, owners=self.owners.get(rec.hash))
-            if self.scan_finite and fqn not in self._unscanned and len(view):
-                # the NaN/Inf scan of these elements, while other chunks are still being read
-                bad = count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
+            else:  # the NaN/Inf scan of each block as it lands, while it is in the cache
+                bad = self.store.readinto(
+                    rec,
+                    view,
+                    step=step,
+                    owners=self.owners.get(rec.hash),
+                    scan=(lambda block: _count_nonfinite_bytes(block, dtype)) if scanning else None,
+                )
+            if scanning:
+                if bad is None:  # decoded, or copied from a tier: the whole chunk, as it now lies in memory
+                    bad = _count_nonfinite_bytes(view, dtype)
                 with self._lock:
                     self.nonfinite[fqn] = self.nonfinite.get(fqn, 0) + bad
+                    self.scanned_elems[fqn] = self.scanned_elems.get(fqn, 0) + len(view) // dtype.itemsize
 
         if len(jobs) <= 1 or self.threads <= 1:
             for job in jobs:
@@ -164,12 +214,24 @@ class ShardReader:
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
                 for f in [pool.submit(one, j) for j in jobs]:
                     f.result()
-        self.bytes_read += sum(job[0].length for job in jobs if not job[0].encoded)
+        with self._lock:
+            self.bytes_read += sum(job[0].length for job in jobs if not job[0].encoded)
 
     def scanned(self) -> dict[str, int]:
         """fqn -> NaN/Inf count for the tensors the reading threads scanned whole (``scan_finite``); a tensor
         read any other way (resharded, packed with others, converted) is not here: the caller scans it."""
-        return {k: v for k, v in self.nonfinite.items() if k not in self._unscanned}
+        return {k: v for k, v in self.nonfinite.items() if k not in self._unscanned and k not in self._multi}
+
+    def scanned_covering(self, numels: Mapping[str, int]) -> dict[str, int]:
+        """fqn -> NaN/Inf count for the tensors whose every element the reading threads scanned: all of
+        their reads went straight into memory and the scanned elements add up to ``numels[fqn]`` (the
+        destination's element count; e.g. a rank's local shard of a DTensor, read from one or more saved
+        shards). Any other tensor is not here: the caller scans it."""
+        return {
+            k: v
+            for k, v in self.nonfinite.items()
+            if k not in self._unscanned and k in numels and self.scanned_elems.get(k) == numels[k]
+        }
 
     def clear(self) -> None:
         """Drop cached chunk bytes and queued reads."""
@@ -186,7 +248,8 @@ class ShardReader:
                 self._decode(rec, memoryview(buf))
             else:
                 buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
-                self.bytes_read += rec.length
+                with self._lock:  # flush's threads may be counting too (TrainguardReader.read_data)
+                    self.bytes_read += rec.length
             self._chunk_cache[h] = buf
         return buf
 
@@ -224,6 +287,11 @@ class ShardReader:
             if tuple(sh.offsets) == offsets or (not offsets and not any(sh.offsets)):
                 return sh
         raise CorruptCheckpointError(f"{entry.fqn!r}: no saved shard at offsets {offsets}")
+
+
+def _count_nonfinite_bytes(view: memoryview, dtype: torch.dtype) -> int:
+    """NaN/Inf count of the elements of ``dtype`` in ``view`` (whole elements)."""
+    return count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
 
 
 def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from typing import Any
 
 import torch
@@ -33,9 +34,11 @@ class TrainguardReader(ShardReader, StorageReader):
         bytes_read: bytes read from chunks by this rank.
     """
 
-    def __init__(self, store: ChunkStore, manifest: Manifest, *, threads: int = 4) -> None:
+    def __init__(
+        self, store: ChunkStore, manifest: Manifest, *, threads: int = 4, scan_finite: bool = False
+    ) -> None:
         StorageReader.__init__(self)
-        ShardReader.__init__(self, store, manifest, threads=threads)
+        ShardReader.__init__(self, store, manifest, threads=threads, scan_finite=scan_finite)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -59,20 +62,71 @@ class TrainguardReader(ShardReader, StorageReader):
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items: the reads that go straight into destination memory (whole shards with
+        chunks of their own) run in :meth:`flush`'s threads while this thread reads the rest (values, packed
+        chunks, resharded parts), so both kinds of I/O overlap."""
         fut: Future[None] = Future()  # torch.futures.Future
+        flusher: threading.Thread | None = None
+        flush_error: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread after the join
+                flush_error.append(e)
+
         try:
             deferred: list[tuple[ReadItem, torch.Tensor]] = []
-            for item in plan.items:
+            rest: list[ReadItem] = []
+            for item in plan.items:  # first the direct reads: queued, no I/O yet
+                dest = self._direct_dest(item, planner)
+                if dest is None:
+                    rest.append(item)
+                    continue
+                queued = self.read_tensor(
+                    item.storage_index.fqn,
+                    tuple(item.storage_index.offset or ()),
+                    tuple(item.storage_offsets),
+                    tuple(item.lengths),
+                    dest,
+                )
+                assert queued
+                deferred.append((item, dest))
+            if self._jobs:
+                flusher = threading.Thread(target=flush, name="trainguard-read-flush", daemon=True)
+                flusher.start()
+            for item in rest:
                 self._read_item(item, planner, deferred)
-            self.flush()
+            if flusher is not None:
+                flusher.join()
+                flusher = None
+            if flush_error:
+                raise flush_error[0]
+            self.flush()  # anything queued by the second pass
             for item, dest in deferred:
                 planner.commit_tensor(item, dest)
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             fut.set_exception(e)  # type: ignore[arg-type]
         finally:
+            if flusher is not None:
+                flusher.join()  # never leave threads writing into the destination tensors
             self.clear()
         return fut
+
+    def _direct_dest(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+        """The destination of a tensor item that :meth:`read_tensor` reads straight into memory, else None."""
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        dest = planner.resolve_tensor(item).detach()
+        direct = self.queues_directly(
+            item.storage_index.fqn,
+            tuple(item.storage_index.offset or ()),
+            tuple(item.storage_offsets),
+            tuple(item.lengths),
+            dest,
+        )
+        return dest if direct else None
 
     def _read_item(
         self, item: ReadItem, planner: LoadPlanner, deferred: list[tuple[ReadItem, torch.Tensor]]

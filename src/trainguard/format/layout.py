@@ -73,7 +73,9 @@ def chunk_relpath(content_hash: str) -> str:
     return f"{CHUNKS_DIR}/{content_hash[:2]}/{content_hash}"
 
 
-def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> str:
+def validate_relpath(
+    rel: str, root: str | os.PathLike[str] | None = None, *, resolved: dict[str, Path] | None = None
+) -> str:
     """Check a path read from a manifest and return it unchanged.
 
     A valid path is relative, uses ``/`` separators, has no empty, ``.`` or ``..`` components, no NUL or
@@ -81,6 +83,16 @@ def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> st
     ``chunks/`` may instead resolve inside wherever ``<root>/chunks`` itself resolves: the user may place the
     chunk store on another disk by making ``chunks`` a symlink; a chunk file or a ``chunks/<2 hex>``
     directory that is a symlink leading out of it is still refused.
+
+    Args:
+        rel: the path as the manifest spells it.
+        root: the run root it must stay inside; None checks the spelling only.
+        resolved: a cache of the real paths of ``root``'s directories (relative path -> real path) shared by
+            the calls that check one manifest's paths: its chunks share a few directories, each resolved once
+            (then only a path's last component is looked at).
+
+    Returns:
+        ``rel`` unchanged.
 
     Raises:
         UnsafeCheckpointError: naming the path and the rule it breaks.
@@ -97,11 +109,20 @@ def validate_relpath(rel: str, root: str | os.PathLike[str] | None = None) -> st
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafeCheckpointError(f"manifest path {rel!r} has an empty, '.' or '..' component")
     if root is not None:
-        root_real = Path(os.path.realpath(root))
-        full = Path(os.path.realpath(Path(root) / rel))
+        dirs: dict[str, Path] = {} if resolved is None else resolved
+
+        def real(d: str) -> Path:  # a directory of the root ("": the root), resolved through symlinks
+            got = dirs.get(d)
+            if got is None:
+                got = dirs[d] = Path(os.path.realpath(Path(root, d)))
+            return got
+
+        root_real = real("")
+        within = real("/".join(parts[:-1])) / parts[-1]  # the directory resolved: only the name is left
+        full = Path(os.path.realpath(within)) if os.path.islink(within) else within
         inside = full == root_real or root_real in full.parents
         if not inside and parts[0] == CHUNKS_DIR and len(parts) > 1:
-            inside = Path(os.path.realpath(Path(root) / CHUNKS_DIR)) in full.parents
+            inside = real(CHUNKS_DIR) in full.parents
         if not inside:
             raise UnsafeCheckpointError(f"manifest path {rel!r} resolves outside the run root (symlink?)")
     return rel

@@ -16,6 +16,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import crc32c as _crc32c
@@ -458,11 +459,12 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     raw_chunks = body.get("chunks")
     if not isinstance(raw_chunks, dict):
         raise _bad("chunks must be an object", step)
+    resolved: dict[str, Path] = {}  # the chunks' few directories, resolved once
     for h, c in raw_chunks.items():
         if not isinstance(c, dict):
             raise _bad(f"chunk {h!r} must be an object", step)
         expected_path = chunk_relpath(h)  # validates the hash itself
-        path = validate_relpath(c.get("path"), root)  # type: ignore[arg-type]
+        path = validate_relpath(c.get("path"), root, resolved=resolved)  # type: ignore[arg-type]
         if path != expected_path:
             raise UnsafeCheckpointError(
                 f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}"

@@ -50,6 +50,10 @@ log = logging.getLogger("trainguard")
 # An I/O error (EACCES, EIO, a TransientStorageError, ...) is retried READ_ATTEMPTS times in all, with a first
 # backoff of READ_RETRY_BACKOFF_S doubling each time (as every read of committed data: storage/retry.py); a CRC32C
 # or length mismatch is confirmed by one more read before it condemns a chunk.
+CRC_BLOCK_BYTES = 1 << 20
+"""Bytes per ``readinto`` call of a checked read: each block's CRC32C is computed right after the read, while
+the block is still in the CPU's L2 cache, instead of reading a whole chunk back from memory afterwards (a
+verify pass copies into one cache-sized buffer: its memory traffic is the page cache's bytes read once)."""
 
 
 def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
@@ -327,24 +331,59 @@ class ChunkStore:
         return buf
 
     def readinto(
-        self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
-    ) -> None:
+        self,
+        rec: ChunkRecord,
+        out: memoryview,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        scan: Callable[[memoryview], int] | None = None,
+    ) -> int | None:
         """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it (retries and
-        confirmation as :meth:`verify`)."""
+        confirmation as :meth:`verify`).
+
+        The chunk is read in blocks of ``CRC_BLOCK_BYTES``; each block's CRC32C (and ``scan``) runs right after
+        its read, while the block is still in the CPU cache.
+
+        Args:
+            rec: the chunk.
+            out: where its bytes go (at least ``rec.length`` bytes).
+            step, owners: name the checkpoint and the tensors in an error.
+            scan: called with each full block (``CRC_BLOCK_BYTES``) and the chunk's last block as they are
+                read; its results are summed (a NaN/Inf count, say).
+
+        Returns:
+            The sum of ``scan``'s results over the read that passed the check (a retried read's blocks are not
+            counted twice); None when ``scan`` is None.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`verify`.
+        """
         out = out.cast("B") if out.format != "B" else out
+        scanned = 0
 
         def once(f: Any) -> tuple[int | None, int]:
-            got = 0
-            while got < rec.length:
-                n = f.readinto(out[got : rec.length])
-                if not n:
+            nonlocal scanned
+            got = crc = scanned = 0
+            while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
+                start, end = got, min(rec.length, got + CRC_BLOCK_BYTES)
+                while got < end:
+                    n = f.readinto(out[got:end])
+                    if not n:
+                        break
+                    got += n
+                if got < end:  # shorter than recorded: the length check below reports it
                     break
-                got += n
+                block = out[start:end]
+                crc = crc32c.crc32c(block, crc)
+                if scan is not None:
+                    scanned += scan(block)
             if got != rec.length or f.read(1):
                 return None, 0
-            return got, crc32c.crc32c(out[: rec.length])
+            return got, crc
 
         self._checked_read(rec, once, step, owners, READ_ATTEMPTS)
+        return scanned if scan is not None else None
 
     def verify(
         self,
@@ -352,7 +391,7 @@ class ChunkStore:
         *,
         step: int | None = None,
         owners: list[str] | None = None,
-        block_bytes: int = 16 << 20,
+        block_bytes: int | None = None,
         attempts: int = READ_ATTEMPTS,
         on_block: Callable[[int], None] | None = None,
     ) -> None:
@@ -366,7 +405,7 @@ class ChunkStore:
             CorruptCheckpointError: ``damaged`` for a confirmed mismatch, ``unreadable`` for a persisting I/O
                 error, neither for a missing chunk or one that is not a regular file.
         """
-        buf = bytearray(min(block_bytes, max(rec.length, 1)))
+        buf = bytearray(min(block_bytes or CRC_BLOCK_BYTES, max(rec.length, 1)))
         view = memoryview(buf)
 
         def once(f: Any) -> tuple[int | None, int]:

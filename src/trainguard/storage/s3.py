@@ -15,7 +15,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ConfigError, TransientStorageError
 from .objects import MAX_OBJECT_BYTES, _classify, configuration_error
@@ -153,10 +153,13 @@ class S3Objects:
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         self._call(self.client.put_object, Bucket=self.bucket, Key=self._key(name), Body=body)
 
-    def put_checked(self, name: str, data: bytes | bytearray, crc: int) -> None:
+    def put_checked(self, name: str, data: bytes | bytearray | BinaryIO, crc: int) -> None:
         """:meth:`put` with the bytes' CRC32C (an unsigned 32-bit int) sent as ``x-amz-checksum-crc32c``: S3
         refuses the object when the bytes it received do not match it (end-to-end integrity on the way in), and
-        botocore computes no checksum of its own. moto accepts it without checking (tests check on our side)."""
+        botocore computes no checksum of its own. moto accepts it without checking (tests check on our side).
+        ``data`` may be a seekable file-like object with ``len()`` (streamed in blocks, e.g.
+        :class:`~trainguard.tiers.upload.ChunkBody`); an exception its ``read`` raises fails the request
+        before the last byte is sent, so no object is created."""
         digest = base64.b64encode(int(crc).to_bytes(4, "big")).decode()
         self._call(
             self.client.put_object, Bucket=self.bucket, Key=self._key(name), Body=data, ChecksumCRC32C=digest

@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,11 @@ class TierSet:
 
     def after_commit(self, step: int) -> SaveError | None:
         return self.uploader.after_commit(step)
+
+    def staging(self) -> AbstractContextManager[None]:
+        """Hold while the training thread is inside ``save()``: async uploads pause meanwhile
+        (:class:`~trainguard.tiers.upload.StagingGate`)."""
+        return self.uploader.gate.staging()
 
     def protected(self) -> set[int]:
         """Hot steps retention must keep: still to be sent to some tier. Waits for a restore's background

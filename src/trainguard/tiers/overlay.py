@@ -207,19 +207,32 @@ class TierChunkStore(ChunkStore):
             self._from_tiers(rec, step, owners, hot_err)
 
     def readinto(
-        self, rec: ChunkRecord, out: memoryview, *, step: int | None = None, owners: list[str] | None = None
-    ) -> None:
+        self,
+        rec: ChunkRecord,
+        out: memoryview,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        scan: Callable[[memoryview], int] | None = None,
+    ) -> int | None:
+        """As :meth:`ChunkStore.readinto`; ``scan`` runs only on the hot root's read (None is returned for a
+        chunk copied from a tier: the caller scans it whole)."""
         out = out.cast("B") if out.format != "B" else out
         with self._lock:
             kept = self.fetched.get(rec.path)
         if kept is not None:  # read and checked before (verify_before_load, or a chunk shared by two regions)
             out[: rec.length] = kept[0]
-            return
-        intact, hot_err = self._on_hot(
-            rec, lambda: ChunkStore.readinto(self, rec, out, step=step, owners=owners)
-        )
+            return None
+        scanned: list[int | None] = [None]
+
+        def hot() -> None:
+            scanned[0] = ChunkStore.readinto(self, rec, out, step=step, owners=owners, scan=scan)
+
+        intact, hot_err = self._on_hot(rec, hot)
         if not intact:
             out[: rec.length] = self._from_tiers(rec, step, owners, hot_err)
+            return None
+        return scanned[0]
 
     def _on_hot(
         self, rec: ChunkRecord, read: Callable[[], None]

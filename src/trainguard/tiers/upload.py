@@ -7,6 +7,16 @@ Protocol per (tier, step), the commit protocol of a run root on a store without 
    :meth:`~trainguard.storage.s3.S3Objects.put_checked`) the chunk's CRC32C goes with it, so the store
    refuses bytes damaged on the way (and the client computes no checksum of its own);
 2. the manifest is PUT last, as one object: its presence is the commit on the tier.
+Where the store takes a file-like body (S3), a chunk is streamed from the hot root's file in ``BLOCK_BYTES``
+blocks (:class:`ChunkBody`: no 64 MiB buffer per request) and its CRC32C is computed over the bytes handed to
+the request; the last block is withheld unless the whole chunk matches, so a corrupt chunk never becomes a
+complete object (the request fails short of its Content-Length and is not retried).
+
+Async uploads yield to training: while a save is staging (the part of an async save the training thread waits
+for; :meth:`StagingGate.staging`, held by ``CheckpointManager.save``), upload workers wait before each block
+they read or send (:meth:`StagingGate.yield_to_staging`, at most ``PAUSE_MAX_S`` per save), so the staging copy
+does not share the CPU and memory bandwidth with them. Dual-write (sync) tiers do not wait: ``wait()`` waits
+for them.
 A kill at any instant leaves at most chunks without a manifest: never listed as a checkpoint there, and
 re-sent or collected by the next upload. Each request is retried ``ATTEMPTS`` times in all with exponential
 backoff (``BACKOFF_S`` doubling, at most ``BACKOFF_MAX_S``); a request that makes no progress for the tier's
@@ -19,13 +29,15 @@ remaining manifest on that tier references it.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +62,181 @@ POOL_WORKERS = 8
 BACKGROUND_NICE = 10
 """Nice increment of the threads uploading to async tiers (Linux, per thread): under CPU contention they yield
 to the training process's other threads (an async tier must never slow training); idle CPU they still use."""
+
+
+BLOCK_BYTES = 1 << 20
+"""Bytes of a chunk read from the hot root, CRC32C-updated and handed to a request at a time
+(:class:`ChunkBody`); an upload worker checks :class:`StagingGate` before each block."""
+PAUSE_MAX_S = 5.0
+"""Longest an async upload waits for one save's staging to end before going on anyway (a save stuck in
+``state_dict()`` must not stop uploads; S3 drops a request body idle for about 20 s)."""
+
+
+class StagingGate:
+    """Async tier uploads yield to a save's staging copy (the part of an async save the training thread waits
+    for; with ``async_save=False``, the whole save).
+
+    A save holds :meth:`staging` while the training thread is inside ``save()``; upload workers call
+    :meth:`yield_to_staging` before each block they read or send and wait there while a save is staging: at
+    most ``PAUSE_MAX_S`` per save (then they go on until the next save starts), and never after
+    :meth:`release`.
+
+    Attributes:
+        pauses: how many times a worker found a save staging and waited (a count for tests and events).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._staging = 0
+        self._generation = 0  # +1 per save that starts staging
+        self._gave_up = -1  # a generation some worker waited PAUSE_MAX_S for: nobody waits on it again
+        self._released = False
+        self.pauses = 0
+
+    @contextmanager
+    def staging(self) -> Iterator[None]:
+        """Hold while a save stages: async upload workers wait before their next block until it ends."""
+        with self._cond:
+            self._staging += 1
+            self._generation += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._staging -= 1
+                if not self._staging:
+                    self._cond.notify_all()
+
+    def yield_to_staging(self, max_s: float | None = None) -> bool:
+        """Return at once when no save is staging; else wait until none is (at most ``max_s``, default
+        ``PAUSE_MAX_S``, per save). Returns True when it waited."""
+        if not self._staging:  # the common case: no lock taken
+            return False
+        limit = PAUSE_MAX_S if max_s is None else max_s
+        with self._cond:
+            if not self._staging or self._released or self._gave_up == self._generation:
+                return False
+            self.pauses += 1
+            generation = self._generation
+            deadline = time.monotonic() + limit
+            while self._staging and not self._released:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._gave_up = generation
+                    return True
+                self._cond.wait(left)
+            return True
+
+    def release(self) -> None:
+        """Wake every waiting worker and never wait again (the uploader is closing)."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
+
+class ChunkBody(io.RawIOBase):
+    """A hot-root chunk file as a streamed, CRC32C-checked request body.
+
+    Read in ``BLOCK_BYTES`` blocks into one reused buffer; :meth:`read` hands out views of it (valid until the
+    next call: the HTTP client sends each before asking for more). The CRC32C runs over every byte handed out;
+    when the last block is read, the whole chunk's CRC32C is compared with the manifest's and, on a mismatch,
+    that block is withheld and :attr:`problem` set: the request ends short of its Content-Length and the store
+    creates no object. :meth:`seek` to 0 starts over (a signing pass, a retry).
+
+    Args:
+        path: the chunk file (opened without following a symlink; a regular file only).
+        length: the chunk's length in bytes (the manifest's).
+        crc: its CRC32C (unsigned 32-bit int).
+        gate: waited on before each block (async tiers), or None.
+
+    Raises:
+        CorruptCheckpointError: (at construction) the file is not ``length`` bytes long.
+        FileNotFoundError, UnsafeFileError, OSError: as :func:`~trainguard.storage.safeio.open_regular`.
+    """
+
+    def __init__(self, path: Path, length: int, crc: int, gate: StagingGate | None = None) -> None:
+        super().__init__()
+        self._f: io.FileIO | None = None
+        fd = open_regular(path, os.O_RDONLY, what="chunk")
+        self._f = os.fdopen(fd, "rb", buffering=0)
+        self.path, self.length, self.crc, self.gate = path, length, crc, gate
+        self.problem: str | None = None
+        self.pauses = 0  # times this body waited for a save's staging
+        size = os.fstat(fd).st_size
+        if size != length or (length == 0 and crc != 0):
+            self.close()
+            raise CorruptCheckpointError(
+                f"chunk {path.name} is {size} bytes long, its manifest says {length}"
+            )
+        self._buf = bytearray(min(BLOCK_BYTES, max(length, 1)))
+        self._view = memoryview(self._buf)
+        self._read = self._pos = self._filled = 0  # bytes read from the file; the buffer's read/filled ends
+        self._crc = 0  # CRC32C of the bytes read so far
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        """Bytes left to read (botocore's Content-Length)."""
+        return self.length - self.tell()
+
+    def tell(self) -> int:
+        return self._read - (self._filled - self._pos)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Only to the start (start over), the end, or where it is (what HTTP clients and signers do)."""
+        target = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self.length}[whence] + offset
+        if target == self.tell():
+            return target
+        if target == 0:
+            assert self._f is not None
+            self._f.seek(0)
+            self._read = self._pos = self._filled = 0
+            self._crc = 0
+        elif target == self.length:  # skip to the end: nothing more is read
+            self._read, self._pos, self._filled = self.length, 0, 0
+        else:
+            raise io.UnsupportedOperation("a chunk body seeks only to its start or its end")
+        return target
+
+    def read(self, size: int | None = -1) -> memoryview | bytes:  # type: ignore[override]
+        if self._pos >= self._filled:
+            self._fill()
+            if self._pos >= self._filled:
+                return b""
+        end = self._filled if size is None or size < 0 else min(self._filled, self._pos + size)
+        out = self._view[self._pos : end]
+        self._pos = end
+        return out
+
+    def _fill(self) -> None:
+        self._pos = self._filled = 0
+        k = min(len(self._buf), self.length - self._read)
+        if k <= 0:
+            return
+        if self.gate is not None and self.gate.yield_to_staging():
+            self.pauses += 1
+        assert self._f is not None
+        got = 0
+        while got < k:
+            n = self._f.readinto(self._view[got:k])
+            if not n:
+                break
+            got += n
+        crc = crc32c.crc32c(self._view[:got], self._crc)
+        last = self._read + got >= self.length
+        if got < k or (last and (crc != self.crc or self._f.read(1))):
+            self.problem = "does not match its length or CRC32C"
+            raise CorruptCheckpointError(f"chunk {self.path.name} {self.problem}")
+        self._crc, self._read, self._filled = crc, self._read + got, got
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        super().close()
 
 
 def lower_thread_priority(increment: int = BACKGROUND_NICE) -> None:
@@ -161,6 +348,7 @@ class Uploader:
             POOL_WORKERS, thread_name_prefix="trainguard-tier-put", initializer=lower_thread_priority
         )
         self.sync_pool = ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="trainguard-tier-sync-put")
+        self.gate = StagingGate()  # async uploads wait while a save stages
 
     # -- caller side ----------------------------------------------------------------------------------------
     def after_commit(self, step: int) -> SaveError | None:
@@ -232,6 +420,7 @@ class Uploader:
 
     def close(self) -> None:
         self.stop.set()
+        self.gate.release()
         with self.cond:
             self.cond.notify_all()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -298,24 +487,48 @@ class Uploader:
         store: Any = link.store
         put_checked = store.put_checked if hasattr(type(store), "put_checked") else None
 
-        def put(rec: ChunkRecord) -> int:
-            data = read_chunk_file(self.hot / rec.path, rec.length)  # no symlink followed
-            if data is None or crc32c.crc32c(data) != rec.crc32c:
-                raise CorruptCheckpointError(
-                    f"chunk {rec.path} of step {step} on the hot root does not match its length or CRC32C; "
-                    "not uploaded",
-                    step=step,
-                )
-            if put_checked is not None:  # the store checks the bytes it receives against our CRC32C
-                send = lambda: put_checked(rec.path, data, rec.crc32c)  # noqa: E731
+        gate = None if link.tier.sync else self.gate
+
+        def corrupt(rec: ChunkRecord) -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"chunk {rec.path} of step {step} on the hot root does not match its length or CRC32C; "
+                "not uploaded",
+                step=step,
+            )
+
+        def put(rec: ChunkRecord) -> tuple[int, int]:
+            """Send one chunk; returns (bytes, pauses for a save's staging)."""
+            if put_checked is not None:  # streamed from the file; the store checks our CRC32C too
+                try:
+                    body = ChunkBody(self.hot / rec.path, rec.length, rec.crc32c, gate)  # no symlink followed
+                except CorruptCheckpointError:
+                    raise corrupt(rec) from None
+                with body:
+
+                    def send() -> None:
+                        body.seek(0)
+                        try:
+                            put_checked(rec.path, body, rec.crc32c)
+                        except (OSError, TrainguardError):
+                            if body.problem is not None:  # withheld the last block: no object was created
+                                raise corrupt(rec) from None
+                            raise
+
+                    with_retries(rec.path, send, failed, self.stop)
+                pauses = body.pauses
             else:
-                send = lambda: link.store.put(rec.path, memoryview(data))  # noqa: E731
-            with_retries(rec.path, send, failed, self.stop)
+                pauses = int(gate is not None and gate.yield_to_staging())
+                data = read_chunk_file(self.hot / rec.path, rec.length)  # no symlink followed
+                if data is None or crc32c.crc32c(data) != rec.crc32c:
+                    raise corrupt(rec)
+                pauses += int(gate is not None and gate.yield_to_staging())
+                with_retries(rec.path, lambda: link.store.put(rec.path, memoryview(data)), failed, self.stop)
             have[rec.path] = rec.length
-            return rec.length
+            return rec.length, pauses
 
         pool = self.sync_pool if link.tier.sync else self.pool
-        sent = sum(f.result() for f in [pool.submit(put, rec) for rec in todo])
+        done = [f.result() for f in [pool.submit(put, rec) for rec in todo]]
+        sent, paused = sum(n for n, _ in done), sum(p for _, p in done)
         with_retries("manifest", lambda: link.store.put(manifest_name(step), man), failed, self.stop)
         intent.clear(self.hot, link.key, step)  # committed on the tier
         link.remote.forget(step)
@@ -327,6 +540,7 @@ class Uploader:
             bytes=sent,
             chunks=len(todo),
             seconds=round(time.perf_counter() - t0, 6),
+            paused=paused,
         )
         try:
             self.retain(link)
