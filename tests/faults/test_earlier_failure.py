@@ -96,3 +96,31 @@ def test_close_names_every_unseen_failure(tmp_path, caplog):
         mgr.close()
     assert e.value.step == 1 and "steps [2] failed too" in str(e.value)
     assert any("save of step 2 failed too" in r.getMessage() for r in caplog.records)
+
+
+PREEMPTED_CHILD = r"""
+import os, signal, sys, torch, trainguard as tg
+mgr = tg.CheckpointManager(sys.argv[1], save_policy=tg.EveryNSteps(100), save_on_preemption=True)
+bad = torch.ones(64); bad[3] = float("nan")
+mgr.save(1, {"model": {"w": bad}}).wait_done(60)   # fails in the background; nobody has seen it
+os.kill(os.getpid(), signal.SIGTERM)               # the preemption notice
+mgr.maybe_save(2, {"model": {"w": torch.full((64,), 2.0)}})   # saves step 2, closes and exits 75
+sys.exit(3)
+"""
+
+
+def test_a_preemption_save_after_an_unseen_failure_still_saves_and_exits(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PREEMPTED_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 75, out.stderr  # EXIT_PREEMPTED
+    assert "saving step 2 before exiting" in out.stderr  # the earlier failure is logged, not lost
+    with tg.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert [i.step for i in ro.checkpoints() if i.status == "valid"] == [2]
