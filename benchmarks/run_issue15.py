@@ -20,8 +20,9 @@ save_load   bench_save_load.py                sync durable save >= 0.9x raw writ
                                               save <= 2x hashing the state alone; load >= 0.9x raw read
 async       bench_async.py (every 100 steps)  async overhead < 1% and <= dcp.async_save with a reused stager
 distributed bench_distributed.py              save and load no slower than DCP at each world size
-syncfs      bench_syncfs.py                   batched durability (default) no slower than per-file fsyncs while
-                                              another process writes to the same filesystem
+syncfs      bench_syncfs.py                   auto durability (default) within 1.1x of per-file fsyncs while
+                                              another process writes to the same filesystem, and within 1.1x
+                                              of batched (one syncfs) alone
 ttr         bench_ttr.py                      TTR <= 1.2x the floor (process start + imports + read)
 =========== ================================= =================================================================
 
@@ -252,20 +253,20 @@ def part_syncfs(a: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     res = run_json("bench_syncfs.py", args, timeout=a.part_timeout)
     runs = res["runs"]
     rows = []
-    for cond in ("contended", "alone"):
+    for cond, ref in (("contended", "per_file"), ("alone", "batched")):
         rows.append(
             ratio_row(
-                f"batched (default) no slower than per_file, {cond}"
+                f"auto (default) within 1.1x of {ref}, {cond}"
                 + (
                     f" ({res['noise_bytes'] / (1 << 30):.2f} GiB written beside)"
                     if cond == "contended"
                     else ""
                 ),
-                runs["batched"][cond],
-                runs["per_file"][cond],
-                ref_name="per_file",
+                runs["auto"][cond],
+                runs[ref][cond],
+                ref_name=ref,
                 ratio=lambda t, r: t / r,
-                want=lambda x: x <= 1.0,
+                want=lambda x: x <= 1.1,
             )
         )
     return rows, res

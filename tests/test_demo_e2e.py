@@ -47,8 +47,10 @@ def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress(
 
 @pytest.mark.slow
 def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(tmp_path):
+    # heartbeat timeout 10 s: a fault that waits for its save to commit before it fires (corrupt_newest,
+    # silent_corruption) beats nothing meanwhile, and an fsync on a busy disk takes seconds
     cfg = DemoConfig(
-        steps=100, failures=5, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=4.0, train_args=TINY
+        steps=100, failures=5, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=10.0, train_args=TINY
     )
     s = run_demo(cfg, echo=lambda m: None, progress=False)
     assert s["supervisor_exit_code"] == 0, s

@@ -10,14 +10,14 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .commit import publish
 from .distributed.manifest import build_manifest
-from .errors import SaveError, StorageFullError, TrainguardError
+from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .incremental.auto import Decision, state_sample
@@ -56,9 +56,20 @@ def persist(
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
 
+    One process: the ``check_finite`` scan of each tensor stored as chunks of its own runs in the writer
+    thread that stored it, skipped for a tensor whose chunks equal those it had when last found finite
+    (:class:`~trainguard.validation.finite.SaveScan`); the remaining (packed) tensors are scanned before the
+    commit. On a manager's first save the codec sample of ``compression="auto"`` runs in a thread beside the
+    writes (:class:`Beside`). Under torch.distributed the whole scan (with a collective) runs before the
+    writes.
+
     Raises:
-        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing written)."""
-    probe = ctx.validation.before_persist(step, flat) if ctx.validation is not None else None
+        NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing committed;
+            chunks this save wrote are deleted)."""
+    overlap = not ctx.dist.enabled
+    probe = (
+        ctx.validation.before_persist(step, flat, scan=not overlap) if ctx.validation is not None else None
+    )
     partial = partial_dir_name(step, f"r{ctx.dist.rank}{secrets.token_hex(4)}")
     ctx.storage.make_dir(partial)
     ctx.store.last_progress = time.monotonic()
@@ -69,6 +80,11 @@ def persist(
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
             )
+        beside.join()
+        if overlap and validation is not None:  # NonFiniteStateError: a state with NaN/Inf is never committed
+            validation.scan_before_commit(step, flat, scan.known if scan is not None else None)
+        if sample and ctx.compression is not None:  # the first save's event shows the codec it measured
+            decision.inputs.update(codec_Bps=ctx.compression.codec_Bps, ratio=ctx.compression.ratio)
         m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
         extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
         publish(ctx.storage, m, fsync=ctx.fsync, extra=extra)
@@ -79,15 +95,26 @@ def persist(
     from .distributed import TrainguardSavePlanner, TrainguardWriter
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
-    decision, encoder = begin_encoding(ctx, flat)
+    decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap)
+    validation = ctx.validation
+    scan = validation.save_scan() if overlap and validation is not None else None
     writer = TrainguardWriter(
-        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder
+        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder, scan=scan
     )
+    jobs: list[Callable[[], None]] = []
+    if sample:
+        jobs.append(lambda: ctx.compression.measure_sample(sample))  # type: ignore[union-attr]
+    beside = Beside(jobs)
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
+        if isinstance(
+            err, NonFiniteStateError
+        ):  # rejected by the scan before the commit (its event is logged)
+            discard_new_chunks(ctx, writer)
+            raise err from None
         ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]
         ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(ctx, writer)
@@ -116,6 +143,7 @@ def persist(
             rank_errors={ranks[0]: err},
         ) from err
     finally:
+        beside.join(raise_error=False)  # the staged buffers are reused after the save: no reader left
         ctx.store.unpin(writer.hashes)
         ctx.storage.delete_prefix(partial)
         if staging != partial:
@@ -190,19 +218,35 @@ def logical_bytes(flat: Mapping[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in local_tensors(flat))
 
 
-def begin_encoding(ctx: RootContext, flat: Mapping[str, Any]) -> tuple[Decision, SaveEncoder | None]:
+def begin_encoding(
+    ctx: RootContext, flat: Mapping[str, Any], *, defer_sample: bool = False
+) -> tuple[Decision, SaveEncoder | None, list[tuple[memoryview, int]] | None]:
     """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
-    memory of pieces needed)."""
+    memory of pieces needed).
+
+    Args:
+        ctx: the run root's context.
+        flat: the staged state.
+        defer_sample: when the decision does not depend on the codec sample of ``compression="auto"`` (the
+            first save), return the sample instead of compressing it here, for the caller to measure
+            (``CompressionChooser.measure_sample``) beside the writes.
+
+    Returns:
+        ``(decision, encoder, sample)``: ``sample`` is None unless deferred.
+    """
     from .distributed.writer import tensor_bytes  # DCP is imported lazily (the save path only)
 
     assert ctx.compression is not None and ctx.incremental is not None  # set by the manager
     tensors = local_tensors(flat)
     chooser = ctx.compression
     sample = None
-    if chooser.mode == "auto" and chooser.codec_Bps is None:
+    if chooser.needs_sample():
         sample = state_sample(
             [(tensor_bytes(t), t.element_size()) for t in tensors if t.numel() * t.element_size() >= 4096]
         )
+    later = sample if defer_sample and chooser.sample_can_wait() else None
+    if later is not None:
+        sample = None
     piece = max((t.numel() * t.element_size() for t in tensors), default=0)
     decision = chooser.decide(
         logical_bytes(flat), sample, piece_bytes=min(piece, ctx.options.chunk_size_bytes)
@@ -215,8 +259,42 @@ def begin_encoding(ctx: RootContext, flat: Mapping[str, Any]) -> tuple[Decision,
         ),
     )
     if chooser.mode == "off" and not ctx.incremental.delta:
-        return decision, None
-    return decision, ctx.incremental.begin(compress=decision.compress)
+        return decision, None, later
+    return decision, ctx.incremental.begin(compress=decision.compress), later
+
+
+class Beside:
+    """Work run in one thread beside a save's chunk writes (the ``check_finite`` scan, the codec sample of
+    ``compression="auto"``), joined before the commit.
+
+    Args:
+        jobs: callables run in order in the thread (none: no thread is started).
+    """
+
+    def __init__(self, jobs: list[Callable[[], None]]) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if jobs:
+            self._thread = threading.Thread(
+                target=self._run, args=(jobs,), name="trainguard-beside-writes", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, jobs: list[Callable[[], None]]) -> None:
+        try:
+            for job in jobs:
+                job()
+        except BaseException as e:  # noqa: BLE001 - raised by join, in the save's thread
+            self._error = e
+
+    def join(self, *, raise_error: bool = True) -> None:
+        """Wait for the jobs; raise the first one's exception (once) unless ``raise_error`` is False."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None and raise_error:
+            raise err
 
 
 def end_encoding(

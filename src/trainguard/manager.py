@@ -69,10 +69,13 @@ class CheckpointManager:
         read_only: open without the write lock (list, verify and restore only); local by default (no
             collective, see ``collective``).
         fsync: make every save durable (default True).
-        durability: how chunk files are made durable: ``"batched"`` (default: one ``syncfs(2)`` of the run
-            root's filesystem per rank per save, after all chunks are written, then the renames into
-            ``chunks/``; per-file fsyncs where ``syncfs`` is missing) or ``"per_file"`` (fsync every chunk
-            file and directory). ``syncfs`` also flushes other processes' dirty data on that filesystem.
+        durability: how chunk files are made durable. ``"auto"`` (default): after all chunks are written,
+            one ``syncfs(2)`` of the run root's filesystem per rank per save when the node holds no more
+            dirty page-cache data than the save's own chunks, else an fsync of each chunk file; then the
+            renames into ``chunks/``. ``"batched"``: always ``syncfs`` (per-file fsyncs where it is
+            missing). ``"per_file"``: fsync every chunk file and directory as it is written. ``syncfs``
+            also flushes other processes' dirty data on that filesystem, and the save waits for it:
+            ``"auto"`` avoids it beside other writers (benchmarks/RESULTS.md, bench_syncfs).
         chunk_size_bytes: largest chunk, in bytes (default 64 MiB).
         save_on_preemption: on SIGTERM, save at the next ``maybe_save`` and exit cleanly.
         async_save: persist in a background thread; the caller blocks only for the copy into staging buffers
@@ -160,7 +163,7 @@ class CheckpointManager:
         keep: int | RetentionPolicy | None = None,
         read_only: bool = False,
         fsync: bool = True,
-        durability: str = "batched",
+        durability: str = "auto",
         chunk_size_bytes: int = 64 << 20,
         save_on_preemption: bool = False,
         async_save: bool = True,

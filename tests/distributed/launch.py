@@ -1,6 +1,7 @@
 """Launching real multi-process jobs for the distributed tests: ``torchrun`` on CPU with gloo.
 
-Each launch gets a free TCP port for its c10d rendezvous, runs in its own process group (a hung job is killed
+Each launch's c10d rendezvous store binds a port the kernel picks (``127.0.0.1:0``: no free-port-then-bind race
+with other processes binding ports meanwhile), runs in its own process group (a hung job is killed
 as a whole) and returns what every rank wrote as JSON: a worker writes ``<out>/<scenario>-rank<r>.json``
 (see ``worker.py``). Imported by the test modules only (the workers are plain scripts).
 """
@@ -22,7 +23,8 @@ REPO = HERE.parents[1]
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the usual small race with the next binder is accepted)."""
+    """A TCP port free on 127.0.0.1 right now, for a launch whose port other processes must know in advance (the
+    elastic test's two agents); it can be taken by another binder before it is used: prefer port 0."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -31,16 +33,12 @@ def free_port() -> int:
 def torchrun_cmd(
     nprocs: int, *argv: str, max_restarts: int | None = None, standalone: bool = False
 ) -> list[str]:
-    """``torchrun`` (of this interpreter's environment) with a private c10d rendezvous on localhost: on a free
-    port picked now, or with ``standalone`` on one torchrun picks at each launch (for commands relaunched by
-    the supervisor)."""
+    """``torchrun`` (of this interpreter's environment) with a private c10d rendezvous on localhost, on a port
+    the agent's store binds itself (port 0), or ``--standalone`` (the same, and what users of commands
+    relaunched by the supervisor write)."""
     exe = Path(sys.executable).with_name("torchrun")
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    rdzv = (
-        ["--standalone"]
-        if standalone
-        else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    )
+    rdzv = ["--standalone"] if standalone else ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
     return [
         *launcher,
         "--nnodes",

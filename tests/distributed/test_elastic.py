@@ -16,6 +16,7 @@ import os
 import random
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,12 +46,18 @@ RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_ali
 MARKER_TIMEOUT_S = 240
 
 
-def node_cmd(root: Path, port: int, run_id: str, logs: Path, control: Path) -> list[str]:
+def node_cmd(root: Path, port: int, run_id: str, logs: Path, control: Path, *, host: bool) -> list[str]:
+    """One node's command line; ``host``: its agent hosts the c10d rendezvous store (``is_host`` in the
+    rendezvous config: chosen here, not by which agent happens to bind the port first on a loaded machine)."""
     supervisor = [sys.executable, "-m", "trainguard", "run", "--root", str(root), "--max-restarts", "3"]
     supervisor += ["--backoff", "0.2", "--grace-period", "5", "--json", "--"]
     agent = [str(Path(sys.executable).with_name("torchrun")), "--nnodes=1:2", "--nproc-per-node=1"]
     agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}"]
-    agent += ["--max-restarts=3", "--monitor-interval=0.2", f"--rdzv-conf={RDZV_CONF}"]
+    agent += [
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+        f"--rdzv-conf={RDZV_CONF},is_host={str(host).lower()}",
+    ]
     return [
         *supervisor,
         *agent,
@@ -79,6 +86,20 @@ def wait_for(path: Path, procs: list[subprocess.Popen[str]], what: str) -> None:
         assert not dead, f"waiting for {what}, a node ended early: {dead}"
         assert time.monotonic() < end, f"no {what} within {MARKER_TIMEOUT_S} s"
         time.sleep(0.2)
+
+
+def wait_for_store(port: int, procs: list[subprocess.Popen[str]]) -> None:
+    """Until the c10d store of node A accepts connections on ``port`` (its agent is up and hosting)."""
+    end = time.monotonic() + MARKER_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            dead = [p.args for p in procs if p.poll() is not None]
+            assert not dead, f"waiting for node A's rendezvous store, a node ended early: {dead}"
+            assert time.monotonic() < end, f"node A's rendezvous store not up within {MARKER_TIMEOUT_S} s"
+            time.sleep(0.2)
 
 
 def kill_node(supervisor: subprocess.Popen[str], root: Path, worker_pid: int) -> None:
@@ -119,11 +140,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ref = threading.Thread(target=reference)
     ref.start()
     run_id = f"elastic-{secrets.token_hex(3)}"
-    cmd = node_cmd(paths["root"], free_port(), run_id, paths["logs"], paths["control"])
-    node_a = start(cmd, d / "node_a.out")
+    port = free_port()
+    cmd = node_cmd(paths["root"], port, run_id, paths["logs"], paths["control"], host=False)
+    node_a = start(
+        node_cmd(paths["root"], port, run_id, paths["logs"], paths["control"], host=True), d / "node_a.out"
+    )
     procs = [node_a]
     try:
-        time.sleep(2.0)  # node A hosts the c10d store; node B is the one lost
+        # node A hosts the c10d store (the store host's loss would end the job); node B, the one lost, only
+        # connects to it: it starts once the store listens, so its connect timeout runs on a store that is up
+        wait_for_store(port, procs)
         node_b = start(cmd, d / "node_b.out")
         procs.append(node_b)
         wait_for(paths["control"] / "at-kill", procs, f"step {KILL_AT} at world size 2")

@@ -574,8 +574,8 @@ def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) ->
     mgr.close()
     if rank == 0:
         res["entries"] = {fqn: e.rank for fqn, e in read_manifest(base / "a", 1).entries.items()}
-    dist.barrier()  # ranks arrive together: a 3.5 s group must not time out on one rank's slow start
-    mgr = tg.CheckpointManager(base / "b", async_save=False, dist_timeout_s=3.5)
+    dist.barrier()  # ranks arrive together at new_group (whose store barrier waits dist_timeout_s at most)
+    mgr = tg.CheckpointManager(base / "b", async_save=False, dist_timeout_s=spec["override_timeout_s"])
     res["override"] = [group_timeout_s(mgr.dist.io_group), group_timeout_s(mgr.dist.ctl_group)]
     mgr.close()
     # (b) rank 0 alone: a read-only manager for inspection and a one-rank export; the others wait
@@ -594,7 +594,7 @@ def scenario_collectives(spec: dict[str, Any], out: Path, rank: int, ws: int) ->
         ro.close()
     dist.barrier()
     # (c) a save whose peers never join fails on rank 0 within dist_timeout_s, not 30 minutes
-    mgr = tg.CheckpointManager(base / "c", async_save=False, dist_timeout_s=3.0)
+    mgr = tg.CheckpointManager(base / "c", async_save=False, dist_timeout_s=spec["dead_timeout_s"])
     dist.barrier()
     if rank == 0:
         t0 = time.monotonic()

@@ -258,6 +258,7 @@ def ddp_losses(out: Path) -> tuple[dict[tuple[int, int], str], list[tuple[int, i
 
 @pytest.mark.distributed
 @pytest.mark.slow  # 3 two-process Lightning runs (~30 s each on a loaded 2-core machine: imports dominate)
+@pytest.mark.timeout(1200)  # the module fixture's 3 runs took 280 s of the default 600 under heavy load
 def test_a_killed_ddp_run_resumes_bit_exactly_on_every_rank(ddp_runs: dict[str, Any]) -> None:
     assert ddp_runs["killed"] == -signal.SIGKILL
     ref, _ = ddp_losses(ddp_runs["ref"])
@@ -276,6 +277,7 @@ def test_a_killed_ddp_run_resumes_bit_exactly_on_every_rank(ddp_runs: dict[str, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # runs the module fixture when selected alone
 def test_a_ddp_checkpoint_is_one_commit_with_each_rank_s_rng_state(ddp_runs: dict[str, Any]) -> None:
     root = ddp_runs["faulted"] / "root"
     m = read_manifest(root, 12)

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
+    # heartbeat timeout 10 s: a fault that waits for its save to commit before it fires (corrupt_newest,
+    # silent_corruption) beats nothing meanwhile, and an fsync on a busy disk takes seconds
     cfg = DemoConfig(
-        steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=6.0, train_args=TINY
+        steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=10.0, train_args=TINY
     )
     summary = run_demo(cfg, echo=lambda m: None, progress=False)
     assert summary["ok"], summary

@@ -15,15 +15,21 @@ torch = pytest.importorskip("torch")
 def test_the_manager_binds_the_policy_reports_its_saves_and_the_choice_is_logged(tmp_path) -> None:
     from trainguard.manager import CheckpointManager
 
-    policy = AdaptivePolicy(prior_mtbf_s=1.0, prior_failures=1e6, min_interval_s=0.05, max_interval_s=0.2)
+    # Intervals of 0.2-0.4 s against steps of ~5 ms: many steps per save even when a loaded machine makes a
+    # step 5x slower; the loop runs 1.5 s and then on until two saves are logged (a slow disk delays them).
+    policy = AdaptivePolicy(prior_mtbf_s=1.0, prior_failures=1e6, min_interval_s=0.2, max_interval_s=0.4)
     manager = CheckpointManager(tmp_path, save_policy=policy, keep=2)
     state = {"w": torch.zeros(1000)}
     start, step = time.monotonic(), 0
     try:
-        while time.monotonic() - start < 0.6:
+        while True:
             step += 1
             manager.maybe_save(step, state)
             time.sleep(0.005)
+            elapsed = time.monotonic() - start
+            if elapsed >= 1.5 and step % 20 == 0:
+                if len(read_events(tmp_path, event="save")) >= 2 or elapsed > 300:
+                    break
         manager.wait()
     finally:
         manager.close()

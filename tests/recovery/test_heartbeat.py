@@ -49,7 +49,7 @@ def run_snippet(code: str, **env: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=300,  # a bound against a hang only (Python starts slowly on a loaded 2-core machine)
     )
 
 

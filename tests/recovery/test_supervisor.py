@@ -51,6 +51,12 @@ if plan.get("ignore_term"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if plan.get("preemption"):
     install_preemption_handler()
+if plan.get("grandchild"):  # before the first beat: the hang clock starts at the last beat, so the
+    # supervisor cannot kill the job before the pid is published; published whole (beside, then renamed)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.path.join(workdir, "grandchild.pid.tmp"), "w") as f:
+        f.write(str(child.pid))
+    os.replace(os.path.join(workdir, "grandchild.pid.tmp"), os.path.join(workdir, "grandchild.pid"))
 log = None
 start = plan.get("start", 1)
 if plan.get("manager"):
@@ -69,10 +75,6 @@ for s in range(start, plan.get("end", 0) + 1):
 flush_heartbeat()
 action = plan.get("then", "exit:0")
 if action == "hang":
-    if plan.get("grandchild"):
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        with open(os.path.join(workdir, "grandchild.pid"), "w") as f:
-            f.write(str(child.pid))
     time.sleep(600)
 elif action == "wait_for_stop":
     open(os.path.join(workdir, "ready"), "w").close()
@@ -147,7 +149,10 @@ def test_a_job_that_exits_nonzero_is_restarted_and_the_run_succeeds(tmp_path, jo
 
 
 def test_a_job_killed_by_sigkill_is_restarted_with_the_signal_recorded(tmp_path, job):
-    result = supervise(job({"end": 2, "then": "signal:SIGKILL"}, {"start": 3, "end": 4}), fast(tmp_path))
+    # polling every 60 s: a death noticed by polling would be seen ~60 s after the spawn (the job dies within
+    # seconds); the waiter thread sees it at once. No tight wall-clock bound (a loaded machine delays threads).
+    config = fast(tmp_path, poll_interval_s=60.0)
+    result = supervise(job({"end": 2, "then": "signal:SIGKILL"}, {"start": 3, "end": 4}), config)
     assert result.exit_code == 0
     failure = result.failures[0]
     assert (failure.outcome, failure.signal, failure.exit_code, failure.last_step) == (
@@ -156,7 +161,7 @@ def test_a_job_killed_by_sigkill_is_restarted_with_the_signal_recorded(tmp_path,
         None,
         2,
     )
-    assert failure.detect_s < 0.5  # a waiter thread reaps the job at once; no polling latency
+    assert failure.detect_s < 30  # a waiter thread reaps the job at once, not the next poll
     [event] = read_events(tmp_path / "root", event="failure")
     assert event["cause"] == "signal" and event["signal"] == "SIGKILL" and event["last_step"] == 2
 
@@ -169,17 +174,26 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def _dies(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether ``pid`` is dead within ``timeout_s``: a SIGKILLed process on a loaded machine exits when it is
+    next scheduled, not at the instant the signal is sent (an unkilled one sleeps for 600 s)."""
+    end = time.monotonic() + timeout_s
+    while not _dead(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_a_hung_job_is_killed_with_its_whole_process_group_and_restarted(tmp_path, job):
     hang = {"end": 3, "then": "hang", "ignore_term": True, "grandchild": True}
     config = fast(tmp_path, heartbeat_timeout_s=1.0, grace_period_s=0.3)
-    t0 = time.monotonic()
     result = supervise(job(hang, {"start": 4, "end": 5}), config)
     assert result.exit_code == 0
     failure = result.failures[0]
     assert failure.outcome == "hang" and failure.signal == "SIGKILL" and failure.last_step == 3
     assert failure.detect_s >= 1.0 and failure.teardown_s >= 0.25  # it waited the grace period, then SIGKILL
-    assert _dead(int((tmp_path / "grandchild.pid").read_text()))
-    assert time.monotonic() - t0 < 10
+    assert _dies(int((tmp_path / "grandchild.pid").read_text()))
     [event] = read_events(tmp_path / "root", event="failure")
     assert event["cause"] == "hang" and event["t_death"] < event["t"] - 1.0
 
@@ -375,16 +389,16 @@ def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_the_grace_peri
     result = supervisor.run()
     assert result.exit_code == 128 + signal.SIGTERM
     assert [(a.outcome, a.signal) for a in result.attempts] == [("stopped", "SIGKILL")]
-    assert _dead(int((tmp_path / "grandchild.pid").read_text()))
+    assert _dies(int((tmp_path / "grandchild.pid").read_text()))
 
 
 def test_a_second_stop_request_kills_the_job_at_once(tmp_path, job):
     command = job({"end": 1, "then": "hang", "ignore_term": True, "grandchild": True})
-    supervisor = Supervisor(command, fast(tmp_path, grace_period_s=60.0), echo=lambda msg: None)
+    supervisor = Supervisor(command, fast(tmp_path, grace_period_s=600.0), echo=lambda msg: None)
     _stop_when_ready(tmp_path, supervisor, times=2)
     t0 = time.monotonic()
     result = supervisor.run()
-    assert time.monotonic() - t0 < 20  # far less than the 60 s grace period
+    assert time.monotonic() - t0 < 300  # not the 600 s grace period (a loose bound: a loaded machine is slow)
     assert result.exit_code == 128 + signal.SIGTERM
     assert [(a.outcome, a.signal) for a in result.attempts] == [("stopped", "SIGKILL")]
 

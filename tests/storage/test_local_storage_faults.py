@@ -83,7 +83,7 @@ def test_a_failed_syncfs_makes_no_staged_object_visible(
         ctypes.set_errno(errno.EIO)
         return -1
 
-    s = LocalStorage(tmp_path)
+    s = LocalStorage(tmp_path, durability="batched")  # always syncfs (auto may fsync each file instead)
     s.make_dir("partial")
     staged = [s.stage(f"chunks/ab/{i}", b"data", staging="partial") for i in range(3)]
     monkeypatch.setattr(local_mod, "_SYNCFS", eio)

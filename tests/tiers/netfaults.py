@@ -4,6 +4,7 @@ drop connections (a store that hangs mid-upload, a network that goes away)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import select
 import socket
 import subprocess
@@ -12,32 +13,39 @@ import threading
 import time
 from collections.abc import Iterator
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+MOTO_START_TIMEOUT_S = 300  # up in ~1 s on a quiet machine; 8 s measured on a loaded 2-core one
 
 
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """Start ``python -m moto.server`` on a free loopback port; yield its endpoint URL."""
-    port = free_port()
+    """Start ``python -m moto.server`` on a loopback port it binds itself (``-p 0``: no free-port-then-bind race
+    with other processes) and yield its endpoint URL, read from the server's own startup line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    found = threading.Event()
+    url: list[str] = []
+
+    def drain() -> None:  # the server logs every request on stderr: read it all, or it blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            m = None if found.is_set() else re.search(r"Running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url.append(m.group(1))
+                found.set()
+        found.set()  # exited before (or after) serving
+
+    threading.Thread(target=drain, daemon=True).start()
     try:
-        for _ in range(300):  # up in ~1 s; allow a loaded machine 30 s
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"moto server exited with {proc.returncode}") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+        if not found.wait(MOTO_START_TIMEOUT_S) or not url:
+            raise RuntimeError(
+                f"moto server not serving after {MOTO_START_TIMEOUT_S} s (exit code {proc.poll()}); is "
+                "'moto[server]' installed?"
+            )
+        yield url[0]
     finally:
         proc.terminate()
         try:

@@ -143,7 +143,7 @@ def test_never_loops_when_every_candidate_is_suspect(tmp_path):
         launch(tmp_path, 40)
 
 
-def test_check_same_step_confirmation_and_band():
+def test_check_same_step_confirmation_and_band(tmp_path):
     chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.0}, median=None, mad=0.1)
     assert chk.check(11, 1.0) is None  # bit-exact
     assert chk.check(12, 1.7) is not None and not chk.confirmed  # beyond 6 MAD of the losses before the checkpoint
@@ -159,7 +159,7 @@ def test_check_same_step_confirmation_and_band():
     assert band.check(17, 100.0) is None  # past the window
     assert band.done(17) and not band.done(16)
     with pytest.raises(tg.ConfigError, match="trajectory_steps"):
-        tg.CheckpointManager("/tmp/unused-tg-root", trajectory_steps=-1)
+        tg.CheckpointManager(tmp_path / "root", trajectory_steps=-1)
 
 
 class _DeviceLoss:

@@ -29,6 +29,7 @@ from torch.futures import Future
 from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.values import TAG_JSON
+from ..validation.finite import SaveScan
 from .options import WriterOptions
 
 CommitFn = Callable[[Metadata, list[list[WriteResult]], dict[str, Any]], None]
@@ -47,6 +48,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+def whole_tensor(item: Any, t: torch.Tensor) -> bool:
+    """Whether the write item ``item`` (holding ``t``) is a whole tensor, not a shard of one."""
+    td = getattr(item, "tensor_data", None)
+    offsets = tuple(item.index.offset or ())
+    return td is not None and tuple(td.size) == tuple(t.shape) and not any(offsets)
+
+
 class TrainguardWriter(StorageWriter):
     """StorageWriter for one save. Built by the manager per save.
 
@@ -60,6 +68,9 @@ class TrainguardWriter(StorageWriter):
         paths: this rank's ``{fqn: path}`` (see :mod:`trainguard.state.flatten`).
         encoder: compression and deltas of this save (:mod:`trainguard.incremental.delta`); None stores raw
             chunks.
+        scan: the ``check_finite`` scan of the tensors stored as chunks of their own, run by the writer
+            threads once a tensor's chunks are stored (:class:`~trainguard.validation.finite.SaveScan`); None:
+            no scan here.
     """
 
     def __init__(
@@ -71,9 +82,11 @@ class TrainguardWriter(StorageWriter):
         step: int,
         paths: dict[str, Any] | None = None,
         encoder: SaveEncoder | None = None,
+        scan: SaveScan | None = None,
     ) -> None:
         super().__init__()
         self.encoder = encoder
+        self.scan = scan
         self.write_s = 0.0  # seconds of write_data (chunks written and durable)
         self.store = store
         self.staging = staging
@@ -162,9 +175,12 @@ class TrainguardWriter(StorageWriter):
         keep_alive: list[Any] = []  # tensors whose memory the views point into
 
         def put_many(
-            views: list[memoryview], fqn: str, offsets: tuple[int, ...], itemsize: int
+            views: list[memoryview], fqn: str, offsets: tuple[int, ...], t: torch.Tensor, whole: bool
         ) -> list[tuple[str, dict[str, Any]]]:
-            return [self._put(v, (fqn, offsets, i), itemsize) for i, v in enumerate(views)]
+            parts = [self._put(v, (fqn, offsets, i), t.element_size()) for i, v in enumerate(views)]
+            if self.scan is not None and whole:  # a shard's fqn names the whole tensor: scanned elsewhere
+                self.scan.tensor(fqn, t, tuple(h for h, _ in parts))
+            return parts
 
         with ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="trainguard-write") as pool:
 
@@ -202,7 +218,6 @@ class TrainguardWriter(StorageWriter):
                 else:
                     codec = None
                     t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
-                    itemsize = t.element_size()
                     keep_alive.append(t)
                     view = tensor_bytes(t)
                     keep_alive.append(view)
@@ -217,7 +232,11 @@ class TrainguardWriter(StorageWriter):
                     pieces = [view[o : o + opts.chunk_size_bytes] for o in range(0, n, opts.chunk_size_bytes)]
                     offsets = tuple(item.index.offset or ())
                     futures.append(
-                        (item, pool.submit(put_many, pieces, item.index.fqn, offsets, itemsize), n)
+                        (
+                            item,
+                            pool.submit(put_many, pieces, item.index.fqn, offsets, t, whole_tensor(item, t)),
+                            n,
+                        )
                     )
                     continue
                 if pack_size + n > opts.chunk_size_bytes:

@@ -101,7 +101,7 @@ class CompressionChooser:
         if self.mode != "auto":
             return Decision(self.mode == "zstd", f"compression={self.mode!r}")
         if self.codec_Bps is None and sample:
-            self._measure_sample(sample)
+            self.measure_sample(sample)
         measured = self.s_per_GB
         inputs: dict[str, Any] = {
             "write_bw_Bps": self.bw_Bps,
@@ -142,7 +142,19 @@ class CompressionChooser:
             )
         return Decision(False, "auto: the model says the storage is faster than compressing", inputs)
 
-    def _measure_sample(self, sample: list[tuple[memoryview, int]]) -> None:
+    def needs_sample(self) -> bool:
+        """Whether :meth:`decide` would compress a sample of the state now (``"auto"``, codec not measured)."""
+        return self.mode == "auto" and self.codec_Bps is None
+
+    def sample_can_wait(self) -> bool:
+        """Whether this save's decision is the same without the sample (the storage bandwidth is not known
+        yet, so the save is uncompressed whatever the codec does): the sample can then be measured beside the
+        save's writes (:meth:`measure_sample`) instead of before them."""
+        return self.needs_sample() and self.bw_Bps is None
+
+    def measure_sample(self, sample: list[tuple[memoryview, int]]) -> None:
+        """Compress ``sample`` ((bytes, itemsize) pairs, up to ``SAMPLE_BYTES``) to measure the codec's speed
+        (bytes/s, one thread) and ratio on this state."""
         raw = stored = 0
         t0 = time.perf_counter()
         for view, itemsize in sample:

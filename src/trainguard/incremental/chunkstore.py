@@ -4,11 +4,12 @@ A chunk's name is the xxh3-128 hash of its bytes; its CRC32C and length go into 
 that already exists with the right length is skipped (identical tensors are written once across checkpoints).
 New chunks are written to a temporary file in the save's partial directory, made durable, and renamed into
 place, so a chunk file under ``chunks/`` is always complete and durable (deduplication against it is safe after
-a machine crash). Durability is either batched (default on Linux: each chunk's writeback starts as soon as it
-is written (``sync_file_range``), then :meth:`ChunkStore.sync` makes every temporary file of the save durable
-with one ``syncfs(2)`` of the run root's filesystem, renames them all and syncs again; one journal commit
-instead of one per file) or per file (``fsync`` of each temporary file in ``put`` and of each touched
-directory in ``sync``).
+a machine crash). Durability is batched (each chunk's writeback starts as soon as it is written
+(``sync_file_range``), then :meth:`ChunkStore.sync` makes every temporary file of the save durable with one
+``syncfs(2)`` of the run root's filesystem, renames them all and syncs again; one journal commit instead of
+one per file), per file (``fsync`` of each temporary file in ``put`` and of each touched directory in
+``sync``), or auto (the default: staged as batched; ``sync`` uses ``syncfs`` only when the node holds no more
+dirty data than the save's own chunks, else fsyncs each temporary file).
 
 Invariants for garbage collection: a chunk referenced by a save in progress is *pinned* from the moment the
 save decides to reference it until it commits or fails; :meth:`ChunkStore.collect` never deletes a pinned chunk.
@@ -73,11 +74,12 @@ class ChunkStore:
         root: the run root directory, or the :class:`~trainguard.storage.base.Storage` of the run root.
         fsync: make chunk files and directories durable (default True; False only for tests and benchmarks
             that measure without durability). Used when ``root`` is a directory.
-        durability: ``"batched"`` (default; new chunks become visible under ``chunks/`` only in
-            :meth:`sync`, after one ``syncfs(2)``; falls back to per-file fsyncs where ``syncfs`` is missing)
-            or ``"per_file"`` (each chunk fsynced and renamed into place by ``put``). ``syncfs`` also flushes
-            other processes' dirty data on the same filesystem; choose ``"per_file"`` on a filesystem shared
-            with heavy unrelated writers. Used when ``root`` is a directory.
+        durability: ``"auto"`` (default) or ``"batched"``: new chunks become visible under ``chunks/``
+            only in :meth:`sync`, made durable by one ``syncfs(2)`` (``"auto"``: only when the node holds
+            no more dirty data than the save's own chunks, else an fsync per chunk file); ``"per_file"``:
+            each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes other processes'
+            dirty data on the same filesystem. See :class:`~trainguard.storage.local.LocalStorage`. Used
+            when ``root`` is a directory.
 
     Raises:
         ValueError: an unknown ``durability``.
@@ -86,7 +88,7 @@ class ChunkStore:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "batched"
+        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "auto"
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")

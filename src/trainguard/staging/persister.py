@@ -243,6 +243,8 @@ class AsyncPersister:
             if job is None:
                 return
             self._run(job)
+            if job.cancel.is_set():  # abandoned: a new worker owns the queue now; this one's is orphaned
+                return
 
     def _run(self, job: _Job) -> None:
         handle = job.handle

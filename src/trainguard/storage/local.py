@@ -22,6 +22,7 @@ import shutil
 import stat
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -205,7 +206,51 @@ def syncfs(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-DURABILITY_MODES = ("batched", "per_file")
+def _fsync_all(paths: list[Path], threads: int = 4) -> None:
+    """fsync every file of ``paths``, from up to ``threads`` threads (concurrent fsyncs share journal
+    commits).
+
+    Raises:
+        OSError: the first fsync that failed.
+    """
+
+    def one(p: Path) -> None:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if len(paths) <= 1 or threads <= 1:
+        for p in paths:
+            one(p)
+        return
+    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="trainguard-fsync") as pool:
+        for f in [pool.submit(one, p) for p in paths]:
+            f.result()
+
+
+def dirty_bytes(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """Bytes of the node's page cache that are dirty or being written back (``Dirty`` + ``Writeback`` of
+    ``/proc/meminfo``, every filesystem together), or None where that is unknown (not Linux)."""
+    try:
+        with open(meminfo, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = {}
+    for line in lines:
+        name, _, rest = line.partition(b":")
+        if name in (b"Dirty", b"Writeback"):
+            try:
+                found[name] = int(rest.split()[0]) * 1024  # kB
+            except (IndexError, ValueError):
+                return None
+    return sum(found.values()) if len(found) == 2 else None
+
+
+DURABILITY_MODES = ("auto", "batched", "per_file")
+"""``durability`` values of :class:`LocalStorage` (and ``CheckpointManager``); ``"auto"`` is the default."""
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 
 
@@ -259,11 +304,15 @@ class LocalStorage:
     Args:
         root: the run root directory (not created here).
         fsync: make writes durable (False only for tests and benchmarks that measure without durability).
-        durability: how :meth:`stage`/:meth:`commit_staged` make a save's objects durable: ``"batched"``
-            (default: temporary files whose writeback starts at once (``sync_file_range``), then one
-            ``syncfs(2)``, the renames, and one more ``syncfs``; per-file fsyncs where ``syncfs`` is missing)
-            or ``"per_file"`` (each object fsynced and renamed into place by :meth:`stage`, its directories
-            fsynced by :meth:`commit_staged`).
+        durability: how :meth:`stage`/:meth:`commit_staged` make a save's objects durable. ``"auto"``
+            (default): temporary files whose writeback starts at once (``sync_file_range``), then, at the
+            flush, one ``syncfs(2)`` when the node holds no more dirty page-cache data than the save's own
+            files (:func:`dirty_bytes`), else an fsync of each file (from a few threads); then the renames
+            and one more ``syncfs`` or the directories' fsyncs. ``syncfs`` flushes every process's dirty data
+            on the filesystem: beside another job's unflushed writes it would make the save wait for them.
+            ``"batched"``: always ``syncfs`` (per-file fsyncs where it is missing). ``"per_file"``: each object
+            fsynced and renamed into place by :meth:`stage`, its directories fsynced by
+            :meth:`commit_staged`.
 
     Raises:
         ValueError: an unknown ``durability``.
@@ -271,9 +320,7 @@ class LocalStorage:
     Files are opened without following a symlink and without blocking (:mod:`trainguard.storage.safeio`).
     """
 
-    def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "batched"
-    ) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "auto") -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
@@ -331,7 +378,7 @@ class LocalStorage:
             f"{staging}/{name}.{threading.get_ident():x}.{secrets.token_hex(3)}.tmp"  # unique per writer
         )
         tmp = self.path(tmp_key)
-        batched = self.durability == "batched"
+        batched = self.durability != "per_file"  # "auto" stages as "batched" does and decides at the flush
         try:
             write_file(tmp, data, fsync=self.fsync and not batched)  # the module's: one seam for fault tests
             if batched and self.fsync:
@@ -352,19 +399,15 @@ class LocalStorage:
             fs = self.root
         try:
             if pending:
-                if self.fsync and not syncfs(fs):
-                    for s in pending:  # no syncfs here: one fsync per file
-                        fd = os.open(self.path(s.token or ""), os.O_RDONLY)
-                        try:
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
+                use_syncfs = self.fsync and self._flush_with_syncfs(pending)
+                if self.fsync and not (use_syncfs and syncfs(fs)):  # one fsync per file
+                    _fsync_all([self.path(s.token or "") for s in pending])
                 for s in pending:
                     final = self.path(s.key)
                     final.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(self.path(s.token or ""), final)
                     dirs.add(final.parent)
-                if self.fsync and syncfs(fs):
+                if use_syncfs and syncfs(fs):
                     return  # the renames and the new directories are durable
         except OSError as e:
             raise_classified(e, fs)
@@ -374,6 +417,23 @@ class LocalStorage:
             fsync_dir(d)
         for t in top if dirs else ():
             fsync_dir(t)
+
+    def _flush_with_syncfs(self, pending: list[Staged]) -> bool:
+        """Whether the flush of ``pending`` (staged temporary files) uses ``syncfs``: always for
+        ``"batched"``; for ``"auto"`` only when the node's dirty and under-writeback bytes are at most the
+        pending files' own size (so ``syncfs`` waits for at most as much foreign data as the save's own)."""
+        if self.durability != "auto":
+            return self.durability == "batched"
+        dirty = dirty_bytes()
+        if dirty is None or _SYNCFS is None:
+            return False
+        own = 0
+        for s in pending:
+            try:
+                own += os.stat(self.path(s.token or "")).st_size
+            except OSError:
+                pass
+        return dirty <= own
 
     def discard_staged(self, staged: list[Staged]) -> None:
         for s in staged:

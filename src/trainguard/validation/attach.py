@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import hooks
+from . import finite, hooks
 
 
 def _no_wait(timeout: float | None = None) -> None:
@@ -84,6 +84,8 @@ class Validation:
         self.wait: Callable[..., None] = _no_wait
         # step -> (probe outputs, seconds the probe took), until the save of that step commits or fails
         self._probes: dict[int, tuple[dict[str, Any], float]] = {}
+        # fqn -> (dtype, chunk hashes) of tensors last saved finite (finite.SaveScan: not scanned again)
+        self._finite_memory: dict[str, tuple[str, tuple[str, ...]]] = {}
 
     # -- a writer's background parts ------------------------------------------------------------------------
     def start_writer(self, run_id: str, *, tiers: Any = None) -> None:
@@ -129,8 +131,16 @@ class Validation:
         outputs = compute(self.probe)
         self._probes[step] = (outputs, time.perf_counter() - t)
 
-    def before_persist(self, step: int, flat: Mapping[str, Any]) -> tuple[dict[str, Any], float] | None:
+    def before_persist(
+        self, step: int, flat: Mapping[str, Any], *, scan: bool = True
+    ) -> tuple[dict[str, Any], float] | None:
         """In the persist path: take the probe record of ``step`` and scan the staged state for NaN/Inf.
+
+        Args:
+            step: the step being saved.
+            flat: the staged state (flat name -> value).
+            scan: scan here; False when the caller runs :meth:`scan_before_commit` itself (after the writes,
+                whose threads scan the tensors with chunks of their own: :meth:`save_scan`).
 
         Returns:
             (probe outputs, seconds the probe took), or None without a probe.
@@ -139,8 +149,27 @@ class Validation:
             NonFiniteStateError: ``check_finite="error"`` and a floating tensor (any rank) holds NaN/Inf.
         """
         probe = self._probes.pop(step, None)
-        hooks.check_before_persist(self, step, flat)
+        if scan:
+            self.scan_before_commit(step, flat)
         return probe
+
+    def save_scan(self) -> finite.SaveScan | None:
+        """The scan the writer threads run on one save's own-chunk tensors (None with ``check_finite="off"``);
+        its ``known`` counts go to :meth:`scan_before_commit`."""
+        if self.check_finite == "off":
+            return None
+        return finite.SaveScan(self._finite_memory, self.check_finite_only)
+
+    def scan_before_commit(
+        self, step: int, flat: Mapping[str, Any], known: Mapping[str, int] | None = None
+    ) -> None:
+        """The ``check_finite`` scan of the staged state (any thread; a no-op with ``check_finite="off"``);
+        ``known``: name -> count of the tensors already scanned (:meth:`save_scan`), not scanned again.
+
+        Raises:
+            NonFiniteStateError: ``check_finite="error"`` and a floating tensor (any rank) holds NaN/Inf.
+        """
+        hooks.check_before_persist(self, step, flat, known)
 
     # -- the restore path ---------------------------------------------------------------------------------
     def after_load(

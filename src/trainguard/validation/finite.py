@@ -8,6 +8,7 @@ size.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -148,3 +149,42 @@ def describe(bad: Mapping[str, int]) -> str:
     if len(items) > NAMES_SHOWN:
         parts.append(f"and {len(items) - NAMES_SHOWN} more tensors")
     return ", ".join(parts)
+
+
+class SaveScan:
+    """The ``check_finite`` scan of one save's own-chunk tensors, run by the writer threads as each tensor's
+    chunks are stored (beside the other threads' writes), with a memory across saves: a tensor whose chunks
+    (content hashes, one per piece) and dtype equal those it had when it was last scanned finite is finite
+    without a scan, so an unchanged state costs its hashing only.
+
+    Args:
+        memory: fqn -> (dtype, chunk hashes) of tensors found finite, kept by the caller across saves (a chunk
+            hash names one decoded content, so equal hashes mean equal bytes).
+        only: the names in scope (:func:`in_scope`).
+
+    Thread-safe: :meth:`tensor` may run from many threads at once.
+    """
+
+    def __init__(self, memory: dict[str, tuple[str, tuple[str, ...]]], only: Sequence[str] | None) -> None:
+        self.known: dict[str, int] = {}  # fqn -> count of non-finite values, for :func:`scan`'s ``known``
+        self.skipped = 0  # tensors found finite by the memory, not scanned
+        self._memory = memory
+        self._only = only
+        self._lock = threading.Lock()
+
+    def tensor(self, fqn: str, t: torch.Tensor, hashes: tuple[str, ...]) -> None:
+        """Scan ``t`` (the tensor saved as ``fqn``, stored as the chunks ``hashes``) unless the memory says its
+        bytes were found finite before; record the count in :attr:`known`."""
+        if not in_scope(fqn, self._only):
+            return
+        key = (str(t.dtype), hashes)
+        with self._lock:
+            same = self._memory.get(fqn) == key
+        n = 0 if same else count_nonfinite(t)
+        with self._lock:
+            self.known[fqn] = n
+            self.skipped += same
+            if n == 0:
+                self._memory[fqn] = key
+            else:
+                self._memory.pop(fqn, None)

@@ -52,8 +52,11 @@ class ValidationHost(Protocol):
 log = logging.getLogger("trainguard")
 
 
-def check_before_persist(mgr: ValidationHost, step: int, flat: Mapping[str, Any]) -> None:
-    """``check_finite`` in the persist path (the background thread for async saves): scan the staged copy.
+def check_before_persist(
+    mgr: ValidationHost, step: int, flat: Mapping[str, Any], known: Mapping[str, int] | None = None
+) -> None:
+    """``check_finite`` in the persist path (the background thread for async saves): scan the staged copy
+    (``known``: name -> count of the tensors the writer threads already scanned, :class:`finite.SaveScan`).
 
     Raises:
         NonFiniteStateError: ``check_finite="error"`` and a floating tensor (on any rank) holds NaN/Inf.
@@ -62,7 +65,7 @@ def check_before_persist(mgr: ValidationHost, step: int, flat: Mapping[str, Any]
     if mode == "off":
         return
     t0 = time.perf_counter()
-    bad = finite.scan(flat, getattr(mgr, "check_finite_only", None))
+    bad = finite.scan(flat, getattr(mgr, "check_finite_only", None), known)
     scan_s = time.perf_counter() - t0
     # on io_group: this runs in the persist path (an async save's background thread), where a collective on
     # ctl_group would interleave with the training thread's (ranks pairing different collectives: a hang)
