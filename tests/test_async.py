@@ -117,13 +117,16 @@ def test_a_background_write_failure_is_raised_by_wait_and_the_next_save_and_comm
         deadline = time.monotonic() + 300  # fails at its first write: at once, or late on a loaded machine
         while not p3.done() and time.monotonic() < deadline:
             time.sleep(0.05)
-        with pytest.raises(tg.SaveError, match="step 3"):
+        with pytest.raises(tg.SaveError, match="step 3") as e:
             mgr.save(4, {"w": {"t": torch.randn(1 << 18)}})  # ... but the unseen failure of 3 is
         assert p3.done() and p3.error is not None
+        assert e.value.pending_save.step == 4  # after staging the save of 4 (which fails on this disk too)
+        with pytest.raises(tg.SaveError, match="injected I/O error"):
+            e.value.pending_save.wait()
         broken.enabled = False
         mgr.save(5, {"w": {"t": torch.randn(1 << 18)}}).wait()
         assert {i.step: i.status for i in mgr.checkpoints()} == {1: "valid", 5: "valid"}
-    assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2, 3]
+    assert [e["step"] for e in read_events(tmp_path, event="save_failed")] == [2, 3, 4]
 
 
 def test_close_raises_an_unseen_background_failure_after_releasing_the_lock(tmp_path):

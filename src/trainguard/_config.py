@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._lock import RootLock
+from ._lock import NOT_WRITABLE, RootLock
 from .distributed.options import WriterOptions
 from .errors import ConfigError, RootLockedError, UnsafeFileError
 from .eventlog import EventLog
@@ -142,12 +141,7 @@ def open_root(root: Path) -> EventLog:
     except UnsafeFileError:
         raise
     except OSError as e:
-        if e.errno == errno.EROFS:
-            why = "is on a read-only filesystem"
-        elif e.errno in (errno.EACCES, errno.EPERM):
-            why = "is not writable by this user"
-        else:
-            why = f"cannot be written ({e.strerror or e})"
+        why = NOT_WRITABLE.get(e.errno or 0) or f"cannot be written ({e.strerror or e})"
         raise ConfigError(
             f"run root {root} {why}: choose a writable root, or open it with "
             "CheckpointManager(root, read_only=True) to list and restore only"

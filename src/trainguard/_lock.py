@@ -10,13 +10,14 @@ is not reliable; run one writer per run root.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
 import weakref
 from pathlib import Path
 
-from .errors import RootLockedError
+from .errors import ConfigError, RootLockedError, UnsafeFileError
 from .storage.safeio import open_regular
 
 _held: weakref.WeakSet[RootLock] = weakref.WeakSet()
@@ -45,6 +46,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+NOT_WRITABLE = {
+    errno.EROFS: "is on a read-only filesystem",
+    errno.EACCES: "is not writable by this user",
+    errno.EPERM: "is not writable by this user",
+}
+"""Why a root cannot be written, by the errno of the failed write (for error messages)."""
+
+
 class RootLock:
     def __init__(self, root: Path, name: str | None = None) -> None:
         """Args:
@@ -67,6 +76,8 @@ class RootLock:
             RootLockedError: another manager of this process or another process holds it.
             UnsafeFileError: ``.lock`` is a symlink, a directory, a named pipe or another non-regular file
                 (never followed, truncated or written).
+            ConfigError: the root is on a read-only filesystem or not writable by this user (the OSError is
+                its ``__cause__``).
         """
         for lock in list(_held):
             if lock._fd is not None and lock.path.resolve() == self.path.resolve():
@@ -76,7 +87,19 @@ class RootLock:
                 )
         # Never through a symlink (a link to another file would be truncated below), never a named pipe or a
         # directory: UnsafeFileError naming the path instead.
-        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644, what="lock file")
+        try:
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644, what="lock file")
+        except UnsafeFileError:
+            raise
+        except OSError as e:
+            why = NOT_WRITABLE.get(e.errno or 0)
+            if why is None:
+                raise
+            raise ConfigError(
+                f"run root {self._where()} {why}: its write lock ({self.path}) cannot be taken, and writing to "
+                "the root (saving, gc, import) needs write access. Listing, verifying and restoring work without "
+                "it (`trainguard ls`, `trainguard verify`, CheckpointManager(root, read_only=True))"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -100,8 +123,13 @@ class RootLock:
                 f"run root {self._where()} is being written by another process ({holder}). Stop that process, "
                 "use a different root, or open with CheckpointManager(root, read_only=True) to only list/restore."
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        try:  # who holds it, for the next writer's error message: informational, so a full disk is no error
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                raise
         self._fd = fd
         _held.add(self)
 

@@ -484,18 +484,17 @@ def local_numels(template: MutableMapping[str, Any]) -> dict[str, int]:
 
 
 def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, Any]) -> int:
-    """Read every chunk holding an entry of ``template`` and check its length and CRC32C; returns the bytes read.
+    """Read every chunk a load of ``template`` reads, the whole chain of delta bases of each delta chunk
+    included, and check its length and CRC32C; returns the bytes read.
 
     Raises:
         CorruptCheckpointError: a chunk is missing, unreadable or fails its check (nothing was loaded).
     """
     owners = m.chunk_owners()
     wanted = set(template)
-    todo = [
-        (rec, owners.get(h))
-        for h, rec in m.chunks.items()
-        if owners.get(h) is None or wanted.intersection(owners[h])  # skip chunks of entries not loaded
-    ]
+    needed = [h for h, o in owners.items() if wanted.intersection(o)]  # skip chunks of entries not loaded
+    users = delta_chain_users(m, needed, owners)
+    todo = [(m.chunks[h], users[h]) for h in m.chunks if h in users]
 
     def one(item: tuple[Any, list[str] | None]) -> int:
         ctx.store.verify(item[0], step=m.step, owners=item[1])
@@ -507,6 +506,21 @@ def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, A
         max_workers=min(VERIFY_THREADS, len(todo))
     ) as pool:  # as many as the load reads with
         return sum(pool.map(one, todo))  # the first failure in chunk order is raised
+
+
+def delta_chain_users(m: Manifest, hashes: list[str], owners: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``hashes`` and every delta base their decoding reads (the chain closure), each mapped to the entries
+    whose bytes depend on it (a base that is no entry's own chunk: the entries of the deltas built on it)."""
+    users: dict[str, list[str]] = {}
+    for h in hashes:
+        cur: str | None = h
+        # the parser bounded every chain (MAX_DELTA_CHAIN) and checked that each base exists
+        while cur is not None:
+            names = users.setdefault(cur, list(owners.get(cur) or []))
+            names.extend(n for n in owners.get(h, []) if n not in names)
+            rec = m.chunks.get(cur)
+            cur = rec.base if rec is not None else None
+    return users
 
 
 def mark_corrupt(ctx: RootContext, step: int, err: CorruptCheckpointError) -> None:

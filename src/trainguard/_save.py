@@ -98,10 +98,29 @@ class SavePath:
         """Steps whose background saves have not finished."""
         return self.persister.pending_steps() if self.persister is not None else []
 
-    def raise_background_error(self) -> None:
-        """Raise (once) the error of a background save nobody has seen yet."""
-        if self.persister is not None:
-            self.persister.raise_background_error()
+    def raise_background_error(self, started: PendingSave | None = None) -> None:
+        """Raise (once) the error of a background save nobody has seen yet.
+
+        Args:
+            started: the save the calling ``save``/``maybe_save`` made before reporting the earlier error
+                (None: none); it goes on in the background, and the error says so (``SaveError.pending_save``;
+                None for a skipped save).
+        """
+        if self.persister is None:
+            return
+        try:
+            self.persister.raise_background_error(skip=started)
+        except SaveError as e:
+            started = None if started is None or started.skipped else started
+            e.pending_save = started
+            if started is not None and e.args and isinstance(e.args[0], str):
+                e.args = (
+                    f"{e.args[0]} [reported by the save of step {started.step}, which was staged and is "
+                    f"persisting in the background (SaveError.pending_save; wait() or close() reports its "
+                    "outcome)]",
+                    *e.args[1:],
+                )
+            raise
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed or failed (see ``CheckpointManager.wait``)."""
@@ -165,16 +184,25 @@ class SavePath:
         Returns:
             The PendingSave (``skipped`` when no buffer set was free and ``block`` is False).
 
+        An earlier background save's unseen failure is raised only after this save was staged and handed
+        to the background (``SaveError.pending_save`` is this save's handle), so catching it never loses this
+        save; when this save itself fails before that, its error is raised and the earlier one stays unseen
+        (raised by the next call, ``wait`` or ``close``).
+
         Raises:
             ConfigError: a bad ``step``, or a root layout that restore would refuse.
             CheckpointExistsError: the step is committed (or being saved) and ``overwrite`` is False.
             RunConflictError: the first save would interleave with another run's checkpoints.
-            SaveError: an earlier background save failed, staging failed, or (synchronous) this save failed.
+            SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
+                failed, or (synchronous) this save failed.
         """
         if self.ctx.tiers is None:
-            return self._save(step, state, metrics, metadata, overwrite, block)
-        with self.ctx.tiers.staging():
-            return self._save(step, state, metrics, metadata, overwrite, block)
+            handle = self._save(step, state, metrics, metadata, overwrite, block)
+        else:
+            with self.ctx.tiers.staging():
+                handle = self._save(step, state, metrics, metadata, overwrite, block)
+        self.raise_background_error(handle)
+        return handle
 
     def _save(
         self,
@@ -185,8 +213,8 @@ class SavePath:
         overwrite: bool,
         block: bool,
     ) -> PendingSave:
+        """The save itself (:meth:`save` without reporting earlier background failures)."""
         ctx = self.ctx
-        self.raise_background_error()
         bad_step = step_problem(step)
         if bad_step is not None:
             raise ConfigError(bad_step)
@@ -207,12 +235,6 @@ class SavePath:
         if self.persister is None or self.stager is None:
             return self._save_sync(step, state, metrics, metadata, t0, now0)
         bufset = self.persister.acquire(block=block)
-        try:
-            self.raise_background_error()  # a save abandoned while this one waited for its buffers
-        except BaseException:
-            if bufset is not None:
-                self.stager.release(bufset)
-            raise
         if bufset is None:
             ctx.event(
                 "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"

@@ -8,6 +8,7 @@ problem and the fix.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
 
@@ -101,6 +102,10 @@ class SaveError(TrainguardError):
     Attributes:
         step: the step that failed to save.
         rank_errors: mapping of rank to the exception raised there (one entry in a single process).
+        pending_save: when a later ``save``/``maybe_save`` raised this error of an earlier background save:
+            the :class:`~trainguard.staging.PendingSave` of that later call's own save, which was staged and
+            goes on in the background before the error was raised (None: that call saved nothing, or the
+            error is the failure of the save the call made itself).
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class SaveError(TrainguardError):
         super().__init__(message)
         self.step = step
         self.rank_errors = dict(rank_errors or {})
+        self.pending_save: Any = None
 
 
 class StorageFullError(SaveError, OSError):

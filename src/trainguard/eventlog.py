@@ -10,11 +10,17 @@ sort by ``t``. Each line is one JSON object with at least:
 
 Event names and their fields are listed in docs/FORMAT.md ("Event log"). A torn last line (the writer was
 killed mid-write) is skipped by the reader, never an error.
+
+Writing an event never fails the caller: a line the filesystem refuses (a full disk, an I/O error) is dropped
+with one warning per log (and counted in :attr:`EventLog.dropped`), so a full disk never stops training or
+the manager's constructor (``keep=1`` can still free space).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import secrets
@@ -28,7 +34,10 @@ from typing import Any
 from ._time import iso
 from .storage.safeio import MAX_EVENT_FILE_BYTES, ensure_dir, open_regular, read_bounded
 
+log = logging.getLogger("trainguard")
+
 EVENTS_DIR = "events"
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 OWN_EVENTS = frozenset(
     {
@@ -108,21 +117,32 @@ class EventLog:
 
     Raises:
         UnsafeFileError: ``events`` under the root is a symlink or not a directory.
-        OSError: the log cannot be created (read-only filesystem, permissions).
+        OSError: the log cannot be created (read-only filesystem, permissions). A full disk is not an error:
+            the file is created at the first write that finds room (events before it are dropped).
+
+    Attributes:
+        dropped: events the filesystem refused so far (not written; warned about once).
 
     Thread-safe: a lock serializes appends.
     """
 
     def __init__(self, root: str | os.PathLike[str], source: str, *, fsync: bool = False) -> None:
         self.dir = Path(root) / EVENTS_DIR
-        ensure_dir(self.dir, what="event log directory")
         name = f"{source}-{os.getpid()}-{secrets.token_hex(3)}.jsonl"
         self.path = self.dir / name
         self.source = source
         self._fsync = fsync
         self._lock = threading.Lock()
-        fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, what="event log")
-        self._fh = os.fdopen(fd, "a", encoding="utf-8")  # kept open for the process's life
+        self._closed = False
+        self._fd: int | None = None
+        self.dropped = 0
+        self._warned = False
+        try:
+            self._open()
+        except OSError as e:
+            if e.errno not in FULL_ERRNOS:
+                raise
+            self._refused(e)
         self._context: dict[str, Any] = {}
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with each record written (e.g. to update metrics); a failing listener is ignored."""
@@ -159,14 +179,21 @@ class EventLog:
         }
         record.update(self._context)
         record.update(fields)
-        line = json.dumps(record, default=str, allow_nan=True) + "\n"
+        line = (json.dumps(record, default=str, allow_nan=True) + "\n").encode()
         with self._lock:
-            if self._fh.closed:
+            if self._closed:
                 return record
-            self._fh.write(line)
-            self._fh.flush()
-            if self._fsync:
-                os.fsync(self._fh.fileno())
+            try:
+                if self._fd is None:
+                    self._open()
+                assert self._fd is not None
+                view = memoryview(line)
+                while view:  # one line per write(2) (O_APPEND): a torn line only where the disk filled up
+                    view = view[os.write(self._fd, view) :]
+                if self._fsync:
+                    os.fsync(self._fd)
+            except OSError as e:  # the log is observability: it never fails the caller
+                self._refused(e)
         for listener in self.listeners:
             try:
                 listener(record)
@@ -175,9 +202,35 @@ class EventLog:
         return record
 
     def close(self) -> None:
+        """Close the file (never raises: every line was handed to the OS when it was written)."""
         with self._lock:
-            if not self._fh.closed:
-                self._fh.close()
+            self._closed = True
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _open(self) -> None:
+        ensure_dir(self.dir, what="event log directory")
+        self._fd = open_regular(
+            self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, what="event log"
+        )
+
+    def _refused(self, e: OSError) -> None:
+        """Count a dropped event; warn at the first one."""
+        self.dropped += 1
+        if not self._warned:
+            self._warned = True
+            full = " (the disk is full)" if e.errno in FULL_ERRNOS else ""
+            log.warning(
+                "cannot write the event log %s%s: %s; events are dropped until it can be written "
+                "again (training and saves go on)",
+                self.path,
+                full,
+                e.strerror or e,
+            )
 
 
 def is_regular_file(path: Path) -> bool:

@@ -35,7 +35,7 @@ from ._lock import RootLock
 from ._save import SavePath
 from .catalog import CheckpointInfo, scan
 from .distributed.context import DistContext
-from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError
+from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError, SaveError
 from .eventlog import EventLog, check_user_event
 from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
@@ -343,7 +343,8 @@ class CheckpointManager:
         With tiers, waits for uploads up to the largest ``upload_timeout_s`` (seconds) of the tiers.
 
         Raises:
-            SaveError: a background save failed and nobody has seen its error yet (the lock is released first).
+            SaveError: a background save failed and nobody has seen its error yet (the lock is released first;
+                when several did, the first is raised, naming the steps of the others, which are logged).
             TierUploadError: a tier did not receive every checkpoint in time (the hot checkpoints are intact;
                 a new manager with the same tiers uploads what is missing).
         """
@@ -354,6 +355,7 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
+            self._report_other_failures(e)
         self._closed = True
         self.validation.close()
         if self._exit_flush is not None:
@@ -379,6 +381,22 @@ class CheckpointManager:
             self._lock.release()
         if err is not None:
             raise err
+
+    def _report_other_failures(self, first: BaseException) -> None:
+        """``close`` raises one background failure: log the other unseen ones and name their steps in it."""
+        steps = []
+        while True:
+            try:
+                self._saves.raise_background_error()
+                break
+            except SaveError as e:
+                log.error("close(): the save of step %s failed too: %s", e.step, e)
+                steps.append(e.step)
+        if steps and isinstance(first, SaveError) and first.args and isinstance(first.args[0], str):
+            first.args = (
+                f"{first.args[0]} [the saves of steps {steps} failed too; see the log]",
+                *first.args[1:],
+            )
 
     def _pending_steps(self) -> list[int]:
         return self._saves.pending_steps()
@@ -449,7 +467,9 @@ class CheckpointManager:
 
         Raises:
             SaveError: this save failed (synchronous saves) or an earlier background save failed (raised
-                once); StorageFullError (a SaveError) when the disk is full.
+                once, and only after this call's own save, if one was due, was staged: that save goes on in
+                the background and ``e.pending_save`` is its PendingSave, so ``except`` and carry on loses
+                nothing); StorageFullError (a SaveError) when the disk is full.
             CheckpointExistsError: the policy chose a step that is already committed.
             ResumeDivergedError: after a restore, the loss left the band of the losses logged before.
             ConfigError: ``step`` is not an int >= 0.
@@ -463,16 +483,20 @@ class CheckpointManager:
             from .recovery.heartbeat import exit_after_preemption_save
 
             if not self._saves.done(step):
-                self.save(step, state, metrics=metrics)
+                try:
+                    self.save(step, state, metrics=metrics)
+                except SaveError as e:  # an earlier save's failure: this one was started, close() commits it
+                    if e.pending_save is None:
+                        raise
+                    log.error("an earlier save failed (%s); saving step %d before exiting", e, step)
             self.close()
             exit_after_preemption_save()
-        self._saves.raise_background_error()
-        if force and self._saves.done(step):
-            return None  # the policy already saved this step
-        if force or self._saves.should_save(step):
+        if (force or self._saves.should_save(step)) and not (force and self._saves.done(step)):
             block = force or self.when_busy == "wait"
             self._check_open(write=True)
+            # reports an earlier save's failure only after this save was staged (SaveError.pending_save)
             return self._saves.save(step, state, metrics=metrics, metadata=None, overwrite=False, block=block)
+        self._saves.raise_background_error()
         return None
 
     def save(
@@ -505,7 +529,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointExistsError: the step is already committed (or being saved) and ``overwrite`` is False.
-            SaveError: an earlier background save failed (raised once, here or from wait/close), or, for
+            SaveError: an earlier background save failed (raised once, here or from wait/close; here only
+                after this save was staged: it goes on in the background, ``e.pending_save``), or, for
                 synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full;
                 NonFiniteStateError (a SaveError) for NaN/Inf with ``check_finite="error"``.
                 Nothing is committed by a failed save and earlier checkpoints are intact.

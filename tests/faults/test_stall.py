@@ -112,8 +112,9 @@ def test_a_stalled_save_fails_after_the_timeout_and_the_next_save_waiting_for_bu
     assert time.monotonic() - t0 < NOT_FOR_EVER_S
     assert ei.value.step == 1 and "no progress" in str(ei.value) and "abandoned" in str(ei.value)
     assert h1.done() and isinstance(h1.error, tg.SaveError)
-    h2 = mgr.maybe_save(2, make_state(2))  # the loop goes on: buffers were freed for the next save
-    assert h2 is not None and h2.wait() is not None
+    h2 = ei.value.pending_save  # step 2 was staged (buffers were freed) before step 1's error was raised
+    assert h2 is not None and h2.step == 2 and h2.wait() is not None
+    assert mgr.maybe_save(2, make_state(2), force=True) is None  # the loop goes on: nothing to save again
     mgr.close()
     assert [e["step"] for e in read_events(root, event="save_abandoned")] == [1]
     assert_never_committed(root, st, 1)
@@ -138,15 +139,17 @@ def test_with_when_busy_skip_saves_resume_after_the_stalled_one_is_abandoned(tmp
     h2 = mgr.maybe_save(2, make_state(2))
     assert h2 is not None and h2.skipped  # within the timeout: skipped as before
     time.sleep(WITHIN_TIMEOUT_S + 0.2)
-    with pytest.raises(tg.SaveError, match="step 1"):
+    with pytest.raises(tg.SaveError, match="step 1") as ei:
         mgr.maybe_save(3, make_state(3))
+    h3 = ei.value.pending_save  # step 3 was started before step 1's error was raised
+    assert h3 is not None and h3.step == 3 and h3.wait() is not None
     h4 = mgr.maybe_save(4, make_state(4))
     assert h4 is not None and not h4.skipped and h4.wait() is not None
     t0 = time.monotonic()
     mgr.close()
     assert time.monotonic() - t0 < NOT_FOR_EVER_S
     assert_never_committed(root, st, 1)
-    assert [i.step for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == [4]
+    assert [i.step for i in tg.CheckpointManager(root, read_only=True).checkpoints()] == [3, 4]
 
 
 def test_close_returns_after_the_timeout_reporting_the_abandoned_save(tmp_path, stall):

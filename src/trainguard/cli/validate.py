@@ -36,7 +36,11 @@ def mark_cmd(root: str, step: int, reason: str | None, clear: bool) -> None:
     if not is_committed(p, step):
         raise click.UsageError(f"no committed checkpoint of step {step} under {p} (`trainguard ls {root}`)")
     if clear:
-        removed = clear_suspect(p, step)
+        try:
+            removed = clear_suspect(p, step)
+        except OSError as e:
+            echo(f"step {step}: could not remove the marker under {p} ({e.strerror or e})", err=True)
+            sys.exit(1)
         echo(f"step {step}: suspect mark cleared" if removed else f"step {step}: was not marked suspect")
         return
     if not reason or not reason.strip():

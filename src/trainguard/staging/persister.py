@@ -180,12 +180,16 @@ class AsyncPersister:
         return [j.handle.step for j in self._abandoned]
 
     # -- errors and waiting ---------------------------------------------------------------------------------
-    def raise_background_error(self) -> None:
-        """Raise (once) the error of a background save nobody has seen yet; forget finished handles."""
+    def raise_background_error(self, skip: PendingSave | None = None) -> None:
+        """Raise (once) the error of a background save nobody has seen yet; forget finished handles.
+
+        Args:
+            skip: a save whose error is not raised now (the one the calling ``save`` just submitted).
+        """
         err = None
         keep = []
         for h in self._pending:
-            if not h.done():
+            if not h.done() or h is skip:
                 keep.append(h)
             elif h.error is not None and err is None and not h.error_seen:
                 err = h.take_error()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -217,7 +218,7 @@ def gc(
         root: the run root.
         quarantine_older_than_s: remove ``<hash>.corrupt-<time>`` files moved aside more than this long ago.
         orphans_older_than_s: remove unreferenced chunks last modified more than this long ago.
-        dry_run: only report what would be removed.
+        dry_run: only report what would be removed (on a read-only filesystem without taking the lock).
         now: the current time (seconds since the epoch; for tests).
 
     Returns:
@@ -226,7 +227,8 @@ def gc(
     Raises:
         RootLockedError: a writer holds the root (run gc when the job is stopped, or leave it to retention).
         ConfigError: ``root`` is not a run root (no step directories, chunk store or event log); nothing is
-            created in it.
+            created in it. Or it is on a read-only filesystem or not writable by this user (gc needs write
+            access; a dry run on a read-only filesystem does not).
     """
     from .._lock import RootLock
     from ..catalog import is_run_root, read_manifest, step_dirs
@@ -241,7 +243,11 @@ def gc(
         )
     now = time.time() if now is None else now
     lock = RootLock(root)
-    lock.acquire()
+    try:
+        lock.acquire()
+    except ConfigError as e:  # not writable: a dry run lists without the lock (no writer can change the root)
+        if not (dry_run and isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EROFS):
+            raise
     try:
         known: set[str] = set()
         unreadable: list[int] = []
@@ -296,4 +302,4 @@ def gc(
                 report.bytes_freed += st.st_size
         return report
     finally:
-        lock.release()
+        lock.release()  # a no-op where it was not taken

@@ -91,8 +91,16 @@ def mark_suspect(root: Root, step: int, reason: str, *, by: str = "trainguard", 
 
 
 def clear_suspect(root: Root, step: int) -> bool:
-    """Remove the suspect marker of ``step``. Returns True when one was removed."""
+    """Remove the suspect marker of ``step``. Returns True when one was removed.
+
+    Raises:
+        OSError: the marker exists and cannot be removed (a read-only filesystem, permissions).
+    """
+    storage = as_storage(root)
     try:
-        return as_storage(root).delete(_key(step))
+        # nothing to remove: no write (a read-only root refuses even the unlink of a missing name)
+        if storage.stat(_key(step)) is None:
+            return False
+        return storage.delete(_key(step))
     except (FileNotFoundError, NotADirectoryError):
         return False
