@@ -77,26 +77,24 @@ class TrainguardReader(ShardReader, StorageReader):
 
         try:
             deferred: list[tuple[ReadItem, torch.Tensor]] = []
-            rest: list[ReadItem] = []
+            rest: list[tuple[ReadItem, torch.Tensor | None]] = []  # None: a value (BYTE_IO)
             for item in plan.items:  # first the direct reads: queued, no I/O yet
-                dest = self._direct_dest(item, planner)
-                if dest is None:
-                    rest.append(item)
+                if item.type == LoadItemType.BYTE_IO:
+                    rest.append((item, None))
                     continue
-                queued = self.read_tensor(
-                    item.storage_index.fqn,
-                    tuple(item.storage_index.offset or ()),
-                    tuple(item.storage_offsets),
-                    tuple(item.lengths),
-                    dest,
-                )
+                dest = planner.resolve_tensor(item).detach()
+                region = _region(item)
+                if not self.queues_directly(*region, dest):
+                    rest.append((item, dest))
+                    continue
+                queued = self.read_tensor(*region, dest)
                 assert queued
                 deferred.append((item, dest))
             if self._jobs:
                 flusher = threading.Thread(target=flush, name="trainguard-read-flush", daemon=True)
                 flusher.start()
-            for item in rest:
-                self._read_item(item, planner, deferred)
+            for item, dest in rest:
+                self._read_item(item, dest, planner, deferred)
             if flusher is not None:
                 flusher.join()
                 flusher = None
@@ -114,30 +112,30 @@ class TrainguardReader(ShardReader, StorageReader):
             self.clear()
         return fut
 
-    def _direct_dest(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
-        """The destination of a tensor item that :meth:`read_tensor` reads straight into memory, else None."""
-        if item.type == LoadItemType.BYTE_IO:
-            return None
-        dest = planner.resolve_tensor(item).detach()
-        direct = self.queues_directly(
-            item.storage_index.fqn,
-            tuple(item.storage_index.offset or ()),
-            tuple(item.storage_offsets),
-            tuple(item.lengths),
-            dest,
-        )
-        return dest if direct else None
-
     def _read_item(
-        self, item: ReadItem, planner: LoadPlanner, deferred: list[tuple[ReadItem, torch.Tensor]]
+        self,
+        item: ReadItem,
+        dest: torch.Tensor | None,
+        planner: LoadPlanner,
+        deferred: list[tuple[ReadItem, torch.Tensor]],
     ) -> None:
-        fqn = item.storage_index.fqn
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(self.value_payload(fqn)))
+        """Read one item the first pass of :meth:`read_data` left: a value (``dest`` None) or a tensor read
+        here (packed, resharded, converted); a tensor whose read was only queued goes to ``deferred``."""
+        if dest is None:
+            planner.load_bytes(item, io.BytesIO(self.value_payload(item.storage_index.fqn)))
             return
-        dest = planner.resolve_tensor(item).detach()
-        offsets = tuple(item.storage_index.offset or ())
-        if self.read_tensor(fqn, offsets, tuple(item.storage_offsets), tuple(item.lengths), dest):
+        if self.read_tensor(*_region(item), dest):
             deferred.append((item, dest))
         else:
             planner.commit_tensor(item, dest)
+
+
+def _region(item: ReadItem) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(fqn, shard_offsets, storage_offsets, lengths)`` of a tensor item: the arguments
+    :meth:`ShardReader.read_tensor` and :meth:`ShardReader.queues_directly` take before ``dest``."""
+    return (
+        item.storage_index.fqn,
+        tuple(item.storage_index.offset or ()),
+        tuple(item.storage_offsets),
+        tuple(item.lengths),
+    )
