@@ -11,7 +11,6 @@ import errno
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,9 @@ N = 1 << 16  # float32 elements per step: 256 KiB
 
 
 @pytest.fixture
-def tiny(tmp_path: Path) -> Iterator[Path]:
+def tiny(tmpfs) -> Path:
     """A 4 MiB tmpfs (needs mount privileges)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "none", str(mnt)], check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("tiny", "4m")
 
 
 def fill(path: Path) -> None:

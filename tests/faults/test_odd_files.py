@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -277,21 +277,12 @@ def test_a_root_that_is_a_file_or_a_dangling_symlink_gives_a_config_error(tmp_pa
 
 
 @pytest.fixture
-def read_only_root(base: Path, tmp_path: Path) -> Iterator[Path]:
+def read_only_root(base: Path, tmpfs) -> Path:
     """A copy of the base root on a tmpfs remounted read-only (needs mount privileges)."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    mount = shutil.which("mount")
-    if mount is None:
-        pytest.skip("no mount(8) on this machine")
-    if subprocess.run([mount, "-t", "tmpfs", "-o", "size=64m", "none", str(mnt)], check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        shutil.copytree(base, mnt / "root", ignore=shutil.ignore_patterns(".lock"))
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        yield mnt / "root"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = tmpfs("ro", "64m")
+    shutil.copytree(base, mnt / "root", ignore=shutil.ignore_patterns(".lock"))
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    return mnt / "root"
 
 
 def test_a_writer_on_a_read_only_filesystem_gets_a_config_error_and_readers_still_restore(read_only_root):

@@ -7,7 +7,6 @@ Before the fix ``trainguard gc`` (dry run included) died with ``OSError: [Errno 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,21 +19,15 @@ from trainguard.validation.scrub import gc
 
 
 @pytest.fixture
-def ro_root(tmp_path: Path) -> Iterator[Path]:
+def ro_root(tmpfs) -> Path:
     """A run root with steps 1 and 2 (2 marked suspect) on a tmpfs remounted read-only (needs root)."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "none", str(mnt)], check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        with tg.CheckpointManager(mnt / "run", async_save=False) as mgr:
-            for step in (1, 2):
-                mgr.save(step, {"w": {"t": torch.full((16,), float(step))}})
-        assert CliRunner().invoke(cli, ["mark", str(mnt / "run"), "2", "--suspect", "test"]).exit_code == 0
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        yield mnt / "run"
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mnt = tmpfs("ro", "16m")
+    with tg.CheckpointManager(mnt / "run", async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": {"t": torch.full((16,), float(step))}})
+    assert CliRunner().invoke(cli, ["mark", str(mnt / "run"), "2", "--suspect", "test"]).exit_code == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    return mnt / "run"
 
 
 def run(*args: str) -> tuple[int, str]:
