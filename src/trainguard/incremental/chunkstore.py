@@ -45,6 +45,7 @@ from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
 from ..storage.local import DURABILITY_MODES, LocalStorage
 from ..storage.retry import READ_ATTEMPTS, READ_RETRY_BACKOFF_S
+from ..storage.safeio import read_full
 from .codecs import Encoding
 
 log = logging.getLogger("trainguard")
@@ -369,11 +370,7 @@ class ChunkStore:
             got = crc = scanned = 0
             while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
                 start, end = got, min(rec.length, got + CRC_BLOCK_BYTES)
-                while got < end:
-                    n = f.readinto(out[got:end])
-                    if not n:
-                        break
-                    got += n
+                got += read_full(f, out[start:end])
                 if got < end:  # shorter than recorded: the length check below reports it
                     break
                 block = out[start:end]

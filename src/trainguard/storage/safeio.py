@@ -24,6 +24,7 @@ import errno
 import fcntl
 import os
 import stat
+from typing import Any
 
 from ..errors import UnsafeFileError
 
@@ -141,6 +142,25 @@ def read_bounded(path: str | os.PathLike[str], limit_bytes: int, *, what: str = 
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+def read_full(f: Any, view: memoryview) -> int:
+    """Fill ``view`` from the raw file ``f`` (``readinto`` returns short counts on pipes, signals, network
+    filesystems): read until ``view`` is full or the file ends.
+
+    Returns:
+        The bytes read: ``len(view)``, or fewer when the file ended first.
+
+    Raises:
+        OSError: as ``f.readinto`` raises it.
+    """
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def lstat_regular(path: str | os.PathLike[str]) -> os.stat_result | None:

@@ -49,7 +49,7 @@ from ..format.layout import CHUNKS_DIR
 from ..format.manifest import ChunkRecord
 from ..retention import KeepAll, select
 from ..storage.objects import ObjectStore
-from ..storage.safeio import MAX_MANIFEST_BYTES, open_regular, read_bounded
+from ..storage.safeio import MAX_MANIFEST_BYTES, open_regular, read_bounded, read_full
 from . import intent
 from .config import Tier
 from .remote import CHECK_NAME, RemoteRoot, manifest_name
@@ -220,12 +220,7 @@ class ChunkBody(io.RawIOBase):
         if self.gate is not None and self.gate.yield_to_staging():
             self.pauses += 1
         assert self._f is not None
-        got = 0
-        while got < k:
-            n = self._f.readinto(self._view[got:k])
-            if not n:
-                break
-            got += n
+        got = read_full(self._f, self._view[:k])
         crc = crc32c.crc32c(self._view[:got], self._crc)
         last = self._read + got >= self.length
         if got < k or (last and (crc != self.crc or self._f.read(1))):
@@ -279,16 +274,9 @@ def read_chunk_file(path: Path, length: int) -> bytearray | None:
         if os.fstat(fd).st_size != length:
             return None
         buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-            while got < length:
-                n = f.readinto(view[got:])
-                if not n:
-                    return None
-                got += n
-            if f.read(1):
-                return None  # grew meanwhile
+            if read_full(f, memoryview(buf)) < length or f.read(1):
+                return None  # shrank or grew meanwhile
         return buf
     finally:
         os.close(fd)
