@@ -101,18 +101,16 @@ def persist(
     writer = TrainguardWriter(
         ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder, scan=scan
     )
-    jobs: list[Callable[[], None]] = []
-    if sample:
-        jobs.append(lambda: ctx.compression.measure_sample(sample))  # type: ignore[union-attr]
-    beside = Beside(jobs)
+    beside = Beside(
+        (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]
+    )
     try:
         with quiet_dcp():
             dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
     except BaseException as e:
         err = unwrap(e, step)
-        if isinstance(
-            err, NonFiniteStateError
-        ):  # rejected by the scan before the commit (its event is logged)
+        # rejected by the scan before the commit (its event is logged)
+        if isinstance(err, NonFiniteStateError):
             discard_new_chunks(ctx, writer)
             raise err from None
         ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]
@@ -264,31 +262,30 @@ def begin_encoding(
 
 
 class Beside:
-    """Work run in one thread beside a save's chunk writes (the ``check_finite`` scan, the codec sample of
-    ``compression="auto"``), joined before the commit.
+    """One job run in a thread beside a save's chunk writes (the codec sample of ``compression="auto"`` on a
+    manager's first save), joined before the commit.
 
     Args:
-        jobs: callables run in order in the thread (none: no thread is started).
+        job: the callable (None: no thread is started).
     """
 
-    def __init__(self, jobs: list[Callable[[], None]]) -> None:
+    def __init__(self, job: Callable[[], None] | None) -> None:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if jobs:
+        if job is not None:
             self._thread = threading.Thread(
-                target=self._run, args=(jobs,), name="trainguard-beside-writes", daemon=True
+                target=self._run, args=(job,), name="trainguard-beside-writes", daemon=True
             )
             self._thread.start()
 
-    def _run(self, jobs: list[Callable[[], None]]) -> None:
+    def _run(self, job: Callable[[], None]) -> None:
         try:
-            for job in jobs:
-                job()
+            job()
         except BaseException as e:  # noqa: BLE001 - raised by join, in the save's thread
             self._error = e
 
     def join(self, *, raise_error: bool = True) -> None:
-        """Wait for the jobs; raise the first one's exception (once) unless ``raise_error`` is False."""
+        """Wait for the job; raise its exception (once) unless ``raise_error`` is False."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
