@@ -17,7 +17,7 @@ import socket
 import weakref
 from pathlib import Path
 
-from .errors import ConfigError, RootLockedError, UnsafeFileError
+from .errors import FULL_ERRNOS, ConfigError, RootLockedError, UnsafeFileError
 from .storage.safeio import open_regular
 
 _held: weakref.WeakSet[RootLock] = weakref.WeakSet()
@@ -127,7 +127,7 @@ class RootLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if e.errno not in FULL_ERRNOS:
                 os.close(fd)
                 raise
         self._fd = fd

@@ -7,6 +7,7 @@ problem and the fix.
 
 from __future__ import annotations
 
+import errno
 import re
 from typing import Any
 
@@ -115,6 +116,10 @@ class SaveError(TrainguardError):
         self.step = step
         self.rank_errors = dict(rank_errors or {})
         self.pending_save: Any = None
+
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""errnos of a storage out of space (what :class:`StorageFullError` stands for)."""
 
 
 class StorageFullError(SaveError, OSError):

@@ -18,7 +18,6 @@ the manager's constructor (``keep=1`` can still free space).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -32,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ._time import iso
+from .errors import FULL_ERRNOS
 from .storage.safeio import MAX_EVENT_FILE_BYTES, ensure_dir, open_regular, read_bounded
 
 log = logging.getLogger("trainguard")
 
 EVENTS_DIR = "events"
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 OWN_EVENTS = frozenset(
     {

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..errors import StorageFullError, TransientStorageError
+from ..errors import FULL_ERRNOS, StorageFullError, TransientStorageError
 from .base import Entry, ObjectInfo, Staged
 from .safeio import open_regular, read_bounded
 
@@ -71,7 +71,7 @@ def classify_error(e: OSError, path: str | os.PathLike[str], step: int | None = 
     """
     if isinstance(e, (StorageFullError, TransientStorageError)):
         return e
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno in FULL_ERRNOS:
         out: OSError = StorageFullError(
             f"no space left on the device while writing {path}: free space or lower retention (keep=...); "
             "no checkpoint was committed and earlier checkpoints are intact",
