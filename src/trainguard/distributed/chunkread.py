@@ -62,6 +62,9 @@ class ShardReader:
         self._chunk_cache: dict[str, bytearray] = {}
         self._jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]] = []
         self._lock = threading.Lock()
+        # chunk hash -> file version whose CRC32C this process checked just before the load (the pass of
+        # ``verify_before_load``): read again without computing it a second time (``ChunkStore.readinto``)
+        self.checked: dict[str, tuple[Any, ...]] = {}
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
         entry = self.manifest.entries.get(fqn)
@@ -199,6 +202,7 @@ class ShardReader:
                     step=step,
                     owners=self.owners.get(rec.hash),
                     scan=(lambda block: _count_nonfinite_bytes(block, dtype)) if scanning else None,
+                    checked=self.checked.get(rec.hash),
                 )
             if scanning:
                 if bad is None:  # decoded, or copied from a tier: the whole chunk, as it now lies in memory
