@@ -162,3 +162,26 @@ def test_a_chunk_replaced_between_the_check_and_the_load_is_checked_again(tmp_pa
     with pytest.raises(tg.CorruptCheckpointError, match="CRC32C"):
         tg.CheckpointManager(tmp_path, read_only=True, check_finite="off").restore(1, out)
     assert sum(seen) >= 2 * rec.length  # the swapped file's CRC32C was computed by the load
+
+
+def test_packed_chunks_too_are_crc32c_checked_once_per_verified_restore(tmp_path, monkeypatch):
+    """Small tensors share packed chunks, read whole by the loading thread while the reading threads load the
+    large ones: each chunk's CRC32C is still computed once, and every value comes back."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"s{i}": torch.randn(100 + i, generator=g) for i in range(40)}
+    state["big"] = torch.randn(ELEMS, generator=g)
+    state["meta"] = {"lr": 0.1, "name": "x"}
+    with tg.CheckpointManager(tmp_path, async_save=False, compression="off") as mgr:
+        mgr.save(1, {"m": state})
+    chunks = read_manifest(tmp_path, 1).chunks.values()
+    assert any(r.length < 4 * ELEMS for r in chunks)  # a packed chunk exists
+    seen = crc_bytes_counter(monkeypatch)
+    out = {"m": {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}}
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    mgr.restore(1, out)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out["m"][k], v), k
+        else:
+            assert out["m"][k] == v
+    assert sum(seen) == sum(r.length for r in chunks) == mgr.last_restore.verify_bytes

@@ -316,9 +316,14 @@ class ChunkStore:
         return None
 
     def read(
-        self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None
+        self,
+        rec: ChunkRecord,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        checked: tuple[Any, ...] | None = None,
     ) -> bytearray:
-        """Read a whole chunk and check its length and CRC32C.
+        """Read a whole chunk and check its length and CRC32C (``checked``: as :meth:`readinto`).
 
         Raises:
             CorruptCheckpointError: missing, unreadable, not a regular file, wrong length or CRC32C mismatch,
@@ -330,7 +335,7 @@ class ChunkStore:
                 rec, bad, step, owners, damaged="length" in bad, unreadable=bad.startswith("cannot be read")
             )
         buf = bytearray(rec.length)
-        self.readinto(rec, memoryview(buf), step=step, owners=owners)
+        self.readinto(rec, memoryview(buf), step=step, owners=owners, checked=checked)
         return buf
 
     def readinto(
