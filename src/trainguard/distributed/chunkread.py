@@ -370,7 +370,7 @@ def load_local(template: MutableMapping[str, Any], reader: ShardReader) -> None:
             entry = reader.entry(fqn)
             assert isinstance(entry, TensorEntry)
             for sh in entry.shards:
-                if not math.prod(sh.sizes) and entry.shape and math.prod(entry.shape):
+                if 0 in sh.sizes and entry.shape and 0 not in entry.shape:
                     continue  # an empty shard of a non-empty tensor holds nothing
                 region = dest.detach()
                 for dim, (o, n) in enumerate(zip(sh.offsets, sh.sizes, strict=True)):

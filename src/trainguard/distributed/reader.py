@@ -81,10 +81,10 @@ class TrainguardReader(ShardReader, StorageReader):
                 assert queued
                 deferred.append((item, dest))
             with self.flushing():  # the queued reads in threads while this thread reads the rest
-                for item, dest in rest:
-                    self._read_item(item, dest, planner, deferred)
-            for item, dest in deferred:
-                planner.commit_tensor(item, dest)
+                for item, maybe in rest:
+                    self._read_item(item, maybe, planner, deferred)
+            for item, done in deferred:
+                planner.commit_tensor(item, done)
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             fut.set_exception(e)  # type: ignore[arg-type]
