@@ -74,6 +74,7 @@ OWN_EVENTS = frozenset(
         "checkpoint_suspect",
         "resume_diverged",
         "resume_confirmed",
+        "resume_not_reproduced",
         "scrub",
         "tier_upload",
         "tier_restore",

@@ -11,7 +11,13 @@ import torch
 
 import trainguard as tg
 from trainguard.recovery.events import read_events
-from trainguard.validation.trajectory import TRAJECTORY_DIR, TrajectoryCheck, confirmed_steps, history
+from trainguard.validation.trajectory import (
+    EXACT_REL,
+    TRAJECTORY_DIR,
+    TrajectoryCheck,
+    confirmed_steps,
+    history,
+)
 
 
 def launch(root, upto, *, scale_from=None, scale=10.0, trajectory_steps=50):
@@ -143,13 +149,37 @@ def test_never_loops_when_every_candidate_is_suspect(tmp_path):
         launch(tmp_path, 40)
 
 
+def test_a_same_step_loss_within_the_trip_tolerance_but_not_reproduced_is_not_confirmed():
+    """11 % off (tester report 5): not a divergence (6 MAD of noisy losses), but never "confirmed"."""
+    chk = TrajectoryCheck(restored_step=25, window=6, reference={26: 0.168, 27: 0.227}, median=None, mad=0.1)
+    assert chk.check(26, 0.18696) is None and chk.inexact == {26: (0.18696, 0.168)}
+    assert chk.check(27, 0.227) is None and not chk.confirmed  # one step not reproduced: not confirmed
+    assert chk.check(28, 1e9) is None  # past the references, no band: nothing judged
+    assert chk.check(27, 0.227 * (1 + 2 * EXACT_REL)) is None and not chk.confirmed
+
+
+def test_an_inexact_resume_is_reported_not_confirmed(tmp_path):
+    """A resume whose data moved by 1 % trains like the failed launch but not the same: a warning and a
+    resume_not_reproduced event, no resume_confirmed (before: confirmed, and so never condemned later)."""
+    launch(tmp_path, 18)
+    with pytest.warns(RuntimeWarning, match="resume not reproduced exactly: after the restore of step 15"):
+        start, _ = launch(tmp_path, 22, scale_from=16, scale=1.01)
+    assert start == 15
+    [ev] = read_events(tmp_path, event="resume_not_reproduced")
+    assert ev["restored_step"] == 15 and ev["step"] == 16 and ev["rel_diff"] > EXACT_REL
+    assert ev["tolerance"] == EXACT_REL
+    assert not list(read_events(tmp_path, event="resume_confirmed"))
+    assert not list(read_events(tmp_path, event="resume_diverged"))
+    assert confirmed_steps(tmp_path) == set()
+
+
 def test_check_same_step_confirmation_and_band(tmp_path):
     chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.0}, median=None, mad=0.1)
     assert chk.check(11, 1.0) is None  # bit-exact
     assert chk.check(12, 1.7) is not None and not chk.confirmed  # beyond 6 MAD of the losses before the checkpoint
     chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.1}, median=None, mad=0.1)
-    assert chk.check(11, 1.0005) is None and not chk.confirmed  # within REL_TOL; step 12 not seen yet
-    assert chk.check(12, 1.1) is None and chk.confirmed
+    assert chk.check(11, 1.00005) is None and not chk.confirmed  # within EXACT_REL; step 12 not seen yet
+    assert chk.check(12, 1.1) is None and chk.confirmed and chk.max_rel == pytest.approx(5e-5)
     assert chk.check(13, 100.0) is None  # confirmed: past the failure point nothing is judged
     band = TrajectoryCheck(restored_step=10, window=6, reference={}, median=2.0, mad=0.1)
     assert band.check(12, 3.0) is None  # band: 2.0 + 10 * 0.1 + 10 % of 2.0 = 3.2

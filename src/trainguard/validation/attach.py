@@ -9,6 +9,7 @@ through ``RootContext.validation``. Nothing here imports the manager.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,23 @@ class Validation:
             bad = self.dist.any(bad)
         if bad:
             raise hooks.diverged(self, step)
+        inexact = tr.not_reproduced()
+        if inexact is not None:  # within the trip tolerance, but not the failed launch's loss: say so, once
+            self.event("resume_not_reproduced", **inexact)
+            warnings.warn(
+                f"trainguard: resume not reproduced exactly: after the restore of step {inexact['restored_step']} "
+                f"the loss of step {inexact['step']} is {inexact['loss']:.6g}, the launch before the failure "
+                f"logged {inexact['expected']:.6g} (relative difference {inexact['rel_diff']:.2g} > "
+                f"{inexact['tolerance']:g}); the run goes on (not a divergence), but state that decides the "
+                "training (data order, DataLoader seed, RNG streams, dropout) was not restored exactly; a "
+                "DataLoader without its own generator= is a common cause (use ResumableLoader or "
+                "ResumableSampler.dataloader)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         confirmed = tr.confirm()
         if confirmed is not None:  # the resume reproduced the failed launch: nothing more is judged
-            self.event("resume_confirmed", restored_step=confirmed[0], steps=confirmed[1])
+            self.event(
+                "resume_confirmed", restored_step=confirmed[0], steps=confirmed[1], max_rel_diff=confirmed[2]
+            )
         tr.passed(step)

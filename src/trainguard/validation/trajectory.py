@@ -9,10 +9,18 @@ compared with one of two references:
 - **same-step references**: the losses recorded for the steps after S by the launches before this one (the
   newest launch that logged the step wins: the launch that died), only from launches at the same world size
   (each log starts with ``{"world_size": N}``; at another world size a step trains on other samples per rank).
-  Equal when resume is bit-exact, so the tolerance only absorbs a resume that is not (another device):
-  ``|loss - ref| <= max(K * MAD, REL_TOL * |ref|)``. Once every reference step in the window matched, the
-  restore is **confirmed** (``{"confirmed": S}`` in this launch's log, a ``resume_confirmed`` event) and the
-  check ends: past the failure point the trajectory is new territory, which no band may judge.
+  Equal when resume is bit-exact. Two tolerances:
+
+  * **reproduced**: ``|loss - ref| <= EXACT_REL * |ref|`` (1e-4 relative: a resume that reproduced the failed
+    launch, up to the last digits that nondeterministic GPU reductions change). Once every reference step in
+    the window was reproduced, the restore is **confirmed** (``{"confirmed": S}`` in this launch's log, a
+    ``resume_confirmed`` event with the largest relative difference accepted) and the check ends: past the
+    failure point the trajectory is new territory, which no band may judge.
+  * **diverged**: ``|loss - ref| > max(K * MAD, REL_TOL * |ref|)`` trips the check (``ResumeDivergedError``).
+  * in between, the resume is neither confirmed nor condemned: it trains like the failed launch but not the
+    same (a data order or RNG stream that moved, another device). It is reported once (a
+    ``resume_not_reproduced`` event and a warning "resume not reproduced exactly") and the restored step is
+    never confirmed by this launch.
 - **the band**, only when there is no same-step reference (an elastic resize, a lost log) and the restored step
   was never confirmed: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must stay
   ``<= median + BAND_K * MAD + BAND_REL * |median|`` of the last ``BAND_WINDOW`` losses logged at or before S,
@@ -40,7 +48,13 @@ TRAJECTORY_DIR = "trajectory"
 K = 6.0
 """Tolerance of a same-step comparison in MADs of the losses before the restored step."""
 REL_TOL = 1e-3
-"""Relative tolerance always allowed (a resume that is not bit-exact; a flat loss whose MAD is 0)."""
+"""Relative tolerance always allowed before a trip (a resume that is not bit-exact; a flat loss whose MAD
+is 0)."""
+EXACT_REL = 1e-4
+"""Relative difference up to which a same-step loss counts as *reproduced* (confirms the resume). A bit-exact
+resume gives equal losses; 1e-4 leaves room for GPU kernels whose reductions are not deterministic (float32
+sums in another order differ in the 6th-7th significant digit, and the difference grows a little over the
+steps of the window), while a shifted dropout mask or data order moves a per-batch loss by percents."""
 MIN_SPREAD = 5
 """Fewer losses than this before the restored step: the same-step tolerance is ``REL_TOL`` alone."""
 BAND_WINDOW = 50
@@ -247,9 +261,9 @@ class Recorder:
                 bad = True
         return bad
 
-    def confirm(self) -> tuple[int, list[int]] | None:
+    def confirm(self) -> tuple[int, list[int], float] | None:
         """Once, when the armed check just became confirmed (coordinator: the one that judges): log it and return
-        ``(restored step, matched steps)``. The check stays armed, judging nothing more, until its window ends
+        ``(restored step, matched steps, largest relative difference accepted)``. The check stays armed, judging nothing more, until its window ends
         (every rank calls the collective of the check for the same steps)."""
         chk = self.check
         if chk is None or not chk.confirmed or chk.announced:
@@ -258,7 +272,24 @@ class Recorder:
         if self.log is None:
             self.log = TrajectoryLog(self.root, self.run_id, self.world_size)
         self.log.mark_confirmed(chk.restored_step)
-        return chk.restored_step, sorted(chk.matched)
+        return chk.restored_step, sorted(chk.matched), chk.max_rel
+
+    def not_reproduced(self) -> dict[str, Any] | None:
+        """Once, when the armed check first saw a same-step loss within the trip tolerance but not reproduced
+        (coordinator): the fields of the ``resume_not_reproduced`` event, else None."""
+        chk = self.check
+        if chk is None or not chk.inexact or chk.reported_inexact:
+            return None
+        chk.reported_inexact = True
+        step, (loss, ref) = min(chk.inexact.items())
+        return {
+            "restored_step": chk.restored_step,
+            "step": step,
+            "loss": loss,
+            "expected": ref,
+            "rel_diff": abs(loss - ref) / abs(ref) if ref else math.inf,
+            "tolerance": EXACT_REL,
+        }
 
     def passed(self, step: int) -> None:
         """After the check of ``step`` passed on every rank: disarm once past the window."""
@@ -296,13 +327,19 @@ class TrajectoryCheck:
     violations: list[Violation] = field(default_factory=list)
     recent: list[float] = field(default_factory=list)
     matched: set[int] = field(default_factory=set)
-    """Reference steps whose loss matched."""
+    """Reference steps whose loss was reproduced (within ``EXACT_REL``)."""
+    inexact: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Reference steps whose loss stayed within the trip tolerance but was not reproduced: step -> (loss, ref)."""
+    max_rel: float = 0.0
+    """The largest relative difference of a reproduced step (0.0: every one was equal)."""
     announced: bool = False
+    reported_inexact: bool = False
 
     @property
     def confirmed(self) -> bool:
-        """Every same-step reference in the window matched: the resume reproduced the failed launch."""
-        return bool(self.reference) and self.matched >= self.reference.keys()
+        """Every same-step reference in the window was reproduced (within ``EXACT_REL``) and none was not: the
+        resume reproduced the failed launch."""
+        return bool(self.reference) and not self.inexact and self.matched >= self.reference.keys()
 
     @classmethod
     def arm(
@@ -346,8 +383,12 @@ class TrajectoryCheck:
                 v = Violation(
                     step, loss, ref, f"the loss recorded for step {step} before the failure was {ref:.6g}"
                 )
-            else:
+            elif abs(loss - ref) <= EXACT_REL * abs(ref):
                 self.matched.add(step)
+                if ref:
+                    self.max_rel = max(self.max_rel, abs(loss - ref) / abs(ref))
+            else:
+                self.inexact[step] = (loss, ref)
         elif self.median is not None and not self.reference:
             upper = self.median + BAND_K * mad + BAND_REL * abs(self.median)
             self.recent = [*self.recent, loss][-BAND_RUN:]
