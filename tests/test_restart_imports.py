@@ -1,6 +1,8 @@
 """A restart of a single-process job imports neither ``torch.distributed.checkpoint`` (DCP) nor DTensor: both
-pull sympy and torch.fx, 0.7 s and more on every relaunch (trainguard._lazy). The local load path restores
-bit-exactly what DCP's path restores, including a checkpoint saved by two ranks (two shards per tensor)."""
+pull sympy and torch.fx, 0.7 s and more on every relaunch (trainguard._lazy). Nor blosc2 (with httpx, rich,
+click, threadpoolctl: 0.2-0.3 s) unless a chunk it reads is compressed (trainguard.incremental.codecs). The
+local load path restores bit-exactly what DCP's path restores, including a checkpoint saved by two ranks (two
+shards per tensor)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import trainguard as tg
 
 from .conftest import run_env
 
-HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy")
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "blosc2")
 
 
 def run_fresh(code: str) -> dict:
@@ -31,7 +33,8 @@ def run_fresh(code: str) -> dict:
 
 
 def heavy_loaded() -> str:
-    return f"sorted({{m.split('.')[0] if m.startswith('sympy') else m for m in sys.modules if m.startswith({HEAVY!r})}})"
+    top = "m.split('.')[0] if m.startswith(('sympy', 'blosc2')) else m"
+    return f"sorted({{{top} for m in sys.modules if m.startswith({HEAVY!r})}})"
 
 
 def test_import_trainguard_and_a_manager_import_no_dcp_dtensor_or_sympy(tmp_path):
@@ -113,3 +116,28 @@ def test_the_local_load_reads_every_shard_of_a_two_rank_checkpoint(tmp_path):
         assert mgr.restore_latest(state) == 1
         assert mgr.last_restore.skipped == []
     assert torch.equal(state["w"], w)
+
+
+def test_a_compressed_checkpoint_imports_blosc2_on_first_use_and_restores_bit_exact(tmp_path):
+    """The lazy blosc2 import of the codecs: a fresh process restoring compressed chunks decodes them (blosc2
+    imported by the first frame), bit-exactly, still without DCP."""
+    root = tmp_path / "run"
+    w = torch.arange(50_000, dtype=torch.float32).reshape(500, 100)  # compresses: the chunk is a blosc2 frame
+    with tg.CheckpointManager(root, async_save=False, compression="zstd") as mgr:
+        mgr.save(1, {"w": w})
+    chunks = json.loads((root / "step-000000001" / "manifest.json").read_text())["chunks"]
+    assert {c["codec"] for c in chunks.values()} == {"blosc2"}
+    torch.save(w, tmp_path / "want.pt")
+    out = run_fresh(
+        f"""
+        import json, sys, torch
+        import trainguard as tg
+        before = {heavy_loaded()}
+        state = {{"w": torch.zeros(500, 100)}}
+        with tg.CheckpointManager({str(root)!r}, read_only=True) as mgr:
+            step = mgr.restore_latest(state)
+        same = torch.equal(state["w"], torch.load({str(tmp_path / "want.pt")!r}))
+        print(json.dumps({{"step": step, "same": same, "before": before, "after": {heavy_loaded()}}}))
+        """
+    )
+    assert out == {"step": 1, "same": True, "before": [], "after": ["blosc2"]}
