@@ -18,6 +18,9 @@ import trainguard as tg
 from .conftest import run_env
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "blosc2")
+# Not heavy, but a relaunch has no use for them before its first save; prometheus-client's import set off a
+# full garbage collection (0.15-0.2 s) in the manager's constructor after `import torch`.
+LATER = ("prometheus_client", "trainguard.tiers")
 
 
 def run_fresh(code: str) -> dict:
@@ -48,6 +51,34 @@ def test_import_trainguard_and_a_manager_import_no_dcp_dtensor_or_sympy(tmp_path
         """
     )
     assert out == []
+
+
+def test_a_restart_leaves_metrics_and_tiers_to_the_first_save_and_the_registry_still_works(tmp_path):
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3)})
+    later = f"sorted({{m.split('.')[0] if m.startswith('prom') else m for m in sys.modules if m.startswith({LATER!r})}})"
+    out = run_fresh(
+        f"""
+        import json, sys, torch
+        import trainguard as tg
+        state = {{"w": torch.zeros(3)}}
+        mgr = tg.CheckpointManager({str(root)!r}, async_save=False)
+        step = mgr.restore_latest(state)
+        before = {later}
+        mgr.save(2, state)
+        after = {later}
+        from prometheus_client import generate_latest
+        text = generate_latest(mgr.metrics_registry).decode()
+        mgr.close()
+        print(json.dumps({{"step": step, "before": before, "after": after,
+                          "saves": [l for l in text.splitlines() if l.startswith("trainguard_save_block_seconds_count")]}}))
+        """
+    )
+    assert out["step"] == 1
+    assert out["before"] == []
+    assert out["after"] == ["prometheus_client"]
+    assert out["saves"] == ["trainguard_save_block_seconds_count 1.0"]  # the first save is counted
 
 
 def test_restore_latest_in_one_process_imports_no_dcp_and_is_bit_exact(tmp_path):

@@ -46,6 +46,7 @@ from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave
 from .staging.persister import register_exit_flush
 from .storage.base import Storage
+from .storage.objects import is_url
 from .validation.attach import Validation
 
 log = logging.getLogger("trainguard")
@@ -189,10 +190,13 @@ class CheckpointManager:
         max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
-        from .tiers.attach import url_root
 
-        # an object-store run root: a local cache as the hot root, the URL as a sync replica
-        root, keep, tier_list, self.url = url_root(root, keep, list(tiers or []), storage_options)
+        tier_list, self.url = list(tiers or []), None
+        if is_url(root) or storage_options is not None:  # tiers' code stays out of a local root's restart
+            from .tiers.attach import url_root
+
+            # an object-store run root: a local cache as the hot root, the URL as a sync replica
+            root, keep, tier_list, self.url = url_root(root, keep, tier_list, storage_options)
         self._tiers: Any = None
         self.storage = open_storage(root, fsync=fsync, durability=durability)
         self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
