@@ -115,7 +115,14 @@ def validate_relpath(
         def real(d: str) -> Path:  # a directory of the root ("": the root), resolved through symlinks
             got = dirs.get(d)
             if got is None:
-                got = dirs[d] = Path(os.path.realpath(Path(root, d)))
+                parent, _, name = d.rpartition("/")
+                if not d:
+                    got = Path(os.path.realpath(root))
+                else:  # the resolved parent plus the name (one lstat), or the link's target resolved
+                    got = real(parent) / name
+                    if os.path.islink(got):
+                        got = Path(os.path.realpath(got))
+                dirs[d] = got
             return got
 
         root_real = real("")
