@@ -415,9 +415,10 @@ def load(
                 scan_finite=scan_finite(ctx),
             )
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
-            # leaves them untouched (one more read, from the page cache when the checkpoint was just read)
+            # leaves them untouched (one more read, from the page cache when the checkpoint was just read;
+            # the load does not compute the CRC32C of a file checked here again)
             if ctx.verify_before_load:
-                ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template)
+                ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template, reader.checked)
             writing = True
             if touched is not None:
                 touched.update(template)
@@ -483,9 +484,18 @@ def local_numels(template: MutableMapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, Any]) -> int:
+def verify_chunks(
+    ctx: RootContext,
+    m: Manifest,
+    template: MutableMapping[str, Any],
+    checked: dict[str, tuple[Any, ...]] | None = None,
+) -> int:
     """Read every chunk a load of ``template`` reads, the whole chain of delta bases of each delta chunk
     included, and check its length and CRC32C; returns the bytes read.
+
+    Args:
+        checked: receives chunk hash -> the version of the file that passed (``ChunkStore.verify``): the
+            load that follows does not compute the CRC32C of that same file again (``readinto(checked=)``).
 
     Raises:
         CorruptCheckpointError: a chunk is missing, unreadable or fails its check (nothing was loaded).
@@ -497,7 +507,9 @@ def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, A
     todo = [(m.chunks[h], users[h]) for h in m.chunks if h in users]
 
     def one(item: tuple[Any, list[str] | None]) -> int:
-        ctx.store.verify(item[0], step=m.step, owners=item[1])
+        version = ctx.store.verify(item[0], step=m.step, owners=item[1])
+        if checked is not None and version is not None:
+            checked[item[0].hash] = version  # one key per thread and chunk: no lock needed for a dict set
         return int(item[0].length)
 
     if len(todo) <= 1:

@@ -11,10 +11,11 @@ never imports DCP (:mod:`trainguard._lazy`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +63,9 @@ class ShardReader:
         self._chunk_cache: dict[str, bytearray] = {}
         self._jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]] = []
         self._lock = threading.Lock()
+        # chunk hash -> file version whose CRC32C this process checked just before the load (the pass of
+        # ``verify_before_load``): read again without computing it a second time (``ChunkStore.readinto``)
+        self.checked: dict[str, tuple[Any, ...]] = {}
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
         entry = self.manifest.entries.get(fqn)
@@ -178,7 +182,38 @@ class ShardReader:
     def flush(self) -> None:
         """Read every queued whole chunk into its destination, CRC32C-checked, from ``threads`` threads
         (largest first: one stream at a time leaves the disk idle between files)."""
-        jobs, self._jobs = sorted(self._jobs, key=lambda j: -j[0].length), []
+        jobs, self._jobs = self._jobs, []
+        self._run(jobs)
+
+    @contextlib.contextmanager
+    def flushing(self) -> Iterator[None]:
+        """Run :meth:`flush` of the reads queued so far in a thread while the body reads the rest (values,
+        packed chunks, resharded parts), so both kinds of I/O overlap; on exit wait for those reads (also when
+        the body raised: no thread is left writing into destination tensors), raise their error, then flush
+        whatever the body queued."""
+        jobs, self._jobs = self._jobs, []  # taken here: the body may queue more meanwhile
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._run(jobs)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread after the join
+                errors.append(e)
+
+        flusher = threading.Thread(target=run, name="trainguard-read-flush", daemon=True) if jobs else None
+        if flusher is not None:
+            flusher.start()
+        try:
+            yield
+        finally:
+            if flusher is not None:
+                flusher.join()
+        if errors:
+            raise errors[0]
+        self.flush()
+
+    def _run(self, jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]]) -> None:
+        jobs = sorted(jobs, key=lambda j: -j[0].length)
         step = self.manifest.step
 
         def one(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
@@ -199,6 +234,7 @@ class ShardReader:
                     step=step,
                     owners=self.owners.get(rec.hash),
                     scan=(lambda block: _count_nonfinite_bytes(block, dtype)) if scanning else None,
+                    checked=self.checked.get(rec.hash),
                 )
             if scanning:
                 if bad is None:  # decoded, or copied from a tier: the whole chunk, as it now lies in memory
@@ -247,7 +283,9 @@ class ShardReader:
                 buf = bytearray(rec.decoded_size)
                 self._decode(rec, memoryview(buf))
             else:
-                buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
+                buf = self.store.read(
+                    rec, step=self.manifest.step, owners=self.owners.get(h), checked=self.checked.get(h)
+                )
                 with self._lock:  # flush's threads may be counting too (TrainguardReader.read_data)
                     self.bytes_read += rec.length
             self._chunk_cache[h] = buf
@@ -323,20 +361,30 @@ def load_local(template: MutableMapping[str, Any], reader: ShardReader) -> None:
         CorruptCheckpointError: a chunk fails its check, or the manifest disagrees with itself.
         UnsafeCheckpointError: a value's payload is unsafe to decode.
     """
+    rest: list[tuple[str, Any]] = []  # values, and shards read here (packed chunks)
     try:
-        for fqn, dest in list(template.items()):
+        for fqn, dest in list(template.items()):  # first the reads straight into memory: queued, no I/O yet
             if not isinstance(dest, torch.Tensor):
-                template[fqn] = decode_value(reader.value_payload(fqn), fqn)
+                rest.append((fqn, None))
                 continue
             entry = reader.entry(fqn)
             assert isinstance(entry, TensorEntry)
             for sh in entry.shards:
-                if not math.prod(sh.sizes) and entry.shape and math.prod(entry.shape):
+                if 0 in sh.sizes and entry.shape and 0 not in entry.shape:
                     continue  # an empty shard of a non-empty tensor holds nothing
                 region = dest.detach()
                 for dim, (o, n) in enumerate(zip(sh.offsets, sh.sizes, strict=True)):
                     region = region.narrow(dim, o, n)
-                reader.read_tensor(fqn, tuple(sh.offsets), (0,) * len(sh.sizes), tuple(sh.sizes), region)
-        reader.flush()
+                args = (fqn, tuple(sh.offsets), (0,) * len(sh.sizes), tuple(sh.sizes), region)
+                if reader.queues_directly(*args):
+                    reader.read_tensor(*args)
+                else:
+                    rest.append((fqn, args))
+        with reader.flushing():  # the queued reads in threads while this thread reads the rest
+            for fqn, args in rest:
+                if args is None:
+                    template[fqn] = decode_value(reader.value_payload(fqn), fqn)
+                else:
+                    reader.read_tensor(*args)
     finally:
         reader.clear()
