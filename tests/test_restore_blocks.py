@@ -185,3 +185,31 @@ def test_packed_chunks_too_are_crc32c_checked_once_per_verified_restore(tmp_path
         else:
             assert out["m"][k] == v
     assert sum(seen) == sum(r.length for r in chunks) == mgr.last_restore.verify_bytes
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_non_finite_scan_reads_each_byte_once_and_counts_each_value_once(tmp_path, monkeypatch, verify):
+    """With ``verify_before_load`` the NaN/Inf count of a tensor read straight into memory runs in the pass
+    that checks the chunks (the disk is the bottleneck there), not again in the load; without it, in the load.
+    Either way each byte is scanned once and the saved NaN/Inf are each counted once, also for two tensors
+    that share one chunk (same bytes: deduplicated)."""
+    import trainguard.distributed.chunkread as chunkread_mod
+
+    t, _ = one_chunk(tmp_path / "a")
+    with tg.CheckpointManager(tmp_path, async_save=False, check_finite="off", compression="off") as mgr:
+        mgr.save(1, {"w": t, "twin": t.clone()})
+    (rec,) = read_manifest(tmp_path, 1).chunks.values()  # the twin shares the chunk
+    scanned: list[int] = []
+    real = chunkread_mod._count_nonfinite_bytes
+
+    def counting(view, dtype):
+        scanned.append(len(view))
+        return real(view, dtype)
+
+    monkeypatch.setattr(chunkread_mod, "_count_nonfinite_bytes", counting)
+    out = {"w": torch.zeros_like(t), "twin": torch.zeros_like(t)}
+    mgr = tg.CheckpointManager(tmp_path, read_only=True, check_finite="error", verify_before_load=verify)
+    with pytest.raises(tg.SuspectCheckpointError, match="non-finite") as e:
+        mgr.restore(1, out)
+    assert "w (2 non-finite" in str(e.value) and "twin (2 non-finite" in str(e.value), str(e.value)
+    assert sum(scanned) == (1 if verify else 2) * rec.length  # verify: one scan of the shared chunk

@@ -404,12 +404,18 @@ class ChunkStore:
         block_bytes: int | None = None,
         attempts: int = READ_ATTEMPTS,
         on_block: Callable[[int], None] | None = None,
+        scan: Callable[[memoryview], int] | None = None,
+        scanned: list[int] | None = None,
     ) -> tuple[Any, ...] | None:
         """Re-read a chunk in blocks (bounded memory) and check length and CRC32C.
 
         An I/O error is retried (``attempts`` reads in all, with a doubling backoff); a length or CRC32C
         mismatch is confirmed by a second read before it is reported as damage. A chunk that passes is
         remembered as verified (deduplication against it needs no further read while its file is unchanged).
+
+        Args:
+            scan: called with each block as it is read (full blocks except the last, as :meth:`readinto`);
+                the sum over the read that passed is appended to ``scanned``.
 
         Returns:
             The :attr:`ObjectInfo.version` of the file that passed (see ``readinto(checked=...)``).
@@ -421,20 +427,27 @@ class ChunkStore:
         buf = bytearray(min(block_bytes or CRC_BLOCK_BYTES, max(rec.length, 1)))
         view = memoryview(buf)
 
+        found = 0
+
         def once(f: Any, _same: bool) -> tuple[int | None, int]:
-            crc = 0
-            total = 0
+            nonlocal found
+            crc = total = found = 0
             while True:
-                n = f.readinto(view)
+                n = f.readinto(view) if scan is None else read_full(f, view)  # a scan needs whole elements
                 if not n:
                     break
                 crc = crc32c.crc32c(view[:n], crc)
+                if scan is not None:
+                    found += scan(view[:n])
                 total += n
                 if on_block is not None:
                     on_block(n)  # a rate cap (``verify --max-bandwidth``) sleeps here
             return total, crc
 
-        return self._checked_read(rec, once, step, owners, attempts)
+        version = self._checked_read(rec, once, step, owners, attempts)
+        if scan is not None and scanned is not None:
+            scanned.append(found)
+        return version
 
     def _checked_read(
         self,
