@@ -108,3 +108,108 @@ def test_chunks_read_from_a_tier_are_still_scanned_whole(tmp_path, verify):
     )
     with node2, pytest.raises(tg.SuspectCheckpointError, match="1 non-finite"):
         node2.restore(1, {"w": live})
+
+
+def crc_bytes_counter(monkeypatch) -> list[int]:
+    """Count the bytes the chunk store computes CRC32C over (every checked read goes through it)."""
+    seen: list[int] = []
+    real = chunkstore_mod.crc32c.crc32c
+
+    class Counting:
+        @staticmethod
+        def crc32c(data, value=0):
+            seen.append(len(memoryview(data).cast("B")))
+            return real(data, value)
+
+    monkeypatch.setattr(chunkstore_mod, "crc32c", Counting)
+    return seen
+
+
+def test_a_verified_restore_computes_each_chunks_crc32c_once(tmp_path, monkeypatch):
+    """The pass before the load checks every chunk; the load reads the same files again without computing
+    the CRC32C a second time (issue 15: the verified restore's CPU)."""
+    t, rec = one_chunk(tmp_path)
+    seen = crc_bytes_counter(monkeypatch)
+    out = {"w": torch.zeros_like(t)}
+    mgr = tg.CheckpointManager(tmp_path, read_only=True, check_finite="off")
+    mgr.restore(1, out)
+    assert torch.equal(out["w"].view(torch.int32), t.view(torch.int32))
+    assert mgr.last_restore.verify_bytes == rec.length
+    assert sum(seen) == rec.length  # once, in the pass before the load (twice before)
+
+
+def test_a_chunk_replaced_between_the_check_and_the_load_is_checked_again(tmp_path, monkeypatch):
+    """A file swapped for damaged bytes after the pass checked it (a new inode: another object) is not
+    trusted: the load computes its CRC32C, finds the damage and raises."""
+    import trainguard._restore as restore_mod
+
+    t, rec = one_chunk(tmp_path)
+    real = restore_mod.verify_chunks
+    path = tmp_path / rec.path
+
+    def verify_then_swap(*a, **k):
+        n = real(*a, **k)
+        data = bytearray(path.read_bytes())
+        data[10] ^= 0x01
+        tmp = path.with_name(path.name + ".swap")
+        tmp.write_bytes(bytes(data))
+        tmp.replace(path)  # same name, new inode
+        return n
+
+    monkeypatch.setattr(restore_mod, "verify_chunks", verify_then_swap)
+    seen = crc_bytes_counter(monkeypatch)
+    out = {"w": torch.zeros_like(t)}
+    with pytest.raises(tg.CorruptCheckpointError, match="CRC32C"):
+        tg.CheckpointManager(tmp_path, read_only=True, check_finite="off").restore(1, out)
+    assert sum(seen) >= 2 * rec.length  # the swapped file's CRC32C was computed by the load
+
+
+def test_packed_chunks_too_are_crc32c_checked_once_per_verified_restore(tmp_path, monkeypatch):
+    """Small tensors share packed chunks, read whole by the loading thread while the reading threads load the
+    large ones: each chunk's CRC32C is still computed once, and every value comes back."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"s{i}": torch.randn(100 + i, generator=g) for i in range(40)}
+    state["big"] = torch.randn(ELEMS, generator=g)
+    state["meta"] = {"lr": 0.1, "name": "x"}
+    with tg.CheckpointManager(tmp_path, async_save=False, compression="off") as mgr:
+        mgr.save(1, {"m": state})
+    chunks = read_manifest(tmp_path, 1).chunks.values()
+    assert any(r.length < 4 * ELEMS for r in chunks)  # a packed chunk exists
+    seen = crc_bytes_counter(monkeypatch)
+    out = {"m": {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}}
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    mgr.restore(1, out)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out["m"][k], v), k
+        else:
+            assert out["m"][k] == v
+    assert sum(seen) == sum(r.length for r in chunks) == mgr.last_restore.verify_bytes
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_non_finite_scan_reads_each_byte_once_and_counts_each_value_once(tmp_path, monkeypatch, verify):
+    """With ``verify_before_load`` the NaN/Inf count of a tensor read straight into memory runs in the pass
+    that checks the chunks (the disk is the bottleneck there), not again in the load; without it, in the load.
+    Either way each byte is scanned once and the saved NaN/Inf are each counted once, also for two tensors
+    that share one chunk (same bytes: deduplicated)."""
+    import trainguard.distributed.chunkread as chunkread_mod
+
+    t, _ = one_chunk(tmp_path / "a")
+    with tg.CheckpointManager(tmp_path, async_save=False, check_finite="off", compression="off") as mgr:
+        mgr.save(1, {"w": t, "twin": t.clone()})
+    (rec,) = read_manifest(tmp_path, 1).chunks.values()  # the twin shares the chunk
+    scanned: list[int] = []
+    real = chunkread_mod._count_nonfinite_bytes
+
+    def counting(view, dtype):
+        scanned.append(len(view))
+        return real(view, dtype)
+
+    monkeypatch.setattr(chunkread_mod, "_count_nonfinite_bytes", counting)
+    out = {"w": torch.zeros_like(t), "twin": torch.zeros_like(t)}
+    mgr = tg.CheckpointManager(tmp_path, read_only=True, check_finite="error", verify_before_load=verify)
+    with pytest.raises(tg.SuspectCheckpointError, match="non-finite") as e:
+        mgr.restore(1, out)
+    assert "w (2 non-finite" in str(e.value) and "twin (2 non-finite" in str(e.value), str(e.value)
+    assert sum(scanned) == (1 if verify else 2) * rec.length  # verify: one scan of the shared chunk

@@ -113,7 +113,9 @@ def persist(
         if isinstance(err, NonFiniteStateError):
             discard_new_chunks(ctx, writer)
             raise err from None
-        ranks = sorted(int(r) for r in e.failures) if is_checkpoint_exception(e) else [ctx.dist.rank]
+        ranks = (
+            sorted(int(r) for r in getattr(e, "failures", {})) if is_checkpoint_exception(e) else [ctx.dist.rank]
+        )
         ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
         discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):

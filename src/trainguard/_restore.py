@@ -35,7 +35,7 @@ from .catalog import (
     record_corrupt,
     step_keys,
 )
-from .distributed.chunkread import ShardReader, load_local, local_loadable
+from .distributed.chunkread import ShardReader, finish_local, load_local, local_loadable, queue_local
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -415,13 +415,27 @@ def load(
                 scan_finite=scan_finite(ctx),
             )
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
-            # leaves them untouched (one more read, from the page cache when the checkpoint was just read)
+            # leaves them untouched (one more read, from the page cache when the checkpoint was just read;
+            # the load does not compute the CRC32C of a file checked here again)
             if ctx.verify_before_load:
-                ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template)
-            writing = True
-            if touched is not None:
-                touched.update(template)
-            load_local(template, reader)
+                try:
+                    rest = queue_local(template, reader)  # no I/O: what the load will read
+                    ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template, reader)
+                except BaseException:
+                    reader.clear()
+                    raise
+                writing = True
+                if touched is not None:
+                    touched.update(template)
+                try:
+                    finish_local(template, reader, rest)
+                finally:
+                    reader.clear()
+            else:
+                writing = True
+                if touched is not None:
+                    touched.update(template)
+                load_local(template, reader)
             known = reader.scanned()
         else:
             import torch.distributed.checkpoint as dcp
@@ -483,9 +497,17 @@ def local_numels(template: MutableMapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, Any]) -> int:
+def verify_chunks(
+    ctx: RootContext, m: Manifest, template: MutableMapping[str, Any], reader: ShardReader | None = None
+) -> int:
     """Read every chunk a load of ``template`` reads, the whole chain of delta bases of each delta chunk
     included, and check its length and CRC32C; returns the bytes read.
+
+    Args:
+        reader: the reader that loads next, its reads queued (:func:`queue_local`): it learns the version of
+            each file that passed (``ShardReader.checked``: the load does not compute that same file's CRC32C
+            again) and the NaN/Inf count of each chunk it would scan (``ShardReader.block_scans``, counted
+            here while the disk is the bottleneck, not again in the load).
 
     Raises:
         CorruptCheckpointError: a chunk is missing, unreadable or fails its check (nothing was loaded).
@@ -496,9 +518,17 @@ def verify_chunks(ctx: RootContext, m: Manifest, template: MutableMapping[str, A
     users = delta_chain_users(m, needed, owners)
     todo = [(m.chunks[h], users[h]) for h in m.chunks if h in users]
 
+    scans = reader.block_scans() if reader is not None else {}
+
     def one(item: tuple[Any, list[str] | None]) -> int:
-        ctx.store.verify(item[0], step=m.step, owners=item[1])
-        return int(item[0].length)
+        rec = item[0]
+        found: list[int] = []
+        version = ctx.store.verify(rec, step=m.step, owners=item[1], scan=scans.get(rec.hash), scanned=found)
+        if reader is not None and version is not None:  # None: copied from a tier (the load copies it)
+            reader.checked[rec.hash] = version  # one key per chunk and thread: a plain dict set
+            if found:
+                reader.prescanned(rec.hash, found[0])
+        return int(rec.length)
 
     if len(todo) <= 1:
         return sum(one(x) for x in todo)

@@ -72,7 +72,8 @@ class CheckpointManager:
         fsync: make every save durable (default True).
         durability: how chunk files are made durable. ``"auto"`` (default): after all chunks are written,
             one ``syncfs(2)`` of the run root's filesystem per rank per save when the node holds no more
-            dirty page-cache data than the save's own chunks, else an fsync of each chunk file; then the
+            dirty page-cache data than the save's own chunks (under torch.distributed: those of every rank of
+            the job on this node), else an fsync of each chunk file; then the
             renames into ``chunks/``. ``"batched"``: always ``syncfs`` (per-file fsyncs where it is
             missing). ``"per_file"``: fsync every chunk file and directory as it is written. ``syncfs``
             also flushes other processes' dirty data on that filesystem, and the save waits for it:
@@ -227,6 +228,9 @@ class CheckpointManager:
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
+        if self.dist.enabled and not read_only and hasattr(self.storage, "node_writers"):
+            # durability="auto" (LocalStorage): the ranks on this node flush their shares of a save together
+            self.storage.node_writers = self.dist.ranks_on_this_node()  # type: ignore[attr-defined]
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
         run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())

@@ -4,14 +4,10 @@ checkpoint suspect)."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
 import torch
 
 import trainguard as tg
 from trainguard.recovery.events import read_events
-from trainguard.validation.trajectory import TRAJECTORY_DIR, TrajectoryCheck, TrajectoryLog
 
 
 def noisy_launch(root, upto, *, save_last=True):

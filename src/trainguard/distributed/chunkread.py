@@ -11,10 +11,11 @@ never imports DCP (:mod:`trainguard._lazy`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +63,10 @@ class ShardReader:
         self._chunk_cache: dict[str, bytearray] = {}
         self._jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]] = []
         self._lock = threading.Lock()
+        # chunk hash -> file version whose CRC32C this process checked just before the load (the pass of
+        # ``verify_before_load``): read again without computing it a second time (``ChunkStore.readinto``)
+        self.checked: dict[str, tuple[Any, ...]] = {}
+        self._prescanned: dict[str, int] = {}  # chunk hash -> NaN/Inf count found by that pass (block_scan)
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
         entry = self.manifest.entries.get(fqn)
@@ -178,17 +183,43 @@ class ShardReader:
     def flush(self) -> None:
         """Read every queued whole chunk into its destination, CRC32C-checked, from ``threads`` threads
         (largest first: one stream at a time leaves the disk idle between files)."""
-        jobs, self._jobs = sorted(self._jobs, key=lambda j: -j[0].length), []
+        jobs, self._jobs = self._jobs, []
+        self._run(jobs)
+
+    @contextlib.contextmanager
+    def flushing(self) -> Iterator[None]:
+        """Run :meth:`flush` of the reads queued so far in a thread while the body reads the rest (values,
+        packed chunks, resharded parts), so both kinds of I/O overlap; on exit wait for those reads (also when
+        the body raised: no thread is left writing into destination tensors), raise their error, then flush
+        whatever the body queued."""
+        jobs, self._jobs = self._jobs, []  # taken here: the body may queue more meanwhile
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._run(jobs)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread after the join
+                errors.append(e)
+
+        flusher = threading.Thread(target=run, name="trainguard-read-flush", daemon=True) if jobs else None
+        if flusher is not None:
+            flusher.start()
+        try:
+            yield
+        finally:
+            if flusher is not None:
+                flusher.join()
+        if errors:
+            raise errors[0]
+        self.flush()
+
+    def _run(self, jobs: list[tuple[ChunkRecord, memoryview, str, torch.dtype]]) -> None:
+        jobs = sorted(jobs, key=lambda j: -j[0].length)
         step = self.manifest.step
 
         def one(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
             rec, view, fqn, dtype = job
-            scanning = (
-                self.scan_finite
-                and fqn not in self._unscanned
-                and len(view) > 0
-                and (dtype.is_floating_point or dtype.is_complex)
-            )
+            scanning = self._scanning(job)
             bad: int | None = None
             if rec.encoded:
                 self._decode(rec, view)
@@ -198,8 +229,11 @@ class ShardReader:
                     view,
                     step=step,
                     owners=self.owners.get(rec.hash),
-                    scan=(lambda block: _count_nonfinite_bytes(block, dtype)) if scanning else None,
+                    scan=_block_scan(dtype) if scanning and rec.hash not in self._prescanned else None,
+                    checked=self.checked.get(rec.hash),
                 )
+                if scanning and rec.hash in self._prescanned:
+                    bad = self._prescanned[rec.hash]
             if scanning:
                 if bad is None:  # decoded, or copied from a tier: the whole chunk, as it now lies in memory
                     bad = _count_nonfinite_bytes(view, dtype)
@@ -216,6 +250,37 @@ class ShardReader:
                     f.result()
         with self._lock:
             self.bytes_read += sum(job[0].length for job in jobs if not job[0].encoded)
+
+    def _scanning(self, job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> bool:
+        """Whether the reading threads count NaN/Inf of this queued read (see :meth:`scanned`)."""
+        _, view, fqn, dtype = job
+        return (
+            self.scan_finite
+            and fqn not in self._unscanned
+            and len(view) > 0
+            and (dtype.is_floating_point or dtype.is_complex)
+        )
+
+    def block_scans(self) -> dict[str, Callable[[memoryview], int]]:
+        """Chunk hash -> the NaN/Inf count per block, for every chunk whose queued reads would all be scanned
+        with one dtype: the pass that checks every chunk before the load (``verify_before_load``) runs it while
+        the disk is the bottleneck and reports each count with :meth:`prescanned`. Call after every read is
+        queued."""
+        by_chunk: dict[str, list[tuple[ChunkRecord, memoryview, str, torch.dtype]]] = {}
+        for job in self._jobs:
+            by_chunk.setdefault(job[0].hash, []).append(job)
+        return {
+            h: _block_scan(jobs[0][3])
+            for h, jobs in by_chunk.items()
+            if not jobs[0][0].encoded
+            and all(self._scanning(j) for j in jobs)
+            and len({j[3] for j in jobs}) == 1
+        }
+
+    def prescanned(self, h: str, count: int) -> None:
+        """Record the NaN/Inf count :meth:`block_scans`' function found in chunk ``h`` (the load reads it
+        without scanning again, and counts this for every tensor read from it)."""
+        self._prescanned[h] = count
 
     def scanned(self) -> dict[str, int]:
         """fqn -> NaN/Inf count for the tensors the reading threads scanned whole (``scan_finite``); a tensor
@@ -237,6 +302,7 @@ class ShardReader:
         """Drop cached chunk bytes and queued reads."""
         self._chunk_cache.clear()
         self._jobs = []
+        self._prescanned.clear()
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _chunk(self, h: str) -> bytearray:
@@ -247,7 +313,9 @@ class ShardReader:
                 buf = bytearray(rec.decoded_size)
                 self._decode(rec, memoryview(buf))
             else:
-                buf = self.store.read(rec, step=self.manifest.step, owners=self.owners.get(h))
+                buf = self.store.read(
+                    rec, step=self.manifest.step, owners=self.owners.get(h), checked=self.checked.get(h)
+                )
                 with self._lock:  # flush's threads may be counting too (TrainguardReader.read_data)
                     self.bytes_read += rec.length
             self._chunk_cache[h] = buf
@@ -294,6 +362,12 @@ def _count_nonfinite_bytes(view: memoryview, dtype: torch.dtype) -> int:
     return count_nonfinite(torch.frombuffer(view, dtype=torch.uint8).view(dtype))
 
 
+def _block_scan(dtype: torch.dtype) -> Callable[[memoryview], int]:
+    """The per-block NaN/Inf count of a chunk holding elements of ``dtype`` (``ChunkStore.readinto``'s and
+    ``ChunkStore.verify``'s ``scan``)."""
+    return lambda block: _count_nonfinite_bytes(block, dtype)
+
+
 def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bool:
     """Whether :func:`load_local` can load ``template`` exactly as ``dcp.load`` would: every destination
     tensor is a plain tensor (or ``nn.Parameter``: no DTensor or other subclass) of the saved shape, every
@@ -324,19 +398,54 @@ def load_local(template: MutableMapping[str, Any], reader: ShardReader) -> None:
         UnsafeCheckpointError: a value's payload is unsafe to decode.
     """
     try:
-        for fqn, dest in list(template.items()):
-            if not isinstance(dest, torch.Tensor):
-                template[fqn] = decode_value(reader.value_payload(fqn), fqn)
-                continue
-            entry = reader.entry(fqn)
-            assert isinstance(entry, TensorEntry)
-            for sh in entry.shards:
-                if not math.prod(sh.sizes) and entry.shape and math.prod(entry.shape):
-                    continue  # an empty shard of a non-empty tensor holds nothing
-                region = dest.detach()
-                for dim, (o, n) in enumerate(zip(sh.offsets, sh.sizes, strict=True)):
-                    region = region.narrow(dim, o, n)
-                reader.read_tensor(fqn, tuple(sh.offsets), (0,) * len(sh.sizes), tuple(sh.sizes), region)
-        reader.flush()
+        finish_local(template, reader, queue_local(template, reader))
     finally:
         reader.clear()
+
+
+def queue_local(template: MutableMapping[str, Any], reader: ShardReader) -> list[tuple[str, Any]]:
+    """First half of :func:`load_local`: queue every read that goes straight into a destination's memory (no
+    I/O yet) and return the rest (values, packed chunks) for :func:`finish_local`. Between the two the
+    reader's queued reads are known: ``verify_before_load`` checks their chunks and counts their NaN/Inf
+    (:meth:`ShardReader.block_scans`) before any byte reaches the caller's objects.
+
+    Raises:
+        CorruptCheckpointError: the manifest disagrees with itself (no entry or shard, wrong byte count).
+    """
+    rest: list[tuple[str, Any]] = []  # values (None), and shards read by the loading thread (packed chunks)
+    for fqn, dest in list(template.items()):
+        if not isinstance(dest, torch.Tensor):
+            rest.append((fqn, None))
+            continue
+        entry = reader.entry(fqn)
+        assert isinstance(entry, TensorEntry)
+        for sh in entry.shards:
+            if 0 in sh.sizes and entry.shape and 0 not in entry.shape:
+                continue  # an empty shard of a non-empty tensor holds nothing
+            region = dest.detach()
+            for dim, (o, n) in enumerate(zip(sh.offsets, sh.sizes, strict=True)):
+                region = region.narrow(dim, o, n)
+            args = (fqn, tuple(sh.offsets), (0,) * len(sh.sizes), tuple(sh.sizes), region)
+            if reader.queues_directly(*args):
+                reader.read_tensor(*args)
+            else:
+                rest.append((fqn, args))
+    return rest
+
+
+def finish_local(
+    template: MutableMapping[str, Any], reader: ShardReader, rest: list[tuple[str, Any]]
+) -> None:
+    """Second half of :func:`load_local`: the queued reads in the reading threads while this thread decodes
+    the values and reads the packed chunks of ``rest`` (:func:`queue_local`'s result).
+
+    Raises:
+        CorruptCheckpointError: a chunk fails its check, or the manifest disagrees with itself.
+        UnsafeCheckpointError: a value's payload is unsafe to decode.
+    """
+    with reader.flushing():
+        for fqn, args in rest:
+            if args is None:
+                template[fqn] = decode_value(reader.value_payload(fqn), fqn)
+            else:
+                reader.read_tensor(*args)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 from typing import Any
 
 import torch
@@ -66,15 +65,6 @@ class TrainguardReader(ShardReader, StorageReader):
         chunks of their own) run in :meth:`flush`'s threads while this thread reads the rest (values, packed
         chunks, resharded parts), so both kinds of I/O overlap."""
         fut: Future[None] = Future()  # torch.futures.Future
-        flusher: threading.Thread | None = None
-        flush_error: list[BaseException] = []
-
-        def flush() -> None:
-            try:
-                self.flush()
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread after the join
-                flush_error.append(e)
-
         try:
             deferred: list[tuple[ReadItem, torch.Tensor]] = []
             rest: list[tuple[ReadItem, torch.Tensor | None]] = []  # None: a value (BYTE_IO)
@@ -90,25 +80,15 @@ class TrainguardReader(ShardReader, StorageReader):
                 queued = self.read_tensor(*region, dest)
                 assert queued
                 deferred.append((item, dest))
-            if self._jobs:
-                flusher = threading.Thread(target=flush, name="trainguard-read-flush", daemon=True)
-                flusher.start()
-            for item, dest in rest:
-                self._read_item(item, dest, planner, deferred)
-            if flusher is not None:
-                flusher.join()
-                flusher = None
-            if flush_error:
-                raise flush_error[0]
-            self.flush()  # anything queued by the second pass
-            for item, dest in deferred:
-                planner.commit_tensor(item, dest)
+            with self.flushing():  # the queued reads in threads while this thread reads the rest
+                for item, maybe in rest:
+                    self._read_item(item, maybe, planner, deferred)
+            for item, done in deferred:
+                planner.commit_tensor(item, done)
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             fut.set_exception(e)  # type: ignore[arg-type]
         finally:
-            if flusher is not None:
-                flusher.join()  # never leave threads writing into the destination tensors
             self.clear()
         return fut
 

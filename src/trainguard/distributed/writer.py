@@ -136,7 +136,7 @@ class TrainguardWriter(StorageWriter):
             fut.set_result(results)
         except Exception as e:  # noqa: BLE001 - DCP collects it per rank
             self.store.drop_unpublished(self.staging)
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]  # torch's Future stubs type the value, not errors
         except BaseException:  # KeyboardInterrupt, SystemExit: a Future cannot hold them; they propagate
             self.store.drop_unpublished(self.staging)  # the save's finally removes its partial directory
             raise

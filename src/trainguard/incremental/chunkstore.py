@@ -316,9 +316,14 @@ class ChunkStore:
         return None
 
     def read(
-        self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None
+        self,
+        rec: ChunkRecord,
+        *,
+        step: int | None = None,
+        owners: list[str] | None = None,
+        checked: tuple[Any, ...] | None = None,
     ) -> bytearray:
-        """Read a whole chunk and check its length and CRC32C.
+        """Read a whole chunk and check its length and CRC32C (``checked``: as :meth:`readinto`).
 
         Raises:
             CorruptCheckpointError: missing, unreadable, not a regular file, wrong length or CRC32C mismatch,
@@ -330,7 +335,7 @@ class ChunkStore:
                 rec, bad, step, owners, damaged="length" in bad, unreadable=bad.startswith("cannot be read")
             )
         buf = bytearray(rec.length)
-        self.readinto(rec, memoryview(buf), step=step, owners=owners)
+        self.readinto(rec, memoryview(buf), step=step, owners=owners, checked=checked)
         return buf
 
     def readinto(
@@ -341,6 +346,7 @@ class ChunkStore:
         step: int | None = None,
         owners: list[str] | None = None,
         scan: Callable[[memoryview], int] | None = None,
+        checked: tuple[Any, ...] | None = None,
     ) -> int | None:
         """Read a whole chunk into ``out`` (exactly ``rec.length`` bytes) and check it (retries and
         confirmation as :meth:`verify`).
@@ -354,6 +360,10 @@ class ChunkStore:
             step, owners: name the checkpoint and the tensors in an error.
             scan: called with each full block (``CRC_BLOCK_BYTES``) and the chunk's last block as they are
                 read; its results are summed (a NaN/Inf count, say).
+            checked: the :attr:`ObjectInfo.version` that :meth:`verify` returned for this chunk moments ago
+                (the pass before a load). When the file opened now is that same object (same inode, size,
+                mtime and ctime), its CRC32C is not computed a second time; the length is still checked.
+                Any other file (replaced, rewritten, a tier's copy) is checked in full.
 
         Returns:
             The sum of ``scan``'s results over the read that passed the check (a retried read's blocks are not
@@ -365,7 +375,7 @@ class ChunkStore:
         out = out.cast("B") if out.format != "B" else out
         scanned = 0
 
-        def once(f: Any) -> tuple[int | None, int]:
+        def once(f: Any, same: bool) -> tuple[int | None, int]:
             nonlocal scanned
             got = crc = scanned = 0
             while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
@@ -374,14 +384,15 @@ class ChunkStore:
                 if got < end:  # shorter than recorded: the length check below reports it
                     break
                 block = out[start:end]
-                crc = crc32c.crc32c(block, crc)
+                if not same:
+                    crc = crc32c.crc32c(block, crc)
                 if scan is not None:
                     scanned += scan(block)
             if got != rec.length or f.read(1):
                 return None, 0
-            return got, crc
+            return got, rec.crc32c if same else crc
 
-        self._checked_read(rec, once, step, owners, READ_ATTEMPTS)
+        self._checked_read(rec, once, step, owners, READ_ATTEMPTS, checked=checked)
         return scanned if scan is not None else None
 
     def verify(
@@ -393,12 +404,21 @@ class ChunkStore:
         block_bytes: int | None = None,
         attempts: int = READ_ATTEMPTS,
         on_block: Callable[[int], None] | None = None,
-    ) -> None:
+        scan: Callable[[memoryview], int] | None = None,
+        scanned: list[int] | None = None,
+    ) -> tuple[Any, ...] | None:
         """Re-read a chunk in blocks (bounded memory) and check length and CRC32C.
 
         An I/O error is retried (``attempts`` reads in all, with a doubling backoff); a length or CRC32C
         mismatch is confirmed by a second read before it is reported as damage. A chunk that passes is
         remembered as verified (deduplication against it needs no further read while its file is unchanged).
+
+        Args:
+            scan: called with each block as it is read (full blocks except the last, as :meth:`readinto`);
+                the sum over the read that passed is appended to ``scanned``.
+
+        Returns:
+            The :attr:`ObjectInfo.version` of the file that passed (see ``readinto(checked=...)``).
 
         Raises:
             CorruptCheckpointError: ``damaged`` for a confirmed mismatch, ``unreadable`` for a persisting I/O
@@ -407,26 +427,42 @@ class ChunkStore:
         buf = bytearray(min(block_bytes or CRC_BLOCK_BYTES, max(rec.length, 1)))
         view = memoryview(buf)
 
-        def once(f: Any) -> tuple[int | None, int]:
-            crc = 0
-            total = 0
+        found = 0
+
+        def once(f: Any, _same: bool) -> tuple[int | None, int]:
+            nonlocal found
+            crc = total = found = 0
             while True:
-                n = f.readinto(view)
+                n = f.readinto(view) if scan is None else read_full(f, view)  # a scan needs whole elements
                 if not n:
                     break
                 crc = crc32c.crc32c(view[:n], crc)
+                if scan is not None:
+                    found += scan(view[:n])
                 total += n
                 if on_block is not None:
                     on_block(n)  # a rate cap (``verify --max-bandwidth``) sleeps here
             return total, crc
 
-        self._checked_read(rec, once, step, owners, attempts)
+        version = self._checked_read(rec, once, step, owners, attempts)
+        if scan is not None and scanned is not None:
+            scanned.append(found)
+        return version
 
     def _checked_read(
-        self, rec: ChunkRecord, once: Any, step: int | None, owners: list[str] | None, attempts: int
-    ) -> None:
-        """Run ``once(file) -> (length read or None, crc32c)`` on the chunk's file until it matches ``rec``,
-        retrying I/O errors and confirming a mismatch by one more read."""
+        self,
+        rec: ChunkRecord,
+        once: Any,
+        step: int | None,
+        owners: list[str] | None,
+        attempts: int,
+        *,
+        checked: tuple[Any, ...] | None = None,
+    ) -> tuple[Any, ...]:
+        """Run ``once(file, same) -> (length read or None, crc32c)`` on the chunk's file until it matches
+        ``rec``, retrying I/O errors and confirming a mismatch by one more read; ``same``: the file is the
+        object version ``checked`` (its CRC32C was checked by this process moments ago). Returns the version
+        of the file that matched."""
         io_errors = 0
         mismatches = 0
         if self._io_streak >= 3:  # the storage is unreadable, not this chunk: one attempt is enough
@@ -439,7 +475,7 @@ class ChunkStore:
                     if info.size != rec.length:  # a sparse 64 GiB file is never read
                         total, crc = info.size, 0
                     else:
-                        total, crc = once(f)
+                        total, crc = once(f, checked is not None and info.version == checked and not mismatches)
             except FileNotFoundError:
                 raise self._corrupt(rec, "is missing", step, owners) from None
             except UnsafeFileError as e:
@@ -469,7 +505,7 @@ class ChunkStore:
             else:
                 self._io_streak = 0
                 self._remember(rec.hash, info)
-                return
+                return info.version
             mismatches += 1
             if mismatches >= 2:  # confirmed by a second read: the bytes on storage are wrong
                 self._forget(rec.hash)

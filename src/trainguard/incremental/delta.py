@@ -133,7 +133,7 @@ class SaveEncoder:
         (all pinned in ``store``; the caller unpins them after the commit), and whether a chunk was written."""
         raw_hash = xxhash.xxh3_128_hexdigest(view) if key is not None else ""
         prev = self.state.prev.get(key) if key is not None else None
-        if prev is not None and prev.raw_hash == raw_hash and len(prev.chain):
+        if key is not None and prev is not None and prev.raw_hash == raw_hash and len(prev.chain):
             if self._reuse(store, prev):
                 self._remember(key, Piece(raw_hash, prev.chain, prev.data), reused=True)
                 return prev.chain, False
@@ -163,8 +163,8 @@ class SaveEncoder:
         if use_delta:
             assert prev is not None and prev.data is not None
             word = delta_word(itemsize)
-            d = delta_encode(view, memoryview(prev.data), self.state.delta_op, word)
-            dstored = compress(memoryview(d).cast("B"), word)
+            d = delta_encode(view, prev.data.data, self.state.delta_op, word)
+            dstored = compress(d.data.cast("B"), word)
             # the base chain must still be intact on storage (pinned from here on while it is used)
             if len(dstored) < len(stored) and self._reuse(store, prev):
                 stored = dstored

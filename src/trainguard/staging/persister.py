@@ -38,6 +38,11 @@ log = logging.getLogger("trainguard")
 POLL_S = 0.05
 
 
+PERSIST_NICE = 10
+"""Nice value of the async persist thread and the writer threads it starts (Linux: per thread), so that the
+training thread keeps its CPU while a save persists."""
+
+
 @dataclass(frozen=True)
 class SaveRequest:
     """What a background save persists: the staged state and what the manifest records.
@@ -235,7 +240,7 @@ class AsyncPersister:
     def _work(self) -> None:
         q = self._queue
         try:  # lower this thread's CPU priority (its writer threads inherit it): training keeps the CPU
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICE)
         except (AttributeError, OSError):
             pass
         while True:

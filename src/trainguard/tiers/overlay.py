@@ -197,14 +197,20 @@ class TierChunkStore(ChunkStore):
 
     def verify(
         self, rec: ChunkRecord, *, step: int | None = None, owners: list[str] | None = None, **kw: Any
-    ) -> None:
-        """Check the chunk where the load will read it (``verify_before_load``): on the hot root, else read from
-        the first tier holding it intact and kept in :attr:`fetched` (the load then copies it, not read again)."""
-        intact, hot_err = self._on_hot(
-            rec, lambda: ChunkStore.verify(self, rec, step=step, owners=owners, **kw)
-        )
+    ) -> tuple[Any, ...] | None:
+        """Check the chunk where the load will read it (``verify_before_load``): on the hot root (returns the
+        version checked, as :meth:`ChunkStore.verify`), else read from the first tier holding it intact and
+        kept in :attr:`fetched` (the load then copies it, not read again; returns None)."""
+        version: list[tuple[Any, ...] | None] = [None]
+
+        def hot() -> None:
+            version[0] = ChunkStore.verify(self, rec, step=step, owners=owners, **kw)
+
+        intact, hot_err = self._on_hot(rec, hot)
         if not intact:
             self._from_tiers(rec, step, owners, hot_err)
+            return None
+        return version[0]
 
     def readinto(
         self,
@@ -214,6 +220,7 @@ class TierChunkStore(ChunkStore):
         step: int | None = None,
         owners: list[str] | None = None,
         scan: Callable[[memoryview], int] | None = None,
+        checked: tuple[Any, ...] | None = None,
     ) -> int | None:
         """As :meth:`ChunkStore.readinto`; ``scan`` runs only on the hot root's read (None is returned for a
         chunk copied from a tier: the caller scans it whole)."""
@@ -226,7 +233,9 @@ class TierChunkStore(ChunkStore):
         scanned: list[int | None] = [None]
 
         def hot() -> None:
-            scanned[0] = ChunkStore.readinto(self, rec, out, step=step, owners=owners, scan=scan)
+            scanned[0] = ChunkStore.readinto(
+                self, rec, out, step=step, owners=owners, scan=scan, checked=checked
+            )
 
         intact, hot_err = self._on_hot(rec, hot)
         if not intact:
