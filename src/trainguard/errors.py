@@ -249,6 +249,13 @@ class ResumeDivergedError(TrainguardError):
         self.suspect_steps = list(suspect_steps or [])
 
 
+class ResumeNotExactWarning(RuntimeWarning):
+    """A resume that is likely not bit-exact, found without stopping the run: a ``ResumableSampler`` restored
+    mid-epoch inside a ``DataLoader`` that draws its seed from the global torch RNG, or (trajectory check) a
+    same-step loss after a restore that stayed within the trip tolerance but was not reproduced. Filter it with
+    ``warnings.filterwarnings("ignore", category=tg.ResumeNotExactWarning)`` where that is intended."""
+
+
 class TierUploadError(TrainguardError):
     """Checkpoints were not uploaded to a tier within ``upload_timeout_s`` (or every retry failed). The hot
     checkpoints are intact; a new manager with the same tiers uploads what is missing.

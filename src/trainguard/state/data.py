@@ -12,6 +12,7 @@ continues that epoch correctly but shuffles the *following* epochs differently f
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ResumeNotExactWarning
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -28,6 +29,28 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> np
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch)]).permutation(n).astype(np.int64)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of the ``DataLoader`` generator for ``epoch`` (int in ``[0, 2**63)``): the base seed of its
+    worker processes is drawn from it, never from the global torch RNG."""
+    return (int(seed) * 1_000_003 + int(epoch)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+_LOADER_KWARGS_SET = ("sampler", "batch_sampler", "shuffle", "generator")
+
+
+class EpochSeededDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose generator is reseeded from the sampler's
+    ``(seed, epoch)`` at every ``iter()``: the loader never draws from the global torch RNG, and its workers get
+    the base seed an uninterrupted run gives them in the same epoch. Built by
+    :meth:`ResumableSampler.dataloader`."""
+
+    def __iter__(self) -> Any:
+        s = self.sampler
+        assert isinstance(s, ResumableSampler) and self.generator is not None
+        self.generator.manual_seed(epoch_seed(s.seed, s.epoch))
+        return super().__iter__()
 
 
 class ResumableSampler(Sampler[int]):
@@ -43,6 +66,13 @@ class ResumableSampler(Sampler[int]):
         world_size: the number of ranks sharing every epoch (1: one process takes all samples).
 
     State (``state_dict``): ``epoch`` and ``start`` (global samples of the epoch already consumed).
+
+    Build the ``DataLoader`` with :meth:`dataloader`, not ``DataLoader(dataset, sampler=sampler)``: a
+    ``DataLoader`` without its own ``generator`` draws its base seed from the global torch RNG at every
+    ``iter()``, and a resumed run calls ``iter()`` once more (at the restore, mid-epoch) than the run it
+    continues, so every later random draw (dropout masks) differs although ``RNGState`` is in the state. A
+    sampler restored mid-epoch warns (:class:`~trainguard.errors.ResumeNotExactWarning`) when its first
+    ``iter()`` is not from :meth:`dataloader` or :class:`ResumableLoader`.
     """
 
     def __init__(
@@ -59,8 +89,56 @@ class ResumableSampler(Sampler[int]):
         self.world_size = world_size
         self.epoch = 0
         self.start = 0
+        self._seeded_loader = False
+        self._resumed_mid_epoch = False
+
+    def dataloader(self, dataset: Dataset[Any], **loader_kwargs: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` with this sampler whose resume is bit-exact.
+
+        Its generator is reseeded from ``(seed, epoch)`` at every ``iter()`` (as :class:`ResumableLoader`
+        does), so iterating it never draws from the global torch RNG, and worker processes
+        (``num_workers > 0``) get the same base seed as in an uninterrupted run of that epoch. Random draws in
+        workers are then exact from the epoch after a mid-epoch resume on; within the resumed epoch a worker
+        starts fresh, so per-sample randomness there is exact only when derived from the sample index. Set
+        ``sampler.epoch`` before each epoch's ``iter()`` and advance ``sampler.start`` per batch, as for any
+        use of this sampler. ``persistent_workers=True`` keeps the seeds of the epoch its workers started in.
+
+        Args:
+            dataset: a map-style dataset of ``num_samples`` samples.
+            **loader_kwargs: passed to ``DataLoader`` (batch_size, num_workers, collate_fn, drop_last, ...).
+
+        Returns:
+            A ``DataLoader`` (an :class:`EpochSeededDataLoader`).
+
+        Raises:
+            ConfigError: ``sampler``, ``batch_sampler``, ``shuffle`` or ``generator`` is given (set here), or
+                ``len(dataset)`` is not ``num_samples``.
+        """
+        for bad in _LOADER_KWARGS_SET:
+            if bad in loader_kwargs:
+                raise ConfigError(f"ResumableSampler.dataloader sets {bad!r} itself; remove it from the arguments")
+        n = len(dataset)  # type: ignore[arg-type]
+        if n != self.num_samples:
+            raise ConfigError(
+                f"the dataset has {n} samples but this ResumableSampler was built for {self.num_samples}; "
+                "build the sampler with ResumableSampler(len(dataset), ...)"
+            )
+        self._seeded_loader = True
+        return EpochSeededDataLoader(dataset, sampler=self, generator=torch.Generator(), **loader_kwargs)
 
     def __iter__(self) -> Iterator[int]:
+        if self._resumed_mid_epoch:
+            self._resumed_mid_epoch = False
+            if not self._seeded_loader:
+                warnings.warn(
+                    f"trainguard: ResumableSampler resumed mid-epoch (epoch {self.epoch}, start {self.start}) "
+                    "outside ResumableSampler.dataloader() and ResumableLoader: a DataLoader without its own "
+                    "generator draws its seed from the global torch RNG at every iter(), so this resume is not "
+                    "bit-exact (dropout and every later random draw shift). Build the loader with "
+                    "sampler.dataloader(dataset, batch_size=..., ...) or use tg.ResumableLoader",
+                    ResumeNotExactWarning,
+                    stacklevel=2,
+                )
         perm = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
         return iter(perm[self.start + self.rank :: self.world_size][: len(self)].tolist())
 
@@ -79,6 +157,7 @@ class ResumableSampler(Sampler[int]):
                 f"sampler state is for {sd['num_samples']} samples, this dataset has {self.num_samples}"
             )
         self.epoch, self.start, self.seed = int(sd["epoch"]), int(sd["start"]), int(sd["seed"])
+        self._resumed_mid_epoch = self.start > 0
 
 
 class ResumableLoader:
@@ -116,7 +195,7 @@ class ResumableLoader:
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        for bad in ("sampler", "batch_sampler", "shuffle", "generator"):
+        for bad in _LOADER_KWARGS_SET:
             if bad in loader_kwargs:
                 raise ConfigError(f"ResumableLoader sets {bad!r} itself; remove it from the arguments")
         self.dataset = dataset
@@ -124,6 +203,7 @@ class ResumableLoader:
         self.drop_last = drop_last
         n = len(dataset)  # type: ignore[arg-type]
         self.sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+        self.sampler._seeded_loader = True
         self._gen = torch.Generator()
         self.loader_kwargs = loader_kwargs
 
@@ -139,7 +219,7 @@ class ResumableLoader:
         s = self.sampler
         if len(s) == 0 or (self.drop_last and len(s) < self.batch_size):
             s.epoch, s.start = s.epoch + 1, 0
-        self._gen.manual_seed((s.seed * 1_000_003 + s.epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+        self._gen.manual_seed(epoch_seed(s.seed, s.epoch))
         loader = DataLoader(
             self.dataset,
             batch_size=self.batch_size,

@@ -233,7 +233,7 @@ class Validation:
                 "training (data order, DataLoader seed, RNG streams, dropout) was not restored exactly; a "
                 "DataLoader without its own generator= is a common cause (use ResumableLoader or "
                 "ResumableSampler.dataloader)",
-                RuntimeWarning,
+                ResumeNotExactWarning,
                 stacklevel=4,
             )
         confirmed = tr.confirm()
