@@ -567,8 +567,11 @@ def mark_corrupt(ctx: RootContext, step: int, err: CorruptCheckpointError) -> No
         return
     if err.chunk and not err.damaged:
         return
+    moved = None
     if err.chunk and not ctx.read_only:
         moved = ctx.store.quarantine(err.chunk)
         if moved:
             log.warning("moved corrupt chunk %s aside to %s", err.chunk, moved)
-    record_corrupt(ctx.storage, step, str(err), chunk=err.chunk, tensors=err.tensors, fsync=ctx.fsync)
+    record_corrupt(
+        ctx.storage, step, str(err), chunk=err.chunk, tensors=err.tensors, moved_to=moved, fsync=ctx.fsync
+    )

@@ -297,16 +297,19 @@ def record_corrupt(
     *,
     chunk: str | None = None,
     tensors: list[str] | None = None,
+    moved_to: str | None = None,
     fsync: bool = True,
 ) -> bool:
-    """Condemn ``step`` (``corrupt.json``) after a confirmed mismatch. Returns False when it could not be
-    written (read-only root)."""
+    """Condemn ``step`` (``corrupt.json``) after a confirmed mismatch; ``moved_to``: where the chunk's bytes
+    were quarantined. Returns False when it could not be written (read-only root)."""
     body: dict[str, object] = {
         "problem": problem,
         "chunk": chunk,
         "tensors": list(tensors or []),
         "time": iso(),
     }
+    if moved_to is not None:
+        body["moved_to"] = moved_to
     return _write_record(as_storage(root), f"{step_dir_name(step)}/{CORRUPT_MARKER}", body, fsync)
 
 
@@ -362,6 +365,8 @@ def inspect_step(
         if bad is not None and bad.startswith("cannot be read"):  # an I/O error (EACCES...): not damage
             unreadable = unreadable or f"chunk {rec.path} {bad}; not marked corrupt"
         elif bad is not None:
+            if bad == "is missing":  # moved aside by a restore that found it corrupt: say so, not "missing"
+                bad = moved_aside(storage, step, rec.path) or bad
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
     if problem is not None and not is_committed(storage, step):
@@ -394,6 +399,30 @@ def inspect_step(
         new_bytes=m.new_bytes,
         logical_bytes=m.logical_bytes,
     ), m
+
+
+def moved_aside(storage: Storage, step: int, path: str) -> str | None:
+    """Why the chunk ``path`` of ``step`` is gone when a restore found it corrupt and quarantined it
+    (``<path>.corrupt-<time>``): the recorded problem and where its bytes are; None when it was not moved aside
+    (it is really missing). One listing of the chunk's directory, only for a chunk already missing."""
+    marker = corrupt_marker(storage, step)
+    recorded = marker.get("problem") if marker is not None and marker.get("chunk") == path else None
+    moved = marker.get("moved_to") if marker is not None and marker.get("chunk") == path else None
+    if not isinstance(moved, str):
+        d, _, name = path.rpartition("/")
+        try:
+            copies = sorted(e.name for e in storage.list(d) if e.name.startswith(f"{name}.corrupt-"))
+        except OSError:
+            copies = []
+        moved = f"{d}/{copies[-1]}" if copies else None
+    if moved is None and not isinstance(recorded, str):
+        return None
+    text = "was found corrupt by a restore and moved aside (quarantined)"
+    if moved is not None:
+        text += f" to {storage.location(moved)}"
+    if isinstance(recorded, str):
+        text += f"; recorded in {step_dir_name(step)}/{CORRUPT_MARKER}: {recorded}"
+    return text
 
 
 def where_of(root: str | os.PathLike[str] | Storage) -> str:

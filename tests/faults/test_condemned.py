@@ -415,3 +415,32 @@ def test_storage_full_names_the_step_that_keep_1_keeps_and_what_it_frees(saved):
         commit_save(mgr, 4, make_state(4))
         assert [i.step for i in mgr.checkpoints()] == [4]
     assert manifest_path(saved, 4).exists()
+
+
+def test_a_quarantined_chunk_is_reported_as_found_corrupt_and_moved_aside_not_missing(saved):
+    """Tester report 5, finding 4: after a restore quarantined a bit-flipped chunk, ls, ls --json, status and
+    the next launch's NoValidCheckpointError said "chunk ... is missing"; they name the CRC32C mismatch and
+    where the bytes went."""
+    recs = {}
+    for s in STEPS:
+        recs[s] = next(
+            r for h, r in read_manifest_json(saved, s)["chunks"].items() if owners_of(saved, s, h) == ["model.big"]
+        )
+        flip_bit(saved / recs[s]["path"], 5, 1)
+    with tg.CheckpointManager(saved) as mgr, pytest.raises(tg.NoValidCheckpointError):
+        mgr.restore_latest(blank_state())
+    marker = json.loads((saved / "step-000000003" / "corrupt.json").read_text())
+    [moved] = list((saved / recs[3]["path"]).parent.glob(Path(recs[3]["path"]).name + ".corrupt-*"))
+    assert marker["moved_to"] == recs[3]["path"] + moved.name[len(Path(recs[3]["path"]).name) :]
+    rows = ls_json(saved)
+    for s in STEPS:
+        problem = rows[s]["problem"]
+        assert rows[s]["status"] == "corrupt" and "is missing" not in problem, problem
+        assert "found corrupt by a restore and moved aside" in problem and "CRC32C" in problem, problem
+    assert str(moved) in rows[3]["problem"]
+    out = CliRunner().invoke(cli, ["ls", str(saved)]).output
+    assert "moved aside" in out and "is missing" not in out, out
+    assert "is missing" not in CliRunner().invoke(cli, ["status", str(saved)]).output
+    with tg.CheckpointManager(saved) as mgr, pytest.raises(tg.NoValidCheckpointError) as ei:
+        mgr.restore_latest(blank_state())
+    assert "moved aside" in str(ei.value) and "is missing" not in str(ei.value), str(ei.value)
