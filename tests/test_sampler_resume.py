@@ -31,7 +31,11 @@ def train(root, steps: int, *, stop_at: int | None = None, plain: bool = False) 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = tg.ResumableSampler(N, seed=7)
     ds = dataset()
-    dl = DataLoader(ds, batch_size=BATCH, sampler=sampler) if plain else sampler.dataloader(ds, batch_size=BATCH)
+    dl = (
+        DataLoader(ds, batch_size=BATCH, sampler=sampler)
+        if plain
+        else sampler.dataloader(ds, batch_size=BATCH)
+    )
     state = {"model": model, "optim": optim, "sampler": sampler, "rng": tg.RNGState()}
     with tg.CheckpointManager(root, save_policy=tg.EveryNSteps(10), trajectory_steps=0, keep=None) as mgr:
         step = mgr.restore_latest(state) or 0
@@ -65,7 +69,9 @@ def test_a_plain_dataloader_resumed_mid_epoch_warns_and_is_not_exact(tmp_path):
     """The construction the README used to show: the warning names the fix; the divergence is real."""
     straight = train(tmp_path / "a", 40, plain=True)
     train(tmp_path / "b", 40, stop_at=20, plain=True)
-    with pytest.warns(tg.ResumeNotExactWarning, match=r"resumed mid-epoch \(epoch 1, start 112\).*dataloader"):
+    with pytest.warns(
+        tg.ResumeNotExactWarning, match=r"resumed mid-epoch \(epoch 1, start 112\).*dataloader"
+    ):
         resumed = train(tmp_path / "b", 40, plain=True)
     assert any(not torch.equal(straight[k], resumed[k]) for k in straight)
 

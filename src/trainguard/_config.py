@@ -205,6 +205,57 @@ def open_writer(
     return events, metrics, lock_writer(root, dist, events, cleanup, name)
 
 
+def check_supervisor_root(root: Path, events: EventLog, url: str | None = None) -> str | None:
+    """Under ``trainguard run`` (``$TRAINGUARD_RUN_ID`` set): warn when this writer's run root is not the
+    supervisor's (``$TRAINGUARD_ROOT``, its ``--root``), compared as resolved paths (a URL root by the local
+    directory that holds its event log).
+
+    The supervisor learns of restores (``restore_failed``: exit 5 at once; the restored step of its TTR report)
+    only from the event log of its own root, so a job writing elsewhere burns its restarts. A job may open a
+    second writer on purpose (an evaluation root), so this warns, never refuses: a ``RuntimeWarning``, a
+    ``root_mismatch`` event in this root's log and one in the supervisor's (which names it when it gives up).
+
+    Args:
+        root: this writer's (local) run root.
+        events: its event log.
+        url: the URL of a URL run root whose local directory ``root`` is.
+
+    Returns:
+        The warning text, or None when the roots agree or no supervisor is watching.
+    """
+    import warnings
+
+    from .recovery.config import ROOT_ENV, RUN_ID_ENV
+
+    sup = os.environ.get(ROOT_ENV)
+    if not sup or not os.environ.get(RUN_ID_ENV):
+        return None
+    try:
+        if Path(sup).resolve() == root.resolve():
+            return None
+    except (OSError, RuntimeError):
+        pass
+    mine = url or str(root)
+    msg = (
+        f"trainguard: this CheckpointManager writes the run root {mine}, but `trainguard run` watches {sup} "
+        f"($TRAINGUARD_ROOT, its --root): the supervisor does not see this job's restores, so a root with no "
+        f"valid checkpoint cannot stop it (exit 5) and its restarts are spent; its report says 'restored step "
+        f"unknown'. Fix: run `trainguard run --root {mine} -- ...`, or open the manager with "
+        "root=os.environ['TRAINGUARD_ROOT']. (A second manager on purpose, e.g. for evaluation, may ignore this.)"
+    )
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    events.write("root_mismatch", root=mine, supervisor_root=sup)
+    try:  # in the supervisor's log too: it reads only its own root
+        other = EventLog(Path(sup), "manager")
+    except OSError:
+        return msg
+    try:
+        other.write("root_mismatch", root=mine, supervisor_root=sup)
+    finally:
+        other.close()
+    return msg
+
+
 def lock_writer(
     root: Path, dist: Any, events: EventLog, cleanup: Callable[[], None], name: str | None = None
 ) -> RootLock | None:

@@ -75,6 +75,7 @@ OWN_EVENTS = frozenset(
         "resume_diverged",
         "resume_confirmed",
         "resume_not_reproduced",
+        "root_mismatch",
         "scrub",
         "tier_upload",
         "tier_restore",

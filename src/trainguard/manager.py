@@ -24,6 +24,7 @@ from . import _restore
 from ._config import (
     check_distributed_options,
     check_options,
+    check_supervisor_root,
     open_storage,
     open_writer,
     root_problem,
@@ -320,6 +321,8 @@ class CheckpointManager:
                 raise
         self._exit_flush = register_exit_flush(self, str(self.root))  # an async save is never lost at exit
         self._events.write("manager_start", root=str(self.root), new_run=self.new_run)
+        if self.dist.rank == 0:
+            check_supervisor_root(self.root, self._events, self.url)
         self.validation.start_writer(self.run.run_id, tiers=self._tiers)
         self._scrubber = self.validation.scrubber
 

@@ -424,7 +424,9 @@ def test_a_quarantined_chunk_is_reported_as_found_corrupt_and_moved_aside_not_mi
     recs = {}
     for s in STEPS:
         recs[s] = next(
-            r for h, r in read_manifest_json(saved, s)["chunks"].items() if owners_of(saved, s, h) == ["model.big"]
+            r
+            for h, r in read_manifest_json(saved, s)["chunks"].items()
+            if owners_of(saved, s, h) == ["model.big"]
         )
         flip_bit(saved / recs[s]["path"], 5, 1)
     with tg.CheckpointManager(saved) as mgr, pytest.raises(tg.NoValidCheckpointError):

@@ -91,7 +91,9 @@ def test_a_confirmed_resume_is_not_judged_past_the_failure_point(tmp_path):
     """Steps 16-18 match the launch that died: the restore is confirmed and the check ends there; what the loss
     does past the failure point (new territory) never condemns the checkpoints."""
     launch(tmp_path, 18)
-    start, _ = launch(tmp_path, 40, scale_from=22, scale=30.0)  # fine until 22, past the last logged step (18)
+    start, _ = launch(
+        tmp_path, 40, scale_from=22, scale=30.0
+    )  # fine until 22, past the last logged step (18)
     assert start == 15
     assert not list(read_events(tmp_path, event="resume_diverged"))
     [ev] = read_events(tmp_path, event="resume_confirmed")
@@ -176,7 +178,9 @@ def test_an_inexact_resume_is_reported_not_confirmed(tmp_path):
 def test_check_same_step_confirmation_and_band(tmp_path):
     chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.0}, median=None, mad=0.1)
     assert chk.check(11, 1.0) is None  # bit-exact
-    assert chk.check(12, 1.7) is not None and not chk.confirmed  # beyond 6 MAD of the losses before the checkpoint
+    assert (
+        chk.check(12, 1.7) is not None and not chk.confirmed
+    )  # beyond 6 MAD of the losses before the checkpoint
     chk = TrajectoryCheck(restored_step=10, window=6, reference={11: 1.0, 12: 1.1}, median=None, mad=0.1)
     assert chk.check(11, 1.00005) is None and not chk.confirmed  # within EXACT_REL; step 12 not seen yet
     assert chk.check(12, 1.1) is None and chk.confirmed and chk.max_rel == pytest.approx(5e-5)

@@ -127,6 +127,8 @@ class Supervisor:
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
         self._no_valid: str | None = None  # the attempt's restore_failed problem (NoValidCheckpointError)
+        self._job_used_root = False  # a record of the job (its CheckpointManager) arrived in the root's log
+        self._root_mismatch: str | None = None  # the root a job's manager writes instead (root_mismatch)
         self._stop_t: float | None = None
         self._job: Job | None = None
         self._recoveries: list[RecoveryTiming] = []
@@ -204,6 +206,16 @@ class Supervisor:
         for rec in records:
             if rec.get("event") == "restore_failed" and rec.get("error") == "NoValidCheckpointError":
                 self._no_valid = str(rec.get("problem") or "no valid checkpoint")
+            if rec.get("event") == "root_mismatch":
+                if self._root_mismatch is None:
+                    self._echo(
+                        f"[trainguard] warning: the job's CheckpointManager writes {rec.get('root')}, not the run "
+                        f"root {self.root}: restores there are invisible to this supervisor (pass --root "
+                        f"{rec.get('root')})"
+                    )
+                self._root_mismatch = str(rec.get("root"))
+            else:
+                self._job_used_root = True
         if self._metrics is not None:
             self._metrics.observe_all(records)
         if pending is not None and not pending.done:
@@ -578,8 +590,13 @@ class Supervisor:
             )
             self._echo(f"[trainguard] stopped by {signal.Signals(signum).name}: not restarting")
         elif status in ("gave_up", "spawn_failed"):
-            self._log.write("give_up", reason=reason, exit_code=exit_code, attempts=len(self._attempts))
+            hint = self._root_hint() if status == "gave_up" else None
+            self._log.write(
+                "give_up", reason=reason, exit_code=exit_code, attempts=len(self._attempts), root_hint=hint
+            )
             self._echo(f"[trainguard] giving up ({reason}): exit {exit_code}")
+            if hint:
+                self._echo(f"[trainguard] {hint}")
         return RunResult(
             exit_code=EXIT_SIGNAL_BASE if exit_code is None else exit_code,
             status=status,
@@ -592,6 +609,22 @@ class Supervisor:
             event_log=str(self._log.path),
             error=self._spawn_error,
         )
+
+    def _root_hint(self) -> str | None:
+        """When giving up: say that the job never used the run root (its restores were not seen), or None."""
+        if self._root_mismatch is not None:
+            return (
+                f"the job's CheckpointManager wrote {self._root_mismatch}, not the run root {self.root}: this "
+                f"supervisor never saw its restores (exit 5 for 'no valid checkpoint' could not fire); rerun with "
+                f"--root {self._root_mismatch}, or open the manager with root=os.environ['TRAINGUARD_ROOT']"
+            )
+        if not self._job_used_root:
+            return (
+                f"the job never used the run root {self.root} (no event of a CheckpointManager there): if its "
+                "checkpoints are elsewhere, pass that root with --root, or open the manager with "
+                "root=os.environ['TRAINGUARD_ROOT']"
+            )
+        return None
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if not self.config.forward_signals or threading.current_thread() is not threading.main_thread():

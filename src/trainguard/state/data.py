@@ -116,7 +116,9 @@ class ResumableSampler(Sampler[int]):
         """
         for bad in _LOADER_KWARGS_SET:
             if bad in loader_kwargs:
-                raise ConfigError(f"ResumableSampler.dataloader sets {bad!r} itself; remove it from the arguments")
+                raise ConfigError(
+                    f"ResumableSampler.dataloader sets {bad!r} itself; remove it from the arguments"
+                )
         n = len(dataset)  # type: ignore[arg-type]
         if n != self.num_samples:
             raise ConfigError(

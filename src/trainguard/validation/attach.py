@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import ResumeNotExactWarning
 from . import finite, hooks
 
 
