@@ -35,7 +35,7 @@ from ._time import iso
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError, UnsafeFileError
 from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
 from .format.manifest import DTYPE_ITEMSIZE
-from .incremental.chunkstore import ChunkStore
+from .incremental.chunkstore import MOVED_ASIDE, ChunkStore
 from .storage.base import Storage, as_storage
 from .storage.retry import READ_ATTEMPTS, retry_transient
 from .storage.safeio import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
@@ -365,8 +365,8 @@ def inspect_step(
         if bad is not None and bad.startswith("cannot be read"):  # an I/O error (EACCES...): not damage
             unreadable = unreadable or f"chunk {rec.path} {bad}; not marked corrupt"
         elif bad is not None:
-            if bad == "is missing":  # moved aside by a restore that found it corrupt: say so, not "missing"
-                bad = moved_aside(storage, step, rec.path) or bad
+            if bad.startswith(MOVED_ASIDE) or bad == "is missing":  # quarantined by a restore: what it found
+                bad += recorded_problem(storage, step, rec.path)
             problem, bad_chunk = f"chunk {rec.path} {bad}", rec.path
             break
     if problem is not None and not is_committed(storage, step):
@@ -401,28 +401,13 @@ def inspect_step(
     ), m
 
 
-def moved_aside(storage: Storage, step: int, path: str) -> str | None:
-    """Why the chunk ``path`` of ``step`` is gone when a restore found it corrupt and quarantined it
-    (``<path>.corrupt-<time>``): the recorded problem and where its bytes are; None when it was not moved aside
-    (it is really missing). One listing of the chunk's directory, only for a chunk already missing."""
+def recorded_problem(storage: Storage, step: int, path: str) -> str:
+    """``"; recorded in step-N/corrupt.json: <problem>"`` when ``step``'s marker names the chunk ``path``,
+    else ``""``."""
     marker = corrupt_marker(storage, step)
-    recorded = marker.get("problem") if marker is not None and marker.get("chunk") == path else None
-    moved = marker.get("moved_to") if marker is not None and marker.get("chunk") == path else None
-    if not isinstance(moved, str):
-        d, _, name = path.rpartition("/")
-        try:
-            copies = sorted(e.name for e in storage.list(d) if e.name.startswith(f"{name}.corrupt-"))
-        except OSError:
-            copies = []
-        moved = f"{d}/{copies[-1]}" if copies else None
-    if moved is None and not isinstance(recorded, str):
-        return None
-    text = "was found corrupt by a restore and moved aside (quarantined)"
-    if moved is not None:
-        text += f" to {storage.location(moved)}"
-    if isinstance(recorded, str):
-        text += f"; recorded in {step_dir_name(step)}/{CORRUPT_MARKER}: {recorded}"
-    return text
+    if marker is None or marker.get("chunk") != path or not isinstance(marker.get("problem"), str):
+        return ""
+    return f"; recorded in {step_dir_name(step)}/{CORRUPT_MARKER}: {marker['problem']}"
 
 
 def where_of(root: str | os.PathLike[str] | Storage) -> str:

@@ -443,6 +443,8 @@ def test_a_quarantined_chunk_is_reported_as_found_corrupt_and_moved_aside_not_mi
     out = CliRunner().invoke(cli, ["ls", str(saved)]).output
     assert "moved aside" in out and "is missing" not in out, out
     assert "is missing" not in CliRunner().invoke(cli, ["status", str(saved)]).output
+    out = CliRunner().invoke(cli, ["verify", str(saved), "--all"]).output
+    assert f"moved aside (quarantined) to {moved}" in out and "is missing" not in out, out
     with tg.CheckpointManager(saved) as mgr, pytest.raises(tg.NoValidCheckpointError) as ei:
         mgr.restore_latest(blank_state())
     assert "moved aside" in str(ei.value) and "is missing" not in str(ei.value), str(ei.value)

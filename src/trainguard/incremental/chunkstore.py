@@ -68,6 +68,10 @@ def content_hash(buf: memoryview | bytes, recipe: bytes = b"") -> str:
     return x.hexdigest()
 
 
+MOVED_ASIDE = "was found corrupt by a restore and moved aside (quarantined)"
+"""How a chunk that a restore quarantined is described where it is missing (never just "is missing")."""
+
+
 class ChunkStore:
     """Chunks of one run root, stored through a :class:`~trainguard.storage.base.Storage`.
 
@@ -306,7 +310,7 @@ class ChunkStore:
         except OSError as e:
             return f"cannot be read ({e.strerror or e})"
         if info is None:
-            return "is missing"
+            return self.missing(rec.path)
         if info.kind == "symlink":
             return "is a symlink (chunks are never read through one)"
         if not info.is_file:
@@ -314,6 +318,20 @@ class ChunkStore:
         if info.size != rec.length:
             return f"has the wrong length ({info.size} bytes, expected {rec.length})"
         return None
+
+    def missing(self, path: str) -> str:
+        """Why the chunk ``path`` is not there: ``"is missing"``, or, when a restore quarantined it
+        (``<path>.corrupt-<time>``, :meth:`quarantine`), that it was found corrupt and where its bytes are.
+        One listing of the chunk's directory, only for a chunk already missing."""
+        d, _, name = path.rpartition("/")
+        try:
+            copies = sorted(e.name for e in self.storage.list(d) if e.name.startswith(f"{name}.corrupt-"))
+        except OSError:
+            copies = []
+        if not copies:
+            return "is missing"
+        where = self.storage.location(f"{d}/{copies[-1]}")
+        return f"{MOVED_ASIDE} to {where}"
 
     def read(
         self,
@@ -477,7 +495,7 @@ class ChunkStore:
                     else:
                         total, crc = once(f, checked is not None and info.version == checked and not mismatches)
             except FileNotFoundError:
-                raise self._corrupt(rec, "is missing", step, owners) from None
+                raise self._corrupt(rec, self.missing(rec.path), step, owners) from None
             except UnsafeFileError as e:
                 raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
             except OSError as e:
