@@ -448,3 +448,21 @@ def test_a_quarantined_chunk_is_reported_as_found_corrupt_and_moved_aside_not_mi
     with tg.CheckpointManager(saved) as mgr, pytest.raises(tg.NoValidCheckpointError) as ei:
         mgr.restore_latest(blank_state())
     assert "moved aside" in str(ei.value) and "is missing" not in str(ei.value), str(ei.value)
+
+
+def test_after_gc_removed_the_quarantined_copy_ls_still_names_the_recorded_mismatch(saved):
+    rec = next(
+        r
+        for h, r in read_manifest_json(saved, 3)["chunks"].items()
+        if owners_of(saved, 3, h) == ["model.big"]
+    )
+    flip_bit(saved / rec["path"], 5, 1)
+    with tg.CheckpointManager(saved) as mgr:
+        assert mgr.restore_latest(blank_state()) == 2
+    for copy in (saved / rec["path"]).parent.glob("*.corrupt-*"):
+        copy.unlink()  # what gc --quarantine-older-than does
+    problem = ls_json(saved)[3]["problem"]
+    assert problem.startswith(f"chunk {rec['path']} is missing; recorded in step-000000003/corrupt.json: "), (
+        problem
+    )
+    assert "CRC32C" in problem

@@ -69,7 +69,8 @@ def instead_of(value: Any) -> str:
     if isinstance(value, Sampler):
         return (
             "use tg.ResumableLoader, or tg.ResumableSampler(len(dataset), shuffle=..., seed=...) whose "
-            "state_dict() holds the epoch and the position your loop advances"
+            "state_dict() holds the epoch and the position your loop advances, with its DataLoader built by "
+            "sampler.dataloader(dataset, batch_size=...) (seeded per epoch, so a resume is bit-exact)"
         )
     if type(value).__name__.endswith("DataLoaderIter"):
         return "save the loader, not its iterator: use tg.ResumableLoader, whose position is its state"
