@@ -37,6 +37,7 @@ from .catalog import CheckpointInfo, scan
 from .distributed.context import DistContext
 from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError, SaveError
 from .eventlog import EventLog, check_user_event
+from .format.layout import as_step
 from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
@@ -475,6 +476,7 @@ class CheckpointManager:
             ConfigError: ``step`` is not an int >= 0.
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
+        step = as_step(step)  # before the policy: a float or negative step must not pass silently
         self._saves.tick(step, metrics)
         from .recovery.heartbeat import preemption_requested
 
@@ -539,6 +541,7 @@ class CheckpointManager:
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
         self._check_open(write=True)
+        step = as_step(step)
         return self._saves.save(
             step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True
         )
@@ -668,6 +671,7 @@ class CheckpointManager:
             ManagerClosedError: the manager is closed.
         """
         self._check_open()
+        step = as_step(step)
         self.wait()
         return _restore.restore_step(self.ctx, step, state, strict=strict)
 
