@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._text import exception_text
 from .commit import publish
 from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
@@ -114,9 +115,11 @@ def persist(
             discard_new_chunks(ctx, writer)
             raise err from None
         ranks = (
-            sorted(int(r) for r in getattr(e, "failures", {})) if is_checkpoint_exception(e) else [ctx.dist.rank]
+            sorted(int(r) for r in getattr(e, "failures", {}))
+            if is_checkpoint_exception(e)
+            else [ctx.dist.rank]
         )
-        ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+        ctx.event("save_failed", step=step, error=exception_text(err), failed_ranks=ranks)
         discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):
             if err.step is None:
@@ -137,7 +140,7 @@ def persist(
             raise err  # noqa: B904 - one process: the specific error; under dist it is wrapped to name the rank
         where = f" on rank {ranks[0]}" if ctx.dist.enabled else ""
         raise SaveError(
-            f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
+            f"saving step {step} failed{where}: {exception_text(err)}; nothing was committed and earlier "
             "checkpoints are intact",
             step=step,
             rank_errors={ranks[0]: err},
@@ -378,8 +381,8 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
     ranks = sorted(errors)
     first = errors[ranks[0]] if ranks else e
     return SaveError(
-        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: {type(first).__name__}: "
-        f"{first}); nothing was committed and earlier checkpoints are intact",
+        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: "
+        f"{exception_text(first)}); nothing was committed and earlier checkpoints are intact",
         step=step,
         rank_errors=errors,
     )

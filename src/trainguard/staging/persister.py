@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._text import exception_text
 from ..errors import SaveError
 from ..results import SaveResult
 from .buffers import BufferSet, Stager
@@ -266,7 +267,7 @@ class AsyncPersister:
                 e
                 if isinstance(e, SaveError)
                 else SaveError(
-                    f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
+                    f"background save of step {handle.step} failed: {exception_text(e)}",
                     step=handle.step,
                     rank_errors={self.rank: e},
                 )
@@ -364,7 +365,7 @@ def register_exit_flush(owner: Flushable, where: str) -> Any:
         try:
             m.close()
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
-            _tell(f"trainguard: a save failed while flushing at exit: {type(e).__name__}: {e}", logging.ERROR)
+            _tell(f"trainguard: a save failed while flushing at exit: {exception_text(e)}", logging.ERROR)
 
     # threading's exit hooks run before concurrent.futures refuses new work (the writer's thread pool) and
     # before atexit; later registrations run first. atexit where that hook is missing.
