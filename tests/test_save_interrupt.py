@@ -46,9 +46,7 @@ def test_sigint_during_a_sync_save_raises_keyboardinterrupt_and_commits_nothing(
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     root = tmp_path / "root"
-    p = subprocess.run(
-        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
-    )
+    p = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
     assert "SAVEERROR" not in p.stdout, p.stdout
     assert "SAVED" not in p.stdout  # the interrupt landed mid-save (the watcher fired)
     assert p.returncode in (-2, 130), (p.returncode, p.stderr[-2000:])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._text import exception_text
+from ._text import exception_text, naming_step
 from .commit import publish
 from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
@@ -124,6 +124,8 @@ def persist(
         if isinstance(err, StorageFullError):
             if err.step is None:
                 err.step = step
+            if err.args and isinstance(err.args[0], str):
+                err.args = (naming_step(err.args[0], step), *err.args[1:])
             hint = space_hint(ctx)
             if hint and err.args and hint not in str(err.args[0]):
                 head = str(err.args[0]).rstrip()  # the hint is whole sentences: end the message with one

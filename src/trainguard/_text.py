@@ -67,3 +67,11 @@ def error_field_text(error: object) -> str:
         if text == "KeyboardInterrupt":
             text += " (interrupted)"
     return text
+
+
+def naming_step(message: str, step: int) -> str:
+    """``message`` prefixed with ``"saving step N failed: "`` unless it already names ``step N``, so that every
+    save error says which step failed, also when a later call reports it (a background save)."""
+    if re.search(rf"\bsteps? {step}\b", message):
+        return message
+    return f"saving step {step} failed: {message}"

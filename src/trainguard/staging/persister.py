@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .._text import exception_text
+from .._text import exception_text, naming_step
 from ..errors import SaveError
 from ..results import SaveResult
 from .buffers import BufferSet, Stager
@@ -263,6 +263,11 @@ class AsyncPersister:
             assert request is not None
             result = self.persist(request, handle.staging_s, job.cancel)
         except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
+            if isinstance(e, SaveError):  # reported by a later call: the message must name the failed step
+                if e.step is None:
+                    e.step = handle.step
+                if e.args and isinstance(e.args[0], str):
+                    e.args = (naming_step(e.args[0], handle.step), *e.args[1:])
             err = (
                 e
                 if isinstance(e, SaveError)
