@@ -154,6 +154,7 @@ def build_template(
     template: dict[str, Any] = {}
     paths: dict[str, PathT] = {}
     reports: list[str] = []
+    shape_mismatch = False
     fresh: list[
         tuple[str, TensorEntry]
     ] = []  # tensors to allocate: checked against the memory available first
@@ -197,6 +198,7 @@ def build_template(
         used = set(match.values()) | filled
         only_live = [] if stateful else [f for f in live_flat if f not in used]
         dtypes: list[tuple[str, str, str]] = []
+        shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         for f in saved:
             e = manifest.entries[f]
             lf = match.get(f)
@@ -214,11 +216,9 @@ def build_template(
                 template[f] = None
                 fresh.append((f, e))  # allocated after the memory check
                 continue
-            if tuple(cur.shape) != tuple(e.shape):
-                raise StateMismatchError(
-                    f"{f!r}: checkpoint of step {manifest.step} has shape {tuple(e.shape)} but the live "
-                    f"tensor has {tuple(cur.shape)}; build the model with the configuration it was saved with"
-                )
+            if tuple(cur.shape) != tuple(e.shape):  # listed with every other difference, strict or not
+                name = f if lf == f else f"{f} (target {lf})"
+                shapes.append((name, tuple(e.shape), tuple(cur.shape)))
             template[f] = cur
             if cur.dtype != dtype:
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
@@ -227,10 +227,13 @@ def build_template(
                 else:
                     name = f if lf == f else f"{f} (target {lf})"
                     dtypes.append((name, e.dtype, str(cur.dtype).removeprefix("torch.")))
-        if only_saved or only_live or dtypes:
+        if only_saved or only_live or dtypes or shapes:
             reports.append(
-                mismatch_message(manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes)
+                mismatch_message(
+                    manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes, shapes=shapes
+                )
             )
+            shape_mismatch = shape_mismatch or bool(shapes)
         missing = optim.missing_in_manifest(k, record, [fqn_of(manifest.entries[f].path) for f in saved])
         if missing:
             reports.append(
@@ -244,7 +247,7 @@ def build_template(
                 )
             )
     if reports:
-        if strict:
+        if strict or shape_mismatch:  # a shape cannot be converted: strict=False does not load it either
             raise StateMismatchError("\n".join(reports))
         log.warning("strict=False: loading what matches; %s", "\n".join(reports))
     check_memory(
