@@ -61,9 +61,13 @@ class CheckpointManager:
     """Saves and restores the whole training state under one run root.
 
     Args:
-        root: the run root directory (created if missing), or its :class:`~trainguard.storage.Storage`
+        root: the run root directory (created if missing), its :class:`~trainguard.storage.Storage`
             (e.g. a :class:`~trainguard.storage.FaultyStorage` in fault tests; ``fsync`` and ``durability``
-            are then the storage's own).
+            are then the storage's own), or an object-store URL (``"s3://bucket/run1"``, any fsspec URL;
+            ``pip install 'trainguard[s3]'``): the manager then saves to a local cache
+            (``$TRAINGUARD_CACHE_DIR``, default ``~/.cache/trainguard``) as its hot root, keeping the newest
+            checkpoint there, with the URL as a dual-write replica that keeps ``keep``; a second writer of the
+            URL is refused (RootLockedError), and credentials that cannot write are a ConfigError here.
         save_policy: decides the steps ``maybe_save`` saves at (default: every 1000 steps).
         keep: retention: an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to keep all.
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
@@ -142,11 +146,22 @@ class CheckpointManager:
             host copy of the last saved tensors (default False).
         max_chain: a save writes no new delta at least every ``max_chain`` saves, and no chunk's chain of
             delta bases reaches ``max_chain`` links (default 10), bounding what a restore reads.
+        tiers: storage below the hot root, in order (:class:`~trainguard.Tier`: a shared filesystem path or an
+            object-store URL, each with its own ``keep``): a save commits to the hot root first, then async
+            tiers receive it in the background (``sync=True`` tiers: before ``wait()`` returns); a restore
+            reads a chunk missing or corrupt on the hot root from the first tier holding it with a matching
+            CRC32C, and ``close()`` waits up to each tier's ``upload_timeout_s`` (seconds) for the uploads
+            (TierUploadError). None or ``[]`` (default): the hot root only. See ``docs/tiers.md``.
+        storage_options: options for the fsspec filesystem of a URL ``root`` (s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``; they override the environment's ``AWS_*`` variables).
+            Only with a URL root (ConfigError otherwise); a tier takes its own in ``tg.Tier(...)``.
 
     Raises:
-        RootLockedError: another process holds the write lock of ``root``.
+        RootLockedError: another process holds the write lock of ``root`` (for a URL root: the store's lock
+            object).
         ConfigError: an invalid argument, or a root that is not usable: a file, a dangling symlink, on a
-            read-only filesystem or without write permission (for writers).
+            read-only filesystem or without write permission (for writers); ``storage_options`` with a local
+            root; a URL root or tier whose credentials are missing or cannot write (for writers).
         UnsafeFileError: ``root/.lock`` or ``root/events`` is a symlink or the wrong kind of file.
 
     Collective calls (every rank, same order, when torch.distributed is initialized and the manager is
