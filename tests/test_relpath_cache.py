@@ -1,5 +1,6 @@
 """validate_relpath with a shared ``resolved`` cache (a manifest's chunk paths: each directory resolved once)
-gives the verdicts of resolving every path from scratch (os.path.realpath), symlinks included."""
+gives the verdicts of resolving every path from scratch (os.path.realpath), symlinks included; so does
+LinkCheck, which runs those checks in threads (inline below PARALLEL_FROM paths)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import UnsafeCheckpointError
-from trainguard.format.layout import validate_relpath
+from trainguard.format.layout import LinkCheck, validate_relpath
 
 
 def reference(rel: str, root: Path) -> bool:
@@ -86,3 +87,47 @@ def test_malformed_paths_are_refused_without_a_root(rel: str) -> None:
         validate_relpath(rel)
     with pytest.raises(UnsafeCheckpointError):
         validate_relpath(rel, None, resolved={})
+
+
+@pytest.mark.parametrize("copies", [1, 8])  # 11 paths: inline; 88: in LinkCheck.THREADS threads
+def test_link_check_refuses_the_first_bad_path_in_order(tree: Path, copies: int) -> None:
+    rels = [r for r in RELS if reference(r, tree)] * copies
+    assert (len(rels) >= LinkCheck.PARALLEL_FROM) == (copies > 1)
+    LinkCheck(tree, rels).raise_first()  # all good: no error
+    for bad in [r for r in RELS if not reference(r, tree)]:
+        at = len(rels) - 3
+        check = LinkCheck(tree, rels[:at] + [bad, "chunks/aa/out"] + rels[at:])
+        with pytest.raises(UnsafeCheckpointError, match="outside the run root") as err:
+            check.raise_first()
+        assert repr(bad) in str(err.value)  # the first refused path in the list's order, not the later one
+
+
+def test_link_check_without_a_root_checks_nothing(tree: Path) -> None:
+    LinkCheck(None, ["chunks/aa/out"] * 40).raise_first()
+
+
+def test_a_manifest_of_many_chunks_refuses_a_chunk_file_linked_out_of_the_root(tmp_path: Path) -> None:
+    """The threaded check inside read_manifest (>= PARALLEL_FROM chunks) still refuses a chunk file that is a
+    symlink leading out of the run root, and still accepts the checkpoint without it."""
+    import json
+    import shutil
+
+    import torch
+
+    import trainguard as tg
+    from trainguard.catalog import read_manifest
+
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, async_save=False, chunk_size_bytes=4096) as mgr:
+        mgr.save(1, {"w": torch.arange(48 * 1024, dtype=torch.float32)})  # 48 chunks of 4 KiB
+    m = read_manifest(root, 1)
+    assert len(m.chunks) >= LinkCheck.PARALLEL_FROM
+    body = json.loads((root / "step-000000001" / "manifest.json").read_bytes())
+    victim = root / body["chunks"][sorted(body["chunks"])[-1]]["path"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy2(victim, outside / victim.name)
+    victim.unlink()
+    victim.symlink_to(outside / victim.name)
+    with pytest.raises(UnsafeCheckpointError, match="outside the run root"):
+        read_manifest(root, 1)

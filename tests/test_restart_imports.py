@@ -1,6 +1,8 @@
 """A restart of a single-process job imports neither ``torch.distributed.checkpoint`` (DCP) nor DTensor: both
-pull sympy and torch.fx, 0.7 s and more on every relaunch (trainguard._lazy). The local load path restores
-bit-exactly what DCP's path restores, including a checkpoint saved by two ranks (two shards per tensor)."""
+pull sympy and torch.fx, 0.7 s and more on every relaunch (trainguard._lazy). Nor blosc2 (with httpx, rich,
+click, threadpoolctl: 0.2-0.3 s) unless a chunk it reads is compressed (trainguard.incremental.codecs). The
+local load path restores bit-exactly what DCP's path restores, including a checkpoint saved by two ranks (two
+shards per tensor)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import trainguard as tg
 
 from .conftest import run_env
 
-HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy")
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "blosc2")
+# Not heavy, but a relaunch has no use for them before its first save; prometheus-client's import set off a
+# full garbage collection (0.15-0.2 s) in the manager's constructor after `import torch`.
+LATER = ("prometheus_client", "trainguard.tiers")
 
 
 def run_fresh(code: str) -> dict:
@@ -31,7 +36,8 @@ def run_fresh(code: str) -> dict:
 
 
 def heavy_loaded() -> str:
-    return f"sorted({{m.split('.')[0] if m.startswith('sympy') else m for m in sys.modules if m.startswith({HEAVY!r})}})"
+    top = "m.split('.')[0] if m.startswith(('sympy', 'blosc2')) else m"
+    return f"sorted({{{top} for m in sys.modules if m.startswith({HEAVY!r})}})"
 
 
 def test_import_trainguard_and_a_manager_import_no_dcp_dtensor_or_sympy(tmp_path):
@@ -45,6 +51,34 @@ def test_import_trainguard_and_a_manager_import_no_dcp_dtensor_or_sympy(tmp_path
         """
     )
     assert out == []
+
+
+def test_a_restart_leaves_metrics_and_tiers_to_the_first_save_and_the_registry_still_works(tmp_path):
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3)})
+    later = f"sorted({{m.split('.')[0] if m.startswith('prom') else m for m in sys.modules if m.startswith({LATER!r})}})"
+    out = run_fresh(
+        f"""
+        import json, sys, torch
+        import trainguard as tg
+        state = {{"w": torch.zeros(3)}}
+        mgr = tg.CheckpointManager({str(root)!r}, async_save=False)
+        step = mgr.restore_latest(state)
+        before = {later}
+        mgr.save(2, state)
+        after = {later}
+        from prometheus_client import generate_latest
+        text = generate_latest(mgr.metrics_registry).decode()
+        mgr.close()
+        print(json.dumps({{"step": step, "before": before, "after": after,
+                          "saves": [l for l in text.splitlines() if l.startswith("trainguard_save_block_seconds_count")]}}))
+        """
+    )
+    assert out["step"] == 1
+    assert out["before"] == []
+    assert out["after"] == ["prometheus_client"]
+    assert out["saves"] == ["trainguard_save_block_seconds_count 1.0"]  # the first save is counted
 
 
 def test_restore_latest_in_one_process_imports_no_dcp_and_is_bit_exact(tmp_path):
@@ -113,3 +147,28 @@ def test_the_local_load_reads_every_shard_of_a_two_rank_checkpoint(tmp_path):
         assert mgr.restore_latest(state) == 1
         assert mgr.last_restore.skipped == []
     assert torch.equal(state["w"], w)
+
+
+def test_a_compressed_checkpoint_imports_blosc2_on_first_use_and_restores_bit_exact(tmp_path):
+    """The lazy blosc2 import of the codecs: a fresh process restoring compressed chunks decodes them (blosc2
+    imported by the first frame), bit-exactly, still without DCP."""
+    root = tmp_path / "run"
+    w = torch.arange(50_000, dtype=torch.float32).reshape(500, 100)  # compresses: the chunk is a blosc2 frame
+    with tg.CheckpointManager(root, async_save=False, compression="zstd") as mgr:
+        mgr.save(1, {"w": w})
+    chunks = json.loads((root / "step-000000001" / "manifest.json").read_text())["chunks"]
+    assert {c["codec"] for c in chunks.values()} == {"blosc2"}
+    torch.save(w, tmp_path / "want.pt")
+    out = run_fresh(
+        f"""
+        import json, sys, torch
+        import trainguard as tg
+        before = {heavy_loaded()}
+        state = {{"w": torch.zeros(500, 100)}}
+        with tg.CheckpointManager({str(root)!r}, read_only=True) as mgr:
+            step = mgr.restore_latest(state)
+        same = torch.equal(state["w"], torch.load({str(tmp_path / "want.pt")!r}))
+        print(json.dumps({{"step": step, "same": same, "before": before, "after": {heavy_loaded()}}}))
+        """
+    )
+    assert out == {"step": 1, "same": True, "before": [], "after": ["blosc2"]}

@@ -47,6 +47,7 @@ from .retention.apply import apply_retention, cleanup_after_crash
 from .staging import PendingSave
 from .staging.persister import register_exit_flush
 from .storage.base import Storage
+from .storage.objects import is_url
 from .validation.attach import Validation
 
 log = logging.getLogger("trainguard")
@@ -76,7 +77,8 @@ class CheckpointManager:
         fsync: make every save durable (default True).
         durability: how chunk files are made durable. ``"auto"`` (default): after all chunks are written,
             one ``syncfs(2)`` of the run root's filesystem per rank per save when the node holds no more
-            dirty page-cache data than the save's own chunks, else an fsync of each chunk file; then the
+            dirty page-cache data than the save's own chunks (under torch.distributed: those of every rank of
+            the job on this node), else an fsync of each chunk file; then the
             renames into ``chunks/``. ``"batched"``: always ``syncfs`` (per-file fsyncs where it is
             missing). ``"per_file"``: fsync every chunk file and directory as it is written. ``syncfs``
             also flushes other processes' dirty data on that filesystem, and the save waits for it:
@@ -205,10 +207,13 @@ class CheckpointManager:
         max_chain: int = 10,
     ) -> None:
         from .policies import EveryNSteps
-        from .tiers.attach import url_root
 
-        # an object-store run root: a local cache as the hot root, the URL as a sync replica
-        root, keep, tier_list, self.url = url_root(root, keep, list(tiers or []), storage_options)
+        tier_list, self.url = list(tiers or []), None
+        if is_url(root) or storage_options is not None:  # tiers' code stays out of a local root's restart
+            from .tiers.attach import url_root
+
+            # an object-store run root: a local cache as the hot root, the URL as a sync replica
+            root, keep, tier_list, self.url = url_root(root, keep, tier_list, storage_options)
         self._tiers: Any = None
         self.storage = open_storage(root, fsync=fsync, durability=durability)
         self.root: Path = self.storage.local_path  # type: ignore[assignment]  # open_storage checked it
@@ -239,6 +244,9 @@ class CheckpointManager:
         self.store = ChunkStore(self.storage)
         self.fsync = fsync
         self.dist = DistContext(collective=collective, timeout_s=dist_timeout_s)
+        if self.dist.enabled and not read_only and hasattr(self.storage, "node_writers"):
+            # durability="auto" (LocalStorage): the ranks on this node flush their shares of a save together
+            self.storage.node_writers = self.dist.ranks_on_this_node()  # type: ignore[attr-defined]
         self.new_run = bool(new_run)
         # Run identity: rank 0 draws the id, every rank records the same one.
         run = RunInfo(self.dist.broadcast_bytes(new_run_id().encode()).decode())

@@ -155,3 +155,26 @@ def test_a_failed_flush_commits_nothing_and_the_next_save_succeeds(tmp_path, asy
 def test_an_unknown_durability_mode_is_a_config_error(tmp_path):
     with pytest.raises(tg.errors.ConfigError, match="durability must be one of"):
         tg.CheckpointManager(tmp_path / "root", durability="fast")
+
+
+@pytest.mark.parametrize(
+    ("node_writers", "dirty_shares", "syncfs"),
+    [(1, 1, True), (1, 4, False), (4, 4, True), (4, 5, False), (2, 4, False)],
+)
+def test_auto_counts_the_other_ranks_on_the_node_as_the_saves_own(
+    tmp_path, monkeypatch, node_writers, dirty_shares, syncfs
+):
+    """The ranks of one job on a node write their shares of a save at once: with 4 ranks the node holds ~4
+    times one rank's files, none of it foreign, and auto keeps syncfs; more than that is another writer's."""
+    if chunkstore._SYNCFS is None:
+        pytest.skip("no syncfs(2) on this platform")
+    storage = LocalStorage(tmp_path, durability="auto")
+    storage.node_writers = node_writers
+    (tmp_path / "staging").mkdir()
+    staged = [
+        storage.stage(f"chunks/aa/{i:032x}", memoryview(bytes(4096)), staging="staging") for i in range(2)
+    ]
+    own = 2 * 4096
+    monkeypatch.setattr(chunkstore, "dirty_bytes", lambda: own * dirty_shares)
+    assert storage._flush_with_syncfs(staged) is syncfs
+    storage.discard_staged(staged)

@@ -22,6 +22,7 @@ Control messages are int64 / uint8 tensors (no pickle).
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
 
 import torch
@@ -116,6 +117,14 @@ class DistContext:
         out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(out, buf, group=self.ctl_group)
         return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+
+    def ranks_on_this_node(self) -> int:
+        """How many ranks of the job (this one included) run on this rank's host (same ``gethostname``);
+        1 when not enabled. Collective on ``ctl_group``."""
+        if not self.enabled:
+            return 1
+        mine = socket.gethostname().encode()
+        return sum(1 for h in self.all_gather_bytes(mine) if h == mine)
 
     def any(self, flag: bool, *, io: bool = False) -> bool:
         """True on every rank if ``flag`` is True on any rank.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import threading
 from pathlib import Path, PurePosixPath
 
 from ..errors import ConfigError, UnsafeCheckpointError
@@ -140,7 +141,14 @@ def validate_relpath(
         def real(d: str) -> Path:  # a directory of the root ("": the root), resolved through symlinks
             got = dirs.get(d)
             if got is None:
-                got = dirs[d] = Path(os.path.realpath(Path(root, d)))
+                parent, _, name = d.rpartition("/")
+                if not d:
+                    got = Path(os.path.realpath(root))
+                else:  # the resolved parent plus the name (one lstat), or the link's target resolved
+                    got = real(parent) / name
+                    if os.path.islink(got):
+                        got = Path(os.path.realpath(got))
+                dirs[d] = got
             return got
 
         root_real = real("")
@@ -152,3 +160,64 @@ def validate_relpath(
         if not inside:
             raise UnsafeCheckpointError(f"manifest path {rel!r} resolves outside the run root (symlink?)")
     return rel
+
+
+class LinkCheck:
+    """:func:`validate_relpath` of many paths of one root, run in threads while the caller works on.
+
+    Each path's check looks its directory and file up (``realpath``, ``lstat``); on a cold cache every lookup
+    waits for the disk (a restore right after a reboot, or each rank of a job reading a manifest of hundreds of
+    chunks: ~50 ms of waits one after the other, ~15 ms of CPU). ``THREADS`` threads keep the lookups in
+    flight together, and the caller's thread parses the rest of the manifest meanwhile. The verdicts are those
+    of calling :func:`validate_relpath` on each path in order (:meth:`raise_first` raises the first path's
+    error); fewer than ``PARALLEL_FROM`` paths are checked inline.
+
+    Args:
+        root: the run root; None checks nothing (the spelling is the caller's check).
+        rels: relative paths (already checked for their spelling).
+    """
+
+    THREADS = 8
+    PARALLEL_FROM = 32
+
+    def __init__(self, root: str | os.PathLike[str] | None, rels: list[str]) -> None:
+        self._root = root
+        self._rels = rels
+        self._errors: list[BaseException | None] = [None] * len(rels)
+        self._resolved: dict[str, Path] = {}  # shared: a race only resolves a directory twice, alike
+        self._threads: list[threading.Thread] = []
+        if root is None:
+            return
+        if len(rels) < self.PARALLEL_FROM:
+            self._check(0, 1)
+            return
+        for i in range(self.THREADS):
+            th = threading.Thread(
+                target=self._check, args=(i, self.THREADS), name="trainguard-links", daemon=True
+            )
+            th.start()
+            self._threads.append(th)
+
+    def _check(self, start: int, stride: int) -> None:
+        for i in range(start, len(self._rels), stride):
+            try:
+                validate_relpath(self._rels[i], self._root, resolved=self._resolved)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by raise_first
+                self._errors[i] = e
+
+    def join(self) -> None:
+        """Wait for every path's verdict."""
+        for th in self._threads:
+            th.join()
+        self._threads = []
+
+    def raise_first(self) -> None:
+        """Raise the error of the first refused path (in the order given), if any; joins first.
+
+        Raises:
+            UnsafeCheckpointError: a path resolves outside the run root.
+        """
+        self.join()
+        for e in self._errors:
+            if e is not None:
+                raise e

@@ -16,7 +16,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import crc32c as _crc32c
@@ -29,7 +28,7 @@ from .bounds import (
     check_shard_segments,
     check_tiling,
 )
-from .layout import MAX_STEP, chunk_relpath, validate_relpath
+from .layout import MAX_STEP, LinkCheck, chunk_relpath, validate_relpath
 from .run import RunInfo, run_from_json
 
 FORMAT_VERSION = 1
@@ -459,12 +458,11 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
     raw_chunks = body.get("chunks")
     if not isinstance(raw_chunks, dict):
         raise _bad("chunks must be an object", step)
-    resolved: dict[str, Path] = {}  # the chunks' few directories, resolved once
     for h, c in raw_chunks.items():
         if not isinstance(c, dict):
             raise _bad(f"chunk {h!r} must be an object", step)
         expected_path = chunk_relpath(h)  # validates the hash itself
-        path = validate_relpath(c.get("path"), root, resolved=resolved)  # type: ignore[arg-type]
+        path = validate_relpath(c.get("path"))  # type: ignore[arg-type]  # the spelling; links: below
         if path != expected_path:
             raise UnsafeCheckpointError(
                 f"chunk {h} has path {path!r}; content-addressed chunks live at {expected_path!r}"
@@ -483,7 +481,64 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
         if rec.encoded and version < ENCODED_FORMAT_VERSION:
             raise _bad(f"chunk {h}: a {codec} chunk needs format_version {ENCODED_FORMAT_VERSION}", step)
         chunks[h] = rec
-    _check_delta_chains(chunks, step)
+    links = LinkCheck(root, [c.path for c in chunks.values()])  # looks the files up while the entries parse
+    try:
+        _check_delta_chains(chunks, step)
+        entries = _entries(body, chunks, version, chunk_sizes, step)
+    finally:
+        links.join()  # every path's verdict, also when the entries were refused first
+    links.raise_first()
+    t = body.get("t")
+    try:
+        t_ok = not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(float(t))
+    except OverflowError:
+        t_ok = False
+    if not t_ok:
+        raise _bad("t must be a finite number", step)
+    ws = _int(body.get("world_size"), "world_size", 1, 1 << 24)
+    metrics = body.get("metrics") or {}
+    metadata = body.get("metadata") or {}
+    top = body.get("top_level") or {}
+    if not isinstance(metrics, dict) or not isinstance(metadata, dict) or not isinstance(top, dict):
+        raise _bad("metrics, metadata and top_level must be objects", step)
+    check_chunk_coverage(
+        chunks,
+        (
+            seg
+            for e in entries.values()
+            for seg in (
+                [x for sh in e.shards for x in sh.segments]
+                if isinstance(e, TensorEntry)
+                else list(e.segments or ())
+            )
+        ),
+        step,
+    )
+    return Manifest(
+        step=step,
+        t=float(t),  # type: ignore[arg-type]
+        time=str(body.get("time", "")),
+        world_size=ws,
+        entries=entries,
+        chunks=chunks,
+        metrics=metrics,
+        metadata=metadata,
+        top_level=top,
+        format_version=version,
+        run=run_from_json(body.get("run"), step),
+        new_bytes=_int(body["new_bytes"], "new_bytes", 0, 1 << 62) if "new_bytes" in body else None,
+        chunk_sizes=chunk_sizes,
+    )
+
+
+def _entries(
+    body: dict[str, Any],
+    chunks: dict[str, ChunkRecord],
+    version: int,
+    chunk_sizes: tuple[int, ...] | None,
+    step: int,
+) -> dict[str, Entry]:
+    """The checked entries of a manifest body whose chunk table ``chunks`` is already checked."""
     entries: dict[str, Entry] = {}
     raw_entries = body.get("entries")
     if not isinstance(raw_entries, dict):
@@ -564,47 +619,7 @@ def manifest_from_json(data: bytes, *, root: str | None = None, expect_step: int
                 entries[fqn] = ValueEntry(fqn, epath, codec, raw.get("value"), None, erank)
         else:
             raise _bad(f"{fqn}: unknown entry kind {kind!r}", step)
-    t = body.get("t")
-    try:
-        t_ok = not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(float(t))
-    except OverflowError:
-        t_ok = False
-    if not t_ok:
-        raise _bad("t must be a finite number", step)
-    ws = _int(body.get("world_size"), "world_size", 1, 1 << 24)
-    metrics = body.get("metrics") or {}
-    metadata = body.get("metadata") or {}
-    top = body.get("top_level") or {}
-    if not isinstance(metrics, dict) or not isinstance(metadata, dict) or not isinstance(top, dict):
-        raise _bad("metrics, metadata and top_level must be objects", step)
-    check_chunk_coverage(
-        chunks,
-        (
-            seg
-            for e in entries.values()
-            for seg in (
-                [x for sh in e.shards for x in sh.segments]
-                if isinstance(e, TensorEntry)
-                else list(e.segments or ())
-            )
-        ),
-        step,
-    )
-    return Manifest(
-        step=step,
-        t=float(t),  # type: ignore[arg-type]
-        time=str(body.get("time", "")),
-        world_size=ws,
-        entries=entries,
-        chunks=chunks,
-        metrics=metrics,
-        metadata=metadata,
-        top_level=top,
-        format_version=version,
-        run=run_from_json(body.get("run"), step),
-        new_bytes=_int(body["new_bytes"], "new_bytes", 0, 1 << 62) if "new_bytes" in body else None,
-        chunk_sizes=chunk_sizes,
-    )
+    return entries
 
 
 MAX_CHUNK_SIZES = 64

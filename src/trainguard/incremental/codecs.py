@@ -16,13 +16,17 @@ size), encodes faster (733 vs 611 MB/s) and decodes 3.5x faster (2.8 vs 0.8 GB/s
 Decoding is bounded by what the manifest declares: the blosc2 header's decoded size must equal the record's
 ``size`` (itself bounded by the tensor bytes the manifest declares), and decoding writes into a buffer of
 exactly that size, so a hostile frame cannot make restore allocate more.
+
+``blosc2`` is imported by the first :func:`compress` or :func:`decompress_into`, not with this module: it pulls
+httpx, rich, click and threadpoolctl, 0.2-0.3 s of CPU that every relaunch paid in ``import trainguard``
+although a restore of uncompressed chunks never decodes a frame (benchmarks/RESULTS.md, "Time to resume").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import blosc2
 import numpy as np
 
 CODECS = ("raw", "blosc2")
@@ -30,6 +34,13 @@ DELTA_OPS = ("xor", "sub")
 WORD_SIZES = (1, 2, 4, 8)
 MAX_TYPESIZE = 255  # blosc2's limit on the shuffle word
 BLOSC2_MAX_BYTES = (1 << 31) - 64  # one blosc2 frame holds less than 2 GiB
+
+
+def _blosc2() -> Any:
+    """The ``blosc2`` module, imported on first use (see the module notes)."""
+    import blosc2
+
+    return blosc2
 
 
 class CodecError(ValueError):
@@ -65,6 +76,7 @@ def compress(view: memoryview | bytes, typesize: int) -> bytes:
     Returns:
         a blosc2 frame.
     """
+    blosc2 = _blosc2()
     typesize = min(max(int(typesize), 1), MAX_TYPESIZE)
     src = np.frombuffer(view, dtype=np.uint8)
     if src.nbytes > BLOSC2_MAX_BYTES:
@@ -87,6 +99,7 @@ def decompress_into(stored: memoryview | bytes, out: memoryview) -> None:
     Raises:
         CodecError: the frame is malformed or declares another size than ``out``'s.
     """
+    blosc2 = _blosc2()
     out = out.cast("B") if out.format != "B" else out
     src = bytes(stored) if not isinstance(stored, bytes) else stored
     try:

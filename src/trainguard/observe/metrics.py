@@ -68,34 +68,63 @@ class SaveMetrics:
     Args:
         registry: where to register; None: a new private ``CollectorRegistry`` (two managers in one process
             do not clash). Pass ``prometheus_client.REGISTRY`` to export through the default registry.
+
+    With no ``registry`` given, prometheus-client is imported and the metrics registered when first needed:
+    the first read of :attr:`registry` or the first save event. A relaunch that restores and trains until its
+    next save does not pay for it (importing prometheus-client, with http.server behind it, took 15-20 ms and,
+    after ``import torch``, set off a full garbage collection of 0.15-0.2 s on this machine:
+    benchmarks/RESULTS.md, "Time to resume").
     """
 
     def __init__(self, registry: Any = None) -> None:
+        self.rank0_only = False  # count every save_failed seen (a manager sees only its own rank's)
+        self._registry = registry
+        self._made = False
+        self._make_lock = threading.Lock()  # events arrive from the training and the persist threads
+        if registry is not None:  # the caller imported prometheus-client already: register now
+            self._make()
+
+    @property
+    def registry(self) -> Any:
+        """The prometheus-client registry holding these metrics (made on first use when none was given)."""
+        self._make()
+        return self._registry
+
+    def _make(self) -> None:
+        if self._made:
+            return
+        with self._make_lock:
+            if not self._made:
+                self._register()
+                self._made = True
+
+    def _register(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.rank0_only = False  # count every save_failed seen (a manager sees only its own rank's)
+        if self._registry is None:
+            self._registry = CollectorRegistry(auto_describe=True)
+        registry = self._registry
         self.save_block = Histogram(
             "trainguard_save_block_seconds",
             "Seconds each checkpoint save blocked training (staging copy; the whole save if synchronous).",
             buckets=SAVE_BUCKETS_S,
-            registry=self.registry,
+            registry=registry,
         )
         self.save_persist = Histogram(
             "trainguard_save_persist_seconds",
             "Seconds from the start of each save until its checkpoint was committed (durable).",
             buckets=SAVE_BUCKETS_S,
-            registry=self.registry,
+            registry=registry,
         )
         self.checkpoint_bytes = Gauge(
             "trainguard_checkpoint_bytes",
             "Bytes of chunk data referenced by the newest committed checkpoint.",
-            registry=self.registry,
+            registry=registry,
         )
         self.save_failures = Counter(
             "trainguard_save_failures_total",
             "Checkpoint saves that failed (nothing committed).",
-            registry=self.registry,
+            registry=registry,
         )
 
     def observe(self, rec: dict[str, Any]) -> None:
@@ -105,6 +134,8 @@ class SaveMetrics:
             rec: an event record as written by :class:`~trainguard.eventlog.EventLog`.
         """
         name = rec.get("event")
+        if name in ("save", "save_failed"):
+            self._make()
         if name == "save":
             block, persist, size = (
                 _num(rec.get("block_s")),
@@ -138,6 +169,7 @@ class RunMetrics(SaveMetrics):
         from prometheus_client import Counter, Gauge, Histogram
 
         super().__init__(registry)
+        self._make()  # the supervisor serves these: registered at once
         self.rank0_only = True  # one failed collective save is one failure, not one per rank
         self.restarts = Counter(
             "trainguard_restarts_total", "Relaunches of the job by the supervisor.", registry=self.registry

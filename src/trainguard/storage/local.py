@@ -314,6 +314,12 @@ class LocalStorage:
             fsynced and renamed into place by :meth:`stage`, its directories fsynced by
             :meth:`commit_staged`.
 
+    Attributes:
+        node_writers: processes of one job that save to this root from this node together (the ranks of a
+            torch.distributed job on one node; set by ``CheckpointManager``; default 1). ``"auto"`` counts
+            their dirty data as the save's own: it must reach the disk before the commit anyway, and each
+            rank's files are about a ``node_writers``-th of it.
+
     Raises:
         ValueError: an unknown ``durability``.
 
@@ -326,6 +332,7 @@ class LocalStorage:
         self.root = Path(root)
         self.fsync = fsync
         self.durability = durability
+        self.node_writers = 1
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
@@ -421,7 +428,8 @@ class LocalStorage:
     def _flush_with_syncfs(self, pending: list[Staged]) -> bool:
         """Whether the flush of ``pending`` (staged temporary files) uses ``syncfs``: always for
         ``"batched"``; for ``"auto"`` only when the node's dirty and under-writeback bytes are at most the
-        pending files' own size (so ``syncfs`` waits for at most as much foreign data as the save's own)."""
+        pending files' own size times :attr:`node_writers` (the job's ranks on this node write their shares of
+        the same save at once: ``syncfs`` waits for at most as much foreign data as the save's own)."""
         if self.durability != "auto":
             return self.durability == "batched"
         dirty = dirty_bytes()
@@ -433,7 +441,7 @@ class LocalStorage:
                 own += os.stat(self.path(s.token or "")).st_size
             except OSError:
                 pass
-        return dirty <= own
+        return dirty <= own * max(1, self.node_writers)
 
     def discard_staged(self, staged: list[Staged]) -> None:
         for s in staged:
