@@ -135,7 +135,9 @@ def persist(
             cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
             err.rank_errors = {ranks[0]: cause}
             if err.args and f"rank {ranks[0]}" not in str(err.args[0]):
-                err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
+                # the step is named once, with the rank
+                text = str(err.args[0]).removeprefix(f"saving step {step} failed: ")
+                err.args = (f"saving step {step} failed on rank {ranks[0]}: {text}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
         if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not ctx.dist.enabled:
