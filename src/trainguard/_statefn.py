@@ -142,8 +142,9 @@ def build_template(
     too, except optimizer state, which is replaced by what was saved, dtype included.
 
     Raises:
-        StateMismatchError: a requested top-level key is not in the checkpoint; a live tensor has a different
-            shape; or, with ``strict``, keys, dtypes or recorded optimizer state differ (all of them listed).
+        StateMismatchError: a requested top-level key is not in the checkpoint; live tensors have different
+            shapes (strict or not); or, with ``strict``, keys, dtypes or recorded optimizer state differ. Every
+            difference of an entry is listed in one message (:func:`~trainguard.state.matching.mismatch_message`).
         InsufficientMemoryError: the tensors to allocate (saved entries the target lacks, optimizer state of
             another dtype) need more memory than is available; nothing is allocated.
     """

@@ -493,10 +493,12 @@ class CheckpointManager:
             SaveError: this save failed (synchronous saves) or an earlier background save failed (raised
                 once, and only after this call's own save, if one was due, was staged: that save goes on in
                 the background and ``e.pending_save`` is its PendingSave, so ``except`` and carry on loses
-                nothing); StorageFullError (a SaveError) when the disk is full.
+                nothing); StorageFullError (a SaveError) when the disk is full. The message names the step whose
+                save failed (``e.step``) and, apart, the call that reported it.
             CheckpointExistsError: the policy chose a step that is already committed.
             ResumeDivergedError: after a restore, the loss left the band of the losses logged before.
-            ConfigError: ``step`` is not an int >= 0.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (a float, str, bool or negative step;
+                numpy integers are taken as ints), checked before the save policy.
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
         step = as_step(step)  # before the policy: a float or negative step must not pass silently
@@ -558,9 +560,11 @@ class CheckpointManager:
                 after this save was staged: it goes on in the background, ``e.pending_save``), or, for
                 synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full;
                 NonFiniteStateError (a SaveError) for NaN/Inf with ``check_finite="error"``.
-                Nothing is committed by a failed save and earlier checkpoints are intact.
+                Nothing is committed by a failed save and earlier checkpoints are intact. The message names the
+                step whose save failed (``e.step``) and, apart, the call that reported it.
             RunConflictError: a first save that would interleave with another run's checkpoints.
-            ConfigError: ``step`` is not an int >= 0, or the root's layout is one restore would refuse.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (numpy integers are taken as ints), or the
+                root's layout is one restore would refuse.
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
         self._check_open(write=True)
@@ -687,10 +691,12 @@ class CheckpointManager:
                 checked before loading: the state's objects were not modified. Under torch.distributed tensors
                 loaded in place may hold part of it (``state_modified``): rebuild them before training.
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
-                or missing optimizer state); the message lists the checkpoint's and the target's side.
+                or missing optimizer state); one message lists every difference (the first 20 of each kind,
+                then a count), the checkpoint's and the target's side.
             SuspectCheckpointError: the restored state holds NaN/Inf (``check_finite="error"``) or the probe
                 differs; the step is marked suspect.
             InsufficientMemoryError: the checkpoint does not fit in this machine's memory.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (numpy integers are taken as ints).
             ManagerClosedError: the manager is closed.
         """
         self._check_open()
