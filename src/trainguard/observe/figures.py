@@ -16,8 +16,10 @@ Definitions (all times in seconds, wall clock):
   ``useful_k = (restored_k, min(end_k, cutoff)]`` and then ``cutoff = min(cutoff, restored_k)``.
 - **Productive time** of an attempt: the wall time its step trajectory (``first_step``, ``progress``, the
   start of each ``save`` (``t - persist_s``) and the failure's ``last_step`` at ``t_death``), linearly
-  interpolated, took to train its surviving steps, less the blocking time of the saves among them. The time
-  of the first step itself is estimated from the attempt's mean step time.
+  interpolated, took to train its surviving steps, less the blocking time of the saves among them, and never
+  below zero (a save that blocks past the trajectory's last point, e.g. a final save waited for, can block
+  longer than the interpolated span it ends). The time of the first step itself is estimated from the
+  attempt's mean step time.
 - **Goodput**: productive time over wall time, in (0, 1] (None before any step completed). Over time: the
   productive time accrued by each instant over the wall time elapsed then.
 - **Checkpoint interval**: measured as the median compute time between the starts of two consecutive saves
