@@ -102,6 +102,27 @@ def test_gc_while_a_job_holds_the_root_says_to_stop_or_wait(tmp_path):
     assert "stop the job, or wait until it ends" in r.stderr and "read_only" not in r.stderr
 
 
+def test_gc_dry_run_works_beside_a_writer_deletes_nothing_and_says_the_plan_may_change(tmp_path):
+    """Tester finding: a dry run was refused like a real gc although it deletes nothing."""
+    orphan = tmp_path / "chunks" / "ab" / ("ab" + "0" * 30)
+    with tg.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"x" * 10)
+        r = cli("gc", tmp_path, "--dry-run", "--orphans-older-than", "0s")
+        assert r.exit_code == 0, r.output
+        assert "a job holds" in r.stdout and "may change" in r.stdout
+        assert f"would remove orphan chunks/ab/{orphan.name}" in r.stdout
+        doc = json.loads(cli("gc", tmp_path, "--dry-run", "--orphans-older-than", "0s", "--json").stdout)
+        assert doc["writer_active"] is True and doc["orphans"] == [f"chunks/ab/{orphan.name}"]
+        assert orphan.exists()  # a dry run deletes nothing
+        assert cli("gc", tmp_path, "--orphans-older-than", "0s").exit_code == 1  # a real gc is still refused
+        assert orphan.exists()
+        mgr.save(2, {"w": torch.ones(3)}).wait()  # the writer's lock was left alone
+    doc = json.loads(cli("gc", tmp_path, "--dry-run", "--orphans-older-than", "0s", "--json").stdout)
+    assert doc["writer_active"] is False
+
+
 def test_status_uses_the_same_statuses_and_counts_as_ls(tmp_path):
     make_run(tmp_path, steps=(1, 2, 3, 4))
     (tmp_path / step_dir_name(4) / "verified.json").unlink()  # no full read recorded: unverified

@@ -63,3 +63,55 @@ def test_the_readme_names_every_public_name_and_lists_every_exported_error():
         "name every exported error in the README's error list"
     )
     assert "tg.ResumableSampler(" in readme
+
+
+def _documented_args(doc: str, heading: str = "Args") -> set[str]:
+    """Names documented in the ``Args:`` (or another) section of a Google-style docstring (``a:``, ``a, b:``,
+    ``**kw:``)."""
+    names: set[str] = set()
+    section = re.split(rf"^\s*{heading}:\s*$", doc, maxsplit=1, flags=re.M)
+    if len(section) < 2:
+        return names
+    lines = section[1].splitlines()
+    indent = None
+    for line in lines:
+        if not line.strip():
+            continue
+        width = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = width
+        if width < indent:  # the next section (Returns:, Raises:) or the end
+            break
+        m = re.match(r"\s*([\w*, ]+):", line)
+        if width == indent and m:
+            names |= {n.strip().lstrip("*") for n in m.group(1).split(",")}
+    return names
+
+
+def test_every_parameter_of_a_public_class_is_documented_in_its_args():
+    """Tester finding: ``tiers`` and ``storage_options`` were in CheckpointManager's signature (and the rendered
+    reference) but not in its Args, and nothing noticed."""
+    import inspect
+
+    missing = {}
+    for name in tg.__all__:
+        obj = getattr(tg, name)
+        if (
+            not inspect.isclass(obj)
+            or issubclass(obj, BaseException)
+            or "__init__" not in vars(obj)
+            and not (hasattr(obj, "__dataclass_fields__"))
+        ):
+            continue
+        params = [
+            p.name
+            for p in inspect.signature(obj).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        doc = inspect.getdoc(obj) or ""
+        documented = _documented_args(doc) | _documented_args(inspect.getdoc(obj.__init__) or "")
+        documented |= _documented_args(doc, "Attributes")  # a record's fields (PendingSave, SaveResult)
+        lacking = [p for p in params if p not in documented]
+        if lacking:
+            missing[name] = lacking
+    assert not missing, f"document these parameters in the class docstring's Args: {missing}"

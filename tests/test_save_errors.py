@@ -53,3 +53,40 @@ def test_a_step_beyond_2_62_is_refused_at_save(tmp_path):
         mgr.save(2**62, {"w": torch.zeros(2)})  # the bound itself is a valid step
         assert [i.step for i in mgr.checkpoints()] == [2**62]
     assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest({"w": torch.ones(2)}) == 2**62
+
+
+BAD_STEPS = [1.0, 5.0, 10.5, -5, "5", True, None, 2**62 + 1]
+
+
+@pytest.mark.parametrize("step", BAD_STEPS, ids=repr)
+def test_a_bad_step_is_refused_with_a_config_error_at_every_entry(tmp_path, step):
+    """A float, negative, str or bool step is a ConfigError naming the value, from save, maybe_save (with and
+    without force, on and off the policy's grid) and restore: never silently skipped, never a raw TypeError."""
+    state = {"w": torch.zeros(2)}
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(5), async_save=False) as mgr:
+        mgr.save(5, state)
+        calls = {
+            "save": lambda: mgr.save(step, state),
+            "maybe_save": lambda: mgr.maybe_save(step, state),
+            "maybe_save force": lambda: mgr.maybe_save(step, state, force=True),
+            "restore": lambda: mgr.restore(step, state),
+        }
+        for name, call in calls.items():
+            with pytest.raises(tg.ConfigError, match="step must be") as ei:
+                call()
+            assert repr(step) in str(ei.value) or str(step) in str(ei.value), name
+        assert [i.step for i in mgr.checkpoints()] == [5]  # nothing was saved
+    if step is not None:  # dcp_reader's None means the newest valid step
+        with pytest.raises(tg.ConfigError, match="step must be"):
+            tg.dcp_reader(tmp_path, step)
+
+
+def test_a_numpy_integer_step_is_accepted_as_an_int(tmp_path):
+    np = pytest.importorskip("numpy")
+    with tg.CheckpointManager(tmp_path, save_policy=tg.EveryNSteps(5), async_save=False) as mgr:
+        assert mgr.maybe_save(np.int64(5), {"w": torch.ones(2)}) is not None
+        mgr.save(np.int32(6), {"w": torch.ones(2)})
+        assert [i.step for i in mgr.checkpoints()] == [5, 6]
+        w = torch.zeros(2)
+        assert mgr.restore(np.int64(6), {"w": w}) == 6 and type(mgr.restore(np.int64(6), {"w": w})) is int
+        assert torch.equal(w, torch.ones(2))

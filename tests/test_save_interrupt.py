@@ -9,6 +9,8 @@ import sys
 import textwrap
 
 import trainguard as tg
+from trainguard._text import error_field_text, exception_text
+from trainguard.catalog import scan
 from trainguard.integrity.verify import verify
 
 CHILD = textwrap.dedent(
@@ -44,9 +46,7 @@ def test_sigint_during_a_sync_save_raises_keyboardinterrupt_and_commits_nothing(
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     root = tmp_path / "root"
-    p = subprocess.run(
-        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
-    )
+    p = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
     assert "SAVEERROR" not in p.stdout, p.stdout
     assert "SAVED" not in p.stdout  # the interrupt landed mid-save (the watcher fired)
     assert p.returncode in (-2, 130), (p.returncode, p.stderr[-2000:])
@@ -56,3 +56,17 @@ def test_sigint_during_a_sync_save_raises_keyboardinterrupt_and_commits_nothing(
     report = verify(root)
     assert report.ok and report.checked == [1]  # the earlier checkpoint re-reads intact
     assert not [x for x in root.iterdir() if ".partial" in x.name]
+    # `trainguard ls` lists the interrupted save as the type alone, not "KeyboardInterrupt: ;" (tester finding)
+    failed = [i for i in scan(root, failed_saves=True) if i.step == 2]
+    assert len(failed) == 1 and "KeyboardInterrupt (interrupted); nothing was committed" in failed[0].problem
+    assert ": ;" not in failed[0].problem
+
+
+def test_an_exception_without_a_message_is_rendered_as_its_type():
+    assert exception_text(KeyboardInterrupt()) == "KeyboardInterrupt (interrupted)"
+    assert exception_text(MemoryError()) == "MemoryError"
+    assert exception_text(OSError(28, "No space left")) == "OSError: [Errno 28] No space left"
+    # an event written by an older version reads the same
+    assert error_field_text("KeyboardInterrupt: ") == "KeyboardInterrupt (interrupted)"
+    assert error_field_text("MemoryError: ") == "MemoryError"
+    assert error_field_text("ValueError: bad") == "ValueError: bad"

@@ -157,6 +157,49 @@ def test_a_model_in_another_dtype_is_a_mismatch_too(tmp_path):
         restore(tmp_path, {"model": torch.nn.Linear(3, 2).to(torch.bfloat16)})
 
 
+def test_every_shape_key_and_dtype_difference_is_listed_at_once(tmp_path):
+    """Tester finding: only the first shape mismatch was named; the key and dtype differences appeared only once
+    the shapes were fixed. One error now lists all of them, checkpoint side and target side."""
+    save(
+        tmp_path,
+        {"m": {"a": torch.ones(3), "b": torch.ones(4), "c": torch.ones(2).half(), "d": torch.ones(1)}},
+    )
+    target = {"m": {"a": torch.zeros(5), "b": torch.zeros(6), "c": torch.zeros(2), "e": torch.zeros(1)}}
+    for strict in (True, False):  # a shape cannot be converted: strict=False refuses it too
+        with pytest.raises(tg.StateMismatchError) as ei:
+            restore(tmp_path, target, strict=strict)
+        msg = str(ei.value)
+        assert (
+            "shape differs (2): m.a (checkpoint (3,), target (5,)), m.b (checkpoint (4,), target (6,))" in msg
+        )
+        assert "only in the checkpoint (1): m.d" in msg and "only in the target (1): m.e" in msg
+        assert "dtype differs (1): m.c (checkpoint float16, target float32)" in msg
+        assert torch.equal(target["m"]["a"], torch.zeros(5)), "nothing may be loaded when it does not match"
+
+
+def test_a_model_with_another_hidden_size_names_every_tensor_that_differs(tmp_path):
+    def mlp(hidden: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+
+    save(tmp_path, {"model": mlp(16)})
+    with pytest.raises(tg.StateMismatchError) as ei:
+        restore(tmp_path, {"model": mlp(32)})
+    msg = str(ei.value)
+    assert "shape differs (3): " in msg  # 0.weight, 0.bias, 2.weight (2.bias keeps its shape)
+    for name in ("model.0.weight (checkpoint (16, 8), target (32, 8))", "model.0.bias", "model.2.weight"):
+        assert name in msg
+    assert "configuration the checkpoint was saved with" in msg
+
+
+def test_a_long_list_of_differences_is_bounded_with_a_count(tmp_path):
+    save(tmp_path, {"m": {f"t{i:02d}": torch.ones(2) for i in range(25)}})
+    with pytest.raises(tg.StateMismatchError) as ei:
+        restore(tmp_path, {"m": {f"t{i:02d}": torch.zeros(3) for i in range(25)}})
+    msg = str(ei.value)
+    assert "shape differs (25): m.t00 " in msg and "m.t19 (checkpoint" in msg and "m.t20" not in msg
+    assert "... and 5 more" in msg
+
+
 def test_an_empty_dict_target_takes_everything_as_saved(tmp_path):
     state = {"d": {"a": torch.tensor([70000.0], dtype=torch.float64), "n": {"b": torch.arange(3)}, "v": 3}}
     save(tmp_path, state)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._text import exception_text, naming_step
 from .commit import publish
 from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
@@ -114,13 +115,17 @@ def persist(
             discard_new_chunks(ctx, writer)
             raise err from None
         ranks = (
-            sorted(int(r) for r in getattr(e, "failures", {})) if is_checkpoint_exception(e) else [ctx.dist.rank]
+            sorted(int(r) for r in getattr(e, "failures", {}))
+            if is_checkpoint_exception(e)
+            else [ctx.dist.rank]
         )
-        ctx.event("save_failed", step=step, error=f"{type(err).__name__}: {err}", failed_ranks=ranks)
+        ctx.event("save_failed", step=step, error=exception_text(err), failed_ranks=ranks)
         discard_new_chunks(ctx, writer)
         if isinstance(err, StorageFullError):
             if err.step is None:
                 err.step = step
+            if err.args and isinstance(err.args[0], str):
+                err.args = (naming_step(err.args[0], step), *err.args[1:])
             hint = space_hint(ctx)
             if hint and err.args and hint not in str(err.args[0]):
                 head = str(err.args[0]).rstrip()  # the hint is whole sentences: end the message with one
@@ -130,14 +135,16 @@ def persist(
             cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
             err.rank_errors = {ranks[0]: cause}
             if err.args and f"rank {ranks[0]}" not in str(err.args[0]):
-                err.args = (f"saving step {step} failed on rank {ranks[0]}: {err.args[0]}", *err.args[1:])
+                # the step is named once, with the rank
+                text = str(err.args[0]).removeprefix(f"saving step {step} failed: ")
+                err.args = (f"saving step {step} failed on rank {ranks[0]}: {text}", *err.args[1:])
         if isinstance(err, (KeyboardInterrupt, SystemExit, SaveError)):
             raise err  # noqa: B904 - keeps its own cause (e.g. the OSError behind a StorageFullError)
         if isinstance(err, TrainguardError) and not isinstance(err, OSError) and not ctx.dist.enabled:
             raise err  # noqa: B904 - one process: the specific error; under dist it is wrapped to name the rank
         where = f" on rank {ranks[0]}" if ctx.dist.enabled else ""
         raise SaveError(
-            f"saving step {step} failed{where}: {type(err).__name__}: {err}; nothing was committed and earlier "
+            f"saving step {step} failed{where}: {exception_text(err)}; nothing was committed and earlier "
             "checkpoints are intact",
             step=step,
             rank_errors={ranks[0]: err},
@@ -378,8 +385,8 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
     ranks = sorted(errors)
     first = errors[ranks[0]] if ranks else e
     return SaveError(
-        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: {type(first).__name__}: "
-        f"{first}); nothing was committed and earlier checkpoints are intact",
+        f"step {step}: failed on ranks {ranks} (rank {ranks[0] if ranks else '?'}: "
+        f"{exception_text(first)}); nothing was committed and earlier checkpoints are intact",
         step=step,
         rank_errors=errors,
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import _persist, _statefn, lineage
 from ._context import RootContext
+from ._text import exception_text
 from .catalog import inspect_step, is_committed
 from .errors import CheckpointExistsError, ConfigError, SaveError, TrainguardError
 from .format import step_dir_name
@@ -252,7 +253,7 @@ class SavePath:
                 raise
             # as a synchronous save reports a failure: SaveError naming the cause
             raise SaveError(
-                f"saving step {step} failed while staging: {type(e).__name__}: {e}; nothing was committed and "
+                f"saving step {step} failed while staging: {exception_text(e)}; nothing was committed and "
                 "earlier checkpoints are intact",
                 step=step,
                 rank_errors={ctx.dist.rank: e},

@@ -142,8 +142,9 @@ def build_template(
     too, except optimizer state, which is replaced by what was saved, dtype included.
 
     Raises:
-        StateMismatchError: a requested top-level key is not in the checkpoint; a live tensor has a different
-            shape; or, with ``strict``, keys, dtypes or recorded optimizer state differ (all of them listed).
+        StateMismatchError: a requested top-level key is not in the checkpoint; live tensors have different
+            shapes (strict or not); or, with ``strict``, keys, dtypes or recorded optimizer state differ. Every
+            difference of an entry is listed in one message (:func:`~trainguard.state.matching.mismatch_message`).
         InsufficientMemoryError: the tensors to allocate (saved entries the target lacks, optimizer state of
             another dtype) need more memory than is available; nothing is allocated.
     """
@@ -154,6 +155,7 @@ def build_template(
     template: dict[str, Any] = {}
     paths: dict[str, PathT] = {}
     reports: list[str] = []
+    shape_mismatch = False
     fresh: list[
         tuple[str, TensorEntry]
     ] = []  # tensors to allocate: checked against the memory available first
@@ -197,6 +199,7 @@ def build_template(
         used = set(match.values()) | filled
         only_live = [] if stateful else [f for f in live_flat if f not in used]
         dtypes: list[tuple[str, str, str]] = []
+        shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         for f in saved:
             e = manifest.entries[f]
             lf = match.get(f)
@@ -214,11 +217,9 @@ def build_template(
                 template[f] = None
                 fresh.append((f, e))  # allocated after the memory check
                 continue
-            if tuple(cur.shape) != tuple(e.shape):
-                raise StateMismatchError(
-                    f"{f!r}: checkpoint of step {manifest.step} has shape {tuple(e.shape)} but the live "
-                    f"tensor has {tuple(cur.shape)}; build the model with the configuration it was saved with"
-                )
+            if tuple(cur.shape) != tuple(e.shape):  # listed with every other difference, strict or not
+                name = f if lf == f else f"{f} (target {lf})"
+                shapes.append((name, tuple(e.shape), tuple(cur.shape)))
             template[f] = cur
             if cur.dtype != dtype:
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
@@ -227,10 +228,13 @@ def build_template(
                 else:
                     name = f if lf == f else f"{f} (target {lf})"
                     dtypes.append((name, e.dtype, str(cur.dtype).removeprefix("torch.")))
-        if only_saved or only_live or dtypes:
+        if only_saved or only_live or dtypes or shapes:
             reports.append(
-                mismatch_message(manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes)
+                mismatch_message(
+                    manifest.step, k, only_saved=only_saved, only_live=only_live, dtypes=dtypes, shapes=shapes
+                )
             )
+            shape_mismatch = shape_mismatch or bool(shapes)
         missing = optim.missing_in_manifest(k, record, [fqn_of(manifest.entries[f].path) for f in saved])
         if missing:
             reports.append(
@@ -244,7 +248,7 @@ def build_template(
                 )
             )
     if reports:
-        if strict:
+        if strict or shape_mismatch:  # a shape cannot be converted: strict=False does not load it either
             raise StateMismatchError("\n".join(reports))
         log.warning("strict=False: loading what matches; %s", "\n".join(reports))
     check_memory(

@@ -39,3 +39,39 @@ def markup(text: Any) -> str:
     from rich.markup import escape
 
     return escape(printable(text))
+
+
+def exception_text(e: BaseException) -> str:
+    """``"TypeName: message"`` for an exception, or the type alone when it has no message (a Ctrl-C is
+    ``"KeyboardInterrupt (interrupted)"``), so an error line never ends in a dangling ``": "``.
+
+    Args:
+        e: any exception.
+
+    Returns:
+        One human-readable description (not escaped: pass it through :func:`printable` for a terminal).
+    """
+    name = type(e).__name__
+    text = str(e).strip()
+    if text:
+        return f"{name}: {text}"
+    return f"{name} (interrupted)" if isinstance(e, KeyboardInterrupt) else name
+
+
+def error_field_text(error: object) -> str:
+    """An ``error`` field read back from an event (``"TypeName: message"``), tidied for a listing: an empty
+    message (written by older versions as ``"KeyboardInterrupt: "``) shows as the type alone."""
+    text = str(error).rstrip()
+    if text.endswith(":"):
+        text = text[:-1]
+        if text == "KeyboardInterrupt":
+            text += " (interrupted)"
+    return text
+
+
+def naming_step(message: str, step: int) -> str:
+    """``message`` prefixed with ``"saving step N failed: "`` unless it already names ``step N``, so that every
+    save error says which step failed, also when a later call reports it (a background save)."""
+    if re.search(rf"\bsteps? {step}\b", message):
+        return message
+    return f"saving step {step} failed: {message}"

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._text import error_field_text
 from ._time import iso
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError, UnsafeFileError
 from .format import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json, parse_step_dir, step_dir_name
@@ -574,7 +575,7 @@ def _failed_saves(root: str | os.PathLike[str], listed: set[int]) -> list[Checkp
         where = f" on rank(s) {ranks}" if isinstance(ranks, list) and ranks else ""
         t = ev.get("t")
         t = float(t) if isinstance(t, (int, float)) else None
-        problem = f"the save failed{where}: {ev.get('error')}; nothing was committed"
+        problem = f"the save failed{where}: {error_field_text(ev.get('error'))}; nothing was committed"
         out.append(
             CheckpointInfo(
                 s, "incomplete", 0, iso(t) if t else None, t, problem, str(Path(root) / step_dir_name(s))

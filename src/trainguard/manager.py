@@ -38,6 +38,7 @@ from .catalog import CheckpointInfo, scan
 from .distributed.context import DistContext
 from .errors import ConfigError, ManagerClosedError, ReadOnlyManagerError, SaveError
 from .eventlog import EventLog, check_user_event
+from .format.layout import as_step
 from .format.run import RunInfo, new_run_id
 from .incremental.chunkstore import ChunkStore
 from .policies import SavePolicy
@@ -62,9 +63,13 @@ class CheckpointManager:
     """Saves and restores the whole training state under one run root.
 
     Args:
-        root: the run root directory (created if missing), or its :class:`~trainguard.storage.Storage`
+        root: the run root directory (created if missing), its :class:`~trainguard.storage.Storage`
             (e.g. a :class:`~trainguard.storage.FaultyStorage` in fault tests; ``fsync`` and ``durability``
-            are then the storage's own).
+            are then the storage's own), or an object-store URL (``"s3://bucket/run1"``, any fsspec URL;
+            ``pip install 'trainguard[s3]'``): the manager then saves to a local cache
+            (``$TRAINGUARD_CACHE_DIR``, default ``~/.cache/trainguard``) as its hot root, keeping the newest
+            checkpoint there, with the URL as a dual-write replica that keeps ``keep``; a second writer of the
+            URL is refused (RootLockedError), and credentials that cannot write are a ConfigError here.
         save_policy: decides the steps ``maybe_save`` saves at (default: every 1000 steps).
         keep: retention: an int N keeps the newest N valid checkpoints, a RetentionPolicy, or None to keep all.
             Applied only after a new checkpoint commits; the newest valid checkpoint is never deleted.
@@ -144,11 +149,22 @@ class CheckpointManager:
             host copy of the last saved tensors (default False).
         max_chain: a save writes no new delta at least every ``max_chain`` saves, and no chunk's chain of
             delta bases reaches ``max_chain`` links (default 10), bounding what a restore reads.
+        tiers: storage below the hot root, in order (:class:`~trainguard.Tier`: a shared filesystem path or an
+            object-store URL, each with its own ``keep``): a save commits to the hot root first, then async
+            tiers receive it in the background (``sync=True`` tiers: before ``wait()`` returns); a restore
+            reads a chunk missing or corrupt on the hot root from the first tier holding it with a matching
+            CRC32C, and ``close()`` waits up to each tier's ``upload_timeout_s`` (seconds) for the uploads
+            (TierUploadError). None or ``[]`` (default): the hot root only. See ``docs/tiers.md``.
+        storage_options: options for the fsspec filesystem of a URL ``root`` (s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``; they override the environment's ``AWS_*`` variables).
+            Only with a URL root (ConfigError otherwise); a tier takes its own in ``tg.Tier(...)``.
 
     Raises:
-        RootLockedError: another process holds the write lock of ``root``.
+        RootLockedError: another process holds the write lock of ``root`` (for a URL root: the store's lock
+            object).
         ConfigError: an invalid argument, or a root that is not usable: a file, a dangling symlink, on a
-            read-only filesystem or without write permission (for writers).
+            read-only filesystem or without write permission (for writers); ``storage_options`` with a local
+            root; a URL root or tier whose credentials are missing or cannot write (for writers).
         UnsafeFileError: ``root/.lock`` or ``root/events`` is a symlink or the wrong kind of file.
 
     Collective calls (every rank, same order, when torch.distributed is initialized and the manager is
@@ -480,12 +496,15 @@ class CheckpointManager:
             SaveError: this save failed (synchronous saves) or an earlier background save failed (raised
                 once, and only after this call's own save, if one was due, was staged: that save goes on in
                 the background and ``e.pending_save`` is its PendingSave, so ``except`` and carry on loses
-                nothing); StorageFullError (a SaveError) when the disk is full.
+                nothing); StorageFullError (a SaveError) when the disk is full. The message names the step whose
+                save failed (``e.step``) and, apart, the call that reported it.
             CheckpointExistsError: the policy chose a step that is already committed.
             ResumeDivergedError: after a restore, the loss left the band of the losses logged before.
-            ConfigError: ``step`` is not an int >= 0.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (a float, str, bool or negative step;
+                numpy integers are taken as ints), checked before the save policy.
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
+        step = as_step(step)  # before the policy: a float or negative step must not pass silently
         self._saves.tick(step, metrics)
         from .recovery.heartbeat import preemption_requested
 
@@ -544,12 +563,15 @@ class CheckpointManager:
                 after this save was staged: it goes on in the background, ``e.pending_save``), or, for
                 synchronous saves, this save failed. StorageFullError (a SaveError) when the disk is full;
                 NonFiniteStateError (a SaveError) for NaN/Inf with ``check_finite="error"``.
-                Nothing is committed by a failed save and earlier checkpoints are intact.
+                Nothing is committed by a failed save and earlier checkpoints are intact. The message names the
+                step whose save failed (``e.step``) and, apart, the call that reported it.
             RunConflictError: a first save that would interleave with another run's checkpoints.
-            ConfigError: ``step`` is not an int >= 0, or the root's layout is one restore would refuse.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (numpy integers are taken as ints), or the
+                root's layout is one restore would refuse.
             ManagerClosedError, ReadOnlyManagerError: the manager is closed or read-only.
         """
         self._check_open(write=True)
+        step = as_step(step)
         return self._saves.save(
             step, state, metrics=metrics, metadata=metadata, overwrite=overwrite, block=True
         )
@@ -672,13 +694,16 @@ class CheckpointManager:
                 checked before loading: the state's objects were not modified. Under torch.distributed tensors
                 loaded in place may hold part of it (``state_modified``): rebuild them before training.
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
-                or missing optimizer state); the message lists the checkpoint's and the target's side.
+                or missing optimizer state); one message lists every difference (the first 20 of each kind,
+                then a count), the checkpoint's and the target's side.
             SuspectCheckpointError: the restored state holds NaN/Inf (``check_finite="error"``) or the probe
                 differs; the step is marked suspect.
             InsufficientMemoryError: the checkpoint does not fit in this machine's memory.
+            ConfigError: ``step`` is not an int in ``[0, 2**62]`` (numpy integers are taken as ints).
             ManagerClosedError: the manager is closed.
         """
         self._check_open()
+        step = as_step(step)
         self.wait()
         return _restore.restore_step(self.ctx, step, state, strict=strict)
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._optional import require
 from .errors import ConfigError
-from .format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from .format.layout import MANIFEST_NAME, as_step, parse_step_dir, step_dir_name
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -96,15 +96,16 @@ def report(manager: CheckpointManager, step: int, metrics: Mapping[str, Any] | N
 
     Raises:
         MissingDependencyError: Ray Train is not installed (names ``pip install 'trainguard[ray]'``).
-        ConfigError: a metric uses a reserved key.
+        ConfigError: a metric uses a reserved key, or ``step`` is not an int in ``[0, 2**62]``.
     """
+    step = as_step(step)
     train = _ray_train()
     out = dict(metrics or {})
     clash = {"step", STEP_KEY, ROOT_KEY} & set(out)
     if clash:
         raise ConfigError(f"metrics keys {sorted(clash)} are set by trainguard.ray.report; rename them")
     newest = committed_step(manager.root)
-    out.update({"step": int(step), STEP_KEY: newest, ROOT_KEY: str(manager.root)})
+    out.update({"step": step, STEP_KEY: newest, ROOT_KEY: str(manager.root)})
     key = str(Path(manager.root).absolute())
     if newest is None or _reported.get(key) == newest or train.get_context().get_world_rank() != 0:
         train.report(out)

@@ -32,6 +32,7 @@ def test_enospc_on_one_rank_raises_storage_full_naming_that_rank_on_every_rank(f
         assert f["is_storage_full"] and f["step"] == 2, f
         assert list(f["rank_errors"]) == [str(bad)], f
         assert f"rank {bad}" in f["message"], f["message"]
+        assert f["message"].count("step 2") == 1, f["message"]  # the failed step, named once (with the rank)
 
 
 def test_the_other_ranks_chunks_of_the_failed_save_are_collected_at_once(failed):

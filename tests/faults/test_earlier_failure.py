@@ -124,3 +124,35 @@ def test_a_preemption_save_after_an_unseen_failure_still_saves_and_exits(tmp_pat
     assert "saving step 2 before exiting" in out.stderr  # the earlier failure is logged, not lost
     with tg.CheckpointManager(tmp_path, read_only=True) as ro:
         assert [i.step for i in ro.checkpoints() if i.status == "valid"] == [2]
+
+
+def test_every_background_save_error_names_the_step_that_failed(tmp_path):
+    """Tester finding: on a full disk, ``maybe_save(4)`` raised step 2's StorageFullError whose text named only
+    step 4 (the reporting call), and ``close()`` raised step 3's naming only the other failures. Each message
+    now names its own step, and separately the call that reported it."""
+    faults = [Fault("write", match=f"step-00000000{s}/manifest.json", errno=errno.ENOSPC) for s in (2, 3)]
+    disk = FaultyStorage(LocalStorage(tmp_path), *faults)
+    mgr = tg.CheckpointManager(disk, save_policy=tg.EveryNSteps(1))
+    for step in (1, 2):
+        assert mgr.maybe_save(step, weights(step)).wait_done(60)
+    with pytest.raises(tg.StorageFullError) as ei:
+        mgr.maybe_save(3, weights(3))
+    assert ei.value.step == 2
+    assert "saving step 2 failed: no space left" in str(ei.value)
+    assert "[reported by the save of step 3" in str(ei.value)
+    assert ei.value.pending_save.wait_done(60)
+    with pytest.raises(tg.StorageFullError) as ei:
+        mgr.close()
+    assert ei.value.step == 3
+    assert str(ei.value).startswith("saving step 3 failed: no space left")
+    assert all(f.seen >= 1 for f in faults), "both faults fired"
+    with tg.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert [i.step for i in ro.checkpoints() if i.status == "valid"] == [1]
+
+
+def test_a_message_that_names_its_step_is_not_prefixed_again():
+    from trainguard._text import naming_step
+
+    assert naming_step("saving step 12 failed: boom", 12) == "saving step 12 failed: boom"
+    assert naming_step("no space left writing step-000000012/x", 12).startswith("saving step 12 failed: no")
+    assert naming_step("step 120 is odd", 12) == "saving step 12 failed: step 120 is odd"

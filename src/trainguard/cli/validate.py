@@ -85,7 +85,8 @@ def gc_cmd(
 ) -> None:
     """Remove quarantined chunks and orphans from ROOT's chunk store (never a chunk a manifest references).
 
-    Takes the root lock: run it while no job writes to ROOT.
+    Takes the root lock: run it while no job writes to ROOT. ``--dry-run`` deletes nothing and also runs
+    while a job writes (it then says so: the job may change the plan meanwhile).
     """
     from ..planning.units import parse_duration_s
     from ..validation.scrub import gc
@@ -114,6 +115,12 @@ def gc_cmd(
         echo(json.dumps(report.to_json(), indent=1))
         return
     verb = "would remove" if dry_run else "removed"
+    if report.writer_active:
+        echo(
+            f"gc --dry-run: a job holds {p}{_holder(p)} and writes to it; this plan is read beside it and may "
+            "change (its commits and its own retention change what is referenced). Run gc itself once the job "
+            "has stopped."
+        )
     for rel in report.quarantined:
         echo(f"{verb} quarantined {rel}")
     for rel in report.orphans:

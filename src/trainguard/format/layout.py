@@ -9,12 +9,13 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import threading
 from pathlib import Path, PurePosixPath
 
-from ..errors import UnsafeCheckpointError
+from ..errors import ConfigError, UnsafeCheckpointError
 
 CHUNKS_DIR = "chunks"
 MANIFEST_NAME = "manifest.json"
@@ -36,6 +37,31 @@ def step_problem(step: object) -> str | None:
     if step > MAX_STEP:
         return f"step must be at most 2**62 ({MAX_STEP}), got {step}; count steps from 0 with a plain counter"
     return None
+
+
+def as_step(step: object) -> int:
+    """Check a step given to a public entry point and return it as a Python int.
+
+    Args:
+        step: an int in ``[0, 2**62]``; a numpy integer is accepted and converted. Not a bool, float or str.
+
+    Returns:
+        ``step`` as an ``int``.
+
+    Raises:
+        ConfigError: ``step`` is not an int, is negative or larger than 2**62 (the message names the value
+            and the fix).
+    """
+    if isinstance(step, numbers.Integral) and not isinstance(step, (bool, int)):
+        step = int(step)  # numpy integers
+    problem = step_problem(step)
+    if problem is None:
+        return step  # type: ignore[return-value]  # step_problem checked it is an int
+    if not isinstance(step, int) or isinstance(step, bool):
+        problem += f" (a {type(step).__name__}); pass the training step counter as an int"
+    elif step < 0:
+        problem += "; steps count up from 0"
+    raise ConfigError(problem)
 
 
 def step_dir_name(step: int) -> str:

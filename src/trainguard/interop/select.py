@@ -19,6 +19,7 @@ import torch
 from ..catalog import inspect_step, read_manifest, scan
 from ..errors import ConfigError, CorruptCheckpointError, NoValidCheckpointError
 from ..format import Manifest, TensorEntry, ValueEntry, step_dir_name
+from ..format.layout import as_step
 from ..incremental.chunkstore import ChunkStore
 from ..state.dtypes import dtype_from_name
 from ..state.flatten import PathT, fqn_of
@@ -31,11 +32,13 @@ def open_checkpoint(root: str | os.PathLike[str], step: int | None) -> tuple[Chu
     """The chunk store and manifest of ``step`` (default: the newest valid checkpoint) under ``root``.
 
     Raises:
-        ConfigError: ``root`` is not a directory.
+        ConfigError: ``root`` is not a directory, or ``step`` is not an int in ``[0, 2**62]``.
         CheckpointNotFoundError: no committed checkpoint of ``step``.
         NoValidCheckpointError: ``step`` is None and no checkpoint is valid.
         CorruptCheckpointError: the checkpoint of ``step`` is not valid (the message says why).
     """
+    if step is not None:
+        step = as_step(step)
     r = Path(root)
     if not r.is_dir():
         raise ConfigError(f"run root {str(root)!r} does not exist or is not a directory")

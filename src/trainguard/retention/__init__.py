@@ -28,7 +28,14 @@ class RetentionPolicy(Protocol):
 
 @dataclass(frozen=True)
 class KeepLatest:
-    """Keep the newest ``n`` valid checkpoints (n >= 1)."""
+    """Keep the newest ``n`` valid checkpoints.
+
+    Args:
+        n: how many checkpoints to keep (an int >= 1).
+
+    Raises:
+        ConfigError: ``n`` < 1.
+    """
 
     n: int
 
@@ -42,7 +49,14 @@ class KeepLatest:
 
 @dataclass(frozen=True)
 class KeepEvery:
-    """Keep every checkpoint whose step is a multiple of ``every_steps`` (long-term snapshots)."""
+    """Keep every checkpoint whose step is a multiple of ``every_steps`` (long-term snapshots).
+
+    Args:
+        every_steps: the interval, in steps (an int >= 1).
+
+    Raises:
+        ConfigError: ``every_steps`` < 1.
+    """
 
     every_steps: int
 

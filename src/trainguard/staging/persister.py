@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._text import exception_text, naming_step
 from ..errors import SaveError
 from ..results import SaveResult
 from .buffers import BufferSet, Stager
@@ -262,11 +263,16 @@ class AsyncPersister:
             assert request is not None
             result = self.persist(request, handle.staging_s, job.cancel)
         except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
+            if isinstance(e, SaveError):  # reported by a later call: the message must name the failed step
+                if e.step is None:
+                    e.step = handle.step
+                if e.args and isinstance(e.args[0], str):
+                    e.args = (naming_step(e.args[0], handle.step), *e.args[1:])
             err = (
                 e
                 if isinstance(e, SaveError)
                 else SaveError(
-                    f"background save of step {handle.step} failed: {type(e).__name__}: {e}",
+                    f"background save of step {handle.step} failed: {exception_text(e)}",
                     step=handle.step,
                     rank_errors={self.rank: e},
                 )
@@ -364,7 +370,7 @@ def register_exit_flush(owner: Flushable, where: str) -> Any:
         try:
             m.close()
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
-            _tell(f"trainguard: a save failed while flushing at exit: {type(e).__name__}: {e}", logging.ERROR)
+            _tell(f"trainguard: a save failed while flushing at exit: {exception_text(e)}", logging.ERROR)
 
     # threading's exit hooks run before concurrent.futures refuses new work (the writer's thread pool) and
     # before atexit; later registrations run first. atexit where that hook is missing.

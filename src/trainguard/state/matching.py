@@ -59,11 +59,30 @@ def mismatch_message(
     only_saved: Iterable[str] = (),
     only_live: Iterable[str] = (),
     dtypes: Iterable[tuple[str, str, str]] = (),
+    shapes: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
     missing_optim: Iterable[str] = (),
     fix: str | None = None,
 ) -> str:
-    """The StateMismatchError text for one state entry: every difference, checkpoint side and target side."""
+    """The StateMismatchError text for one state entry: every difference, checkpoint side and target side
+    (each kind: the first ``MAX_LISTED`` names, sorted, then how many more).
+
+    Args:
+        step: the checkpoint's step.
+        entry: the top-level state entry.
+        only_saved, only_live: keys only in the checkpoint, only in the target.
+        dtypes: ``(key, checkpoint dtype, target dtype)`` of each dtype difference.
+        shapes: ``(key, checkpoint shape, target shape)`` of each shape difference.
+        missing_optim: optimizer state recorded at save time but not restored.
+        fix: the advice ending the message (default: fix the target, restore into ``{}``, or strict=False).
+
+    Returns:
+        The message, one line per kind of difference.
+    """
     lines = []
+    shapes = list(shapes)
+    if shapes:
+        shown = [f"{f} (checkpoint {a}, target {b})" for f, a, b in sorted(shapes)]
+        lines.append(f"shape differs ({len(shapes)}): {listing(shown)}")
     only_saved, only_live, dtypes = list(only_saved), list(only_live), list(dtypes)
     missing_optim = list(missing_optim)
     if only_saved:
@@ -78,7 +97,13 @@ def mismatch_message(
             f"optimizer state recorded at save time but not restored ({len(missing_optim)}): "
             f"{listing(missing_optim)}"
         )
-    if fix is None:
+    if fix is None and shapes:
+        fix = (
+            "Build the model with the configuration the checkpoint was saved with (shapes must match even "
+            "with strict=False), or restore into an empty dict "
+            f"({{{entry!r}: {{}}}}) to get everything as saved."
+        )
+    elif fix is None:
         fix = (
             "Fix the target (same keys and dtypes as saved), restore into an empty dict "
             f"({{{entry!r}: {{}}}}) to get everything as saved, or pass strict=False to load what matches "

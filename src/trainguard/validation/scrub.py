@@ -182,6 +182,8 @@ class GcReport:
         referenced: how many chunks the readable committed manifests reference (never touched).
         unreadable_manifests: steps whose manifest could not be read: their chunks are unknown, so no orphan
             is removed while there is one.
+        writer_active: a dry run found a writer holding the root (it ran without the lock, deleting nothing):
+            the job may commit or delete checkpoints meanwhile, so the plan may change by the time gc runs.
     """
 
     quarantined: list[str] = field(default_factory=list)
@@ -189,6 +191,7 @@ class GcReport:
     bytes_freed: int = 0
     referenced: int = 0
     unreadable_manifests: list[int] = field(default_factory=list)
+    writer_active: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -197,6 +200,7 @@ class GcReport:
             "bytes_freed": self.bytes_freed,
             "referenced": self.referenced,
             "unreadable_manifests": self.unreadable_manifests,
+            "writer_active": self.writer_active,
         }
 
 
@@ -218,21 +222,23 @@ def gc(
         root: the run root.
         quarantine_older_than_s: remove ``<hash>.corrupt-<time>`` files moved aside more than this long ago.
         orphans_older_than_s: remove unreferenced chunks last modified more than this long ago.
-        dry_run: only report what would be removed (on a read-only filesystem without taking the lock).
+        dry_run: only report what would be removed, deleting nothing: without the lock on a read-only
+            filesystem or while a writer holds the root (``GcReport.writer_active``).
         now: the current time (seconds since the epoch; for tests).
 
     Returns:
         A :class:`GcReport`.
 
     Raises:
-        RootLockedError: a writer holds the root (run gc when the job is stopped, or leave it to retention).
+        RootLockedError: a writer holds the root and this is not a dry run (run gc when the job is stopped, or
+            leave it to retention).
         ConfigError: ``root`` is not a run root (no step directories, chunk store or event log); nothing is
             created in it. Or it is on a read-only filesystem or not writable by this user (gc needs write
             access; a dry run on a read-only filesystem does not).
     """
     from .._lock import RootLock
     from ..catalog import is_run_root, read_manifest, step_dirs
-    from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+    from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RootLockedError
     from ..format import MANIFEST_NAME
 
     root = Path(root)
@@ -243,11 +249,16 @@ def gc(
         )
     now = time.time() if now is None else now
     lock = RootLock(root)
+    writer_active = False
     try:
         lock.acquire()
     except ConfigError as e:  # not writable: a dry run lists without the lock (no writer can change the root)
         if not (dry_run and isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EROFS):
             raise
+    except RootLockedError:  # a dry run deletes nothing: it reads the root beside the writer
+        if not dry_run:
+            raise
+        writer_active = True
     try:
         known: set[str] = set()
         unreadable: list[int] = []
@@ -261,7 +272,9 @@ def gc(
                 if (d / MANIFEST_NAME).exists():
                     unreadable.append(s)
         referenced = None if unreadable else known  # an unreadable manifest's chunks are unknown
-        report = GcReport(referenced=len(known), unreadable_manifests=sorted(unreadable))
+        report = GcReport(
+            referenced=len(known), unreadable_manifests=sorted(unreadable), writer_active=writer_active
+        )
         chunks = root / "chunks"
         if not chunks.is_dir():
             return report
