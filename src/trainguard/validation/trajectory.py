@@ -19,7 +19,7 @@ compared with one of two references:
   * **diverged**: ``|loss - ref| > max(K * MAD, REL_TOL * |ref|)`` trips the check (``ResumeDivergedError``).
   * in between, the resume is neither confirmed nor condemned: it trains like the failed launch but not the
     same (a data order or RNG stream that moved, another device). It is reported once (a
-    ``resume_not_reproduced`` event and a warning "resume not reproduced exactly") and the restored step is
+    ``resume_not_reproduced`` event and a ``ResumeNotExactWarning`` "resume not reproduced exactly") and the restored step is
     never confirmed by this launch.
 - **the band**, only when there is no same-step reference (an elastic resize, a lost log) and the restored step
   was never confirmed: the median of the last ``BAND_RUN`` losses (judged from ``MIN_RUN`` on) must stay
