@@ -172,3 +172,27 @@ def test_a_compressed_checkpoint_imports_blosc2_on_first_use_and_restores_bit_ex
         """
     )
     assert out == {"step": 1, "same": True, "before": [], "after": ["blosc2"]}
+
+
+def test_the_codec_librarys_import_does_not_move_the_jobs_random_stream(tmp_path):
+    """blosc2 is imported at the first save with compression on (not with trainguard); rich, which it pulls
+    in, draws from Python's global ``random`` at import. The job's stream must not move: a resumed run
+    restores that stream and must draw what the uninterrupted run drew (tests/test_resume_bitexact.py)."""
+    code = textwrap.dedent(
+        f"""
+        import random, sys
+        import torch
+        import trainguard as tg
+        assert "blosc2" not in sys.modules
+        random.seed(7)
+        with tg.CheckpointManager({str(tmp_path)!r}, compression="auto", async_save=True) as mgr:
+            mgr.save(1, {{"w": torch.ones(1 << 16)}})
+            got = random.random()
+        assert "blosc2" in sys.modules
+        random.seed(7)
+        assert got == random.random(), "the first save moved the job's random stream"
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

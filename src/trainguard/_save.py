@@ -227,6 +227,10 @@ class SavePath:
         if not self._run_checked:
             lineage.check_before_first_save(ctx, step)
             self._run_checked = True
+            if ctx.compression is not None and ctx.compression.mode != "off":
+                from .incremental import codecs  # here, not in the persist thread (see load_library)
+
+                codecs.load_library()
             if ctx.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
                 apply_retention(ctx, at_open=True)
         if not overwrite and self.done(step):

@@ -24,6 +24,9 @@ although a restore of uncompressed chunks never decodes a frame (benchmarks/RESU
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +39,30 @@ MAX_TYPESIZE = 255  # blosc2's limit on the shuffle word
 BLOSC2_MAX_BYTES = (1 << 31) - 64  # one blosc2 frame holds less than 2 GiB
 
 
-def _blosc2() -> Any:
-    """The ``blosc2`` module, imported on first use (see the module notes)."""
-    import blosc2
+_IMPORT_LOCK = threading.Lock()
 
+
+def load_library() -> Any:
+    """Import ``blosc2`` now (once per process; see the module notes) and return it, leaving Python's global
+    ``random`` state as it was: rich, which blosc2 pulls in through httpx, draws ``getrandbits(24)`` at import,
+    which would shift the training job's ``random`` stream and break a bit-exact resume. Call it from the
+    thread that runs the training loop (a save's caller does at the first save with compression on): an import
+    in a background thread, restoring the state, could undo the draws the training thread made meanwhile."""
+    mod = sys.modules.get("blosc2")
+    if mod is not None:
+        return mod
+    with _IMPORT_LOCK:
+        state = random.getstate()
+        try:
+            import blosc2
+        finally:
+            random.setstate(state)
     return blosc2
+
+
+def _blosc2() -> Any:
+    """The ``blosc2`` module (:func:`load_library`)."""
+    return load_library()
 
 
 class CodecError(ValueError):
