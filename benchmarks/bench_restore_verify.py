@@ -66,8 +66,12 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["verify+load"] / med["load only"]
     for k in times:
-        log(f"{k:12s} median {med[k]:.3f} s  ({', '.join(f'{t:.3f}' for t in times[k])})  bytes read {read[k]}")
-    log(f"bytes ratio {read['verify+load'] / read['load only']:.2f}; time ratio {ratio:.2f} (target <= {TARGET_RATIO})")
+        log(
+            f"{k:12s} median {med[k]:.3f} s  ({', '.join(f'{t:.3f}' for t in times[k])})  bytes read {read[k]}"
+        )
+    log(
+        f"bytes ratio {read['verify+load'] / read['load only']:.2f}; time ratio {ratio:.2f} (target <= {TARGET_RATIO})"
+    )
     log("PASS" if ratio <= TARGET_RATIO else "MISS")
     return 0
 

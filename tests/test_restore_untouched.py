@@ -77,7 +77,12 @@ def test_a_fallback_that_cannot_overwrite_what_a_failed_candidate_loaded_is_an_e
     """Step 10 holds a NaN in "b" (saved with the check off): it is loaded, found non-finite and marked suspect.
     Step 5 has no "b": with strict=False restore_latest would leave b = step 10's NaN: a silent mix."""
     save(tmp_path, 5, {"w": {"a": torch.full((8,), 5.0)}})
-    save(tmp_path, 10, {"w": {"a": torch.full((8,), 10.0), "b": torch.full((8,), float("nan"))}}, check_finite="off")
+    save(
+        tmp_path,
+        10,
+        {"w": {"a": torch.full((8,), 10.0), "b": torch.full((8,), float("nan"))}},
+        check_finite="off",
+    )
     a, b = torch.zeros(8), torch.zeros(8)
     with tg.CheckpointManager(tmp_path) as mgr, pytest.raises(tg.StateMismatchError, match="rebuild") as ei:
         mgr.restore_latest({"w": {"a": a, "b": b}}, strict=False)
@@ -98,10 +103,12 @@ def test_the_verify_pass_reads_each_needed_chunk_once_more(tmp_path):
     assert mgr.last_restore.verify_bytes == chunk_bytes == mgr.last_restore.bytes
 
 
-
 def test_a_suspect_restore_says_the_objects_hold_its_values(tmp_path):
     save(tmp_path, 10, {"w": {"b": torch.full((8,), float("nan"))}}, check_finite="off")
     b = torch.zeros(8)
-    with tg.CheckpointManager(tmp_path) as mgr, pytest.raises(tg.SuspectCheckpointError, match="do not train"):
+    with (
+        tg.CheckpointManager(tmp_path) as mgr,
+        pytest.raises(tg.SuspectCheckpointError, match="do not train"),
+    ):
         mgr.restore(10, {"w": {"b": b}})
     assert torch.isnan(b).all()  # what the message says: the values were loaded (validation runs on them)

@@ -256,7 +256,9 @@ def test_the_numpy_fast_path_finds_a_single_bad_value_in_any_block_and_never_fla
     from trainguard.validation.finite import BLOCK_ELEMS, HALF_BLOCK_ELEMS, all_finite_cpu, count_nonfinite
 
     n = (HALF_BLOCK_ELEMS if dtype in (torch.bfloat16, torch.float16) else BLOCK_ELEMS) * 2 + 7
-    real = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else dtype
+    real = (
+        torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else dtype
+    )
     top = torch.finfo(real).max
     t = torch.full((n,), top, dtype=dtype)  # every element finite, every sum overflows
     if dtype in (torch.bfloat16, torch.float16):

@@ -39,7 +39,9 @@ def noisy_launch(root, upto, *, save_last=True):
             optim.step()
             sched.step()
             losses[step] = loss.item()
-            mgr.maybe_save(step, state, metrics={"loss": loss}, force=save_last and step == upto)  # a tensor that requires grad
+            mgr.maybe_save(
+                step, state, metrics={"loss": loss}, force=save_last and step == upto
+            )  # a tensor that requires grad
     return start, losses
 
 

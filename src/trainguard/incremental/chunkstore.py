@@ -493,7 +493,9 @@ class ChunkStore:
                     if info.size != rec.length:  # a sparse 64 GiB file is never read
                         total, crc = info.size, 0
                     else:
-                        total, crc = once(f, checked is not None and info.version == checked and not mismatches)
+                        total, crc = once(
+                            f, checked is not None and info.version == checked and not mismatches
+                        )
             except FileNotFoundError:
                 raise self._corrupt(rec, self.missing(rec.path), step, owners) from None
             except UnsafeFileError as e:
