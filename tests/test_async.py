@@ -163,3 +163,18 @@ def test_a_sigkill_during_a_background_persist_loses_only_that_checkpoint(tmp_pa
     from trainguard.integrity.verify import verify
 
     assert verify(tmp_path).ok
+
+
+def test_a_background_persist_leaves_the_training_thread_a_core(monkeypatch):
+    """An async save's writer pool has at most one thread fewer than the usable CPUs (at least one): on a
+    2-core machine 4 writer threads made the training thread wait for a CPU (benchmarks/RESULTS.md); a
+    synchronous save, whose caller waits anyway, keeps every thread."""
+    import os
+
+    from trainguard.distributed.options import WriterOptions
+
+    opts = WriterOptions(threads=4)
+    for cpus, want in ((1, 1), (2, 1), (3, 2), (4, 3), (5, 4), (64, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert opts.background().threads == want, cpus
+    assert WriterOptions(threads=1).background().threads == 1

@@ -100,7 +100,14 @@ def persist(
     validation = ctx.validation
     scan = validation.save_scan() if overlap and validation is not None else None
     writer = TrainguardWriter(
-        ctx.store, staging, commit, ctx.options, step, paths=dict(paths), encoder=encoder, scan=scan
+        ctx.store,
+        staging,
+        commit,
+        ctx.options if blocking else ctx.options.background(),  # a background persist leaves training a core
+        step,
+        paths=dict(paths),
+        encoder=encoder,
+        scan=scan,
     )
     beside = Beside(
         (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]
