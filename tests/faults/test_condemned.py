@@ -189,7 +189,9 @@ def test_a_mismatch_that_a_second_read_does_not_confirm_condemns_nothing(saved, 
     assert statuses(saved) == ["valid"] * 3
 
 
-def test_a_confirmed_mismatch_still_condemns_and_quarantines(saved):
+def quarantine_step3_big(saved):
+    """Flip a bit of step 3's ``model.big`` chunk; a restore falls back to step 2 and quarantines the chunk.
+    Returns the chunk's manifest record."""
     rec = next(
         r
         for h, r in read_manifest_json(saved, 3)["chunks"].items()
@@ -198,6 +200,11 @@ def test_a_confirmed_mismatch_still_condemns_and_quarantines(saved):
     flip_bit(saved / rec["path"], 5, 1)
     with tg.CheckpointManager(saved) as mgr:
         assert mgr.restore_latest(blank_state()) == 2
+    return rec
+
+
+def test_a_confirmed_mismatch_still_condemns_and_quarantines(saved):
+    rec = quarantine_step3_big(saved)
     assert (saved / "step-000000003" / "corrupt.json").exists()
     assert not (saved / rec["path"]).exists() and list((saved / rec["path"]).parent.glob("*.corrupt-*"))
     assert statuses(saved) == ["valid", "valid", "corrupt"]
@@ -451,14 +458,7 @@ def test_a_quarantined_chunk_is_reported_as_found_corrupt_and_moved_aside_not_mi
 
 
 def test_after_gc_removed_the_quarantined_copy_ls_still_names_the_recorded_mismatch(saved):
-    rec = next(
-        r
-        for h, r in read_manifest_json(saved, 3)["chunks"].items()
-        if owners_of(saved, 3, h) == ["model.big"]
-    )
-    flip_bit(saved / rec["path"], 5, 1)
-    with tg.CheckpointManager(saved) as mgr:
-        assert mgr.restore_latest(blank_state()) == 2
+    rec = quarantine_step3_big(saved)
     for copy in (saved / rec["path"]).parent.glob("*.corrupt-*"):
         copy.unlink()  # what gc --quarantine-older-than does
     problem = ls_json(saved)[3]["problem"]
