@@ -82,6 +82,7 @@ class SavePath:
             ctx.staging_bytes = lambda: self.stager.nbytes if self.stager is not None else 0
         self._layout_ok = False  # checked at the first save (ChunkStore.layout_problem)
         self._run_checked = read_only
+        self._codec_loaded = False  # blosc2 imported by this manager's first save with compression on
         self._first_step_logged = False
         self.progress_interval_s = progress_interval_s
         self._progress_t: float | None = None  # monotonic time of the last progress event (or first_step)
@@ -227,16 +228,18 @@ class SavePath:
         if not self._run_checked:
             lineage.check_before_first_save(ctx, step)
             self._run_checked = True
-            if ctx.compression is not None and ctx.compression.mode != "off":
-                from .incremental import codecs  # here, not in the persist thread (see load_library)
-
-                codecs.load_library()
             if ctx.dist.is_coordinator:  # a stricter keep frees space before this save writes anything
                 apply_retention(ctx, at_open=True)
         if not overwrite and self.done(step):
             self._check_replace(step)
         t0 = time.perf_counter()
         now0 = time.monotonic()
+        if not self._codec_loaded:  # counted in this save's stall (block_s): goodput subtracts it
+            self._codec_loaded = True
+            if ctx.compression is not None and ctx.compression.mode != "off":
+                from .incremental import codecs  # here, not in the persist thread (see load_library)
+
+                codecs.load_library()
         if self.persister is None or self.stager is None:
             return self._save_sync(step, state, metrics, metadata, t0, now0)
         bufset = self.persister.acquire(block=block)
