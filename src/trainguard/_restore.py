@@ -35,7 +35,7 @@ from .catalog import (
     record_corrupt,
     step_keys,
 )
-from .distributed.chunkread import ShardReader, finish_local, load_local, local_loadable, queue_local
+from .distributed.chunkread import ShardReader, finish_local, local_loadable, queue_local
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -417,25 +417,16 @@ def load(
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
             # leaves them untouched (one more read, from the page cache when the checkpoint was just read;
             # the load does not compute the CRC32C of a file checked here again)
-            if ctx.verify_before_load:
-                try:
-                    rest = queue_local(template, reader)  # no I/O: what the load will read
+            try:
+                rest = queue_local(template, reader)  # no I/O yet: what the load will read
+                if ctx.verify_before_load:
                     ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template, reader)
-                except BaseException:
-                    reader.clear()
-                    raise
                 writing = True
                 if touched is not None:
                     touched.update(template)
-                try:
-                    finish_local(template, reader, rest)
-                finally:
-                    reader.clear()
-            else:
-                writing = True
-                if touched is not None:
-                    touched.update(template)
-                load_local(template, reader)
+                finish_local(template, reader, rest)
+            finally:
+                reader.clear()
             known = reader.scanned()
         else:
             import torch.distributed.checkpoint as dcp

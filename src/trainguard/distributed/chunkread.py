@@ -5,7 +5,7 @@ tagged payloads, checking each chunk (length, CRC32C) as it is read. When a read
 whose chunks are the shard's own, the bytes go straight into the destination tensor's memory (no intermediate
 buffer); otherwise (resharding, packed chunks, dtype or device conversion) the shard is read, checked, narrowed
 and copied. DCP's :class:`~trainguard.distributed.reader.TrainguardReader` drives it item by item;
-:func:`load_local` drives it alone for a single process, so a restart that restores one process's checkpoint
+:func:`queue_local` then :func:`finish_local` drive it alone for a single process, so a restart that restores one process's checkpoint
 never imports DCP (:mod:`trainguard._lazy`).
 """
 
@@ -369,7 +369,7 @@ def _block_scan(dtype: torch.dtype) -> Callable[[memoryview], int]:
 
 
 def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bool:
-    """Whether :func:`load_local` can load ``template`` exactly as ``dcp.load`` would: every destination
+    """Whether :func:`queue_local` + :func:`finish_local` can load ``template`` exactly as ``dcp.load`` would: every destination
     tensor is a plain tensor (or ``nn.Parameter``: no DTensor or other subclass) of the saved shape, every
     value destination is a non-tensor, and every key is in the manifest. Anything else goes through DCP, whose
     errors and resharding are the reference."""
@@ -387,26 +387,14 @@ def local_loadable(template: MutableMapping[str, Any], manifest: Manifest) -> bo
     return True
 
 
-def load_local(template: MutableMapping[str, Any], reader: ShardReader) -> None:
-    """Load a single process's ``template`` (``{fqn: destination tensor | placeholder}``, see
-    :func:`trainguard._statefn.build_template`) in place, as ``dcp.load`` with the trainguard planner does:
-    every saved shard of a tensor into its region of the destination, each value decoded (JSON or
-    ``torch.load(weights_only=True)``) into ``template[fqn]``. Check :func:`local_loadable` first.
-
-    Raises:
-        CorruptCheckpointError: a chunk fails its check, or the manifest disagrees with itself.
-        UnsafeCheckpointError: a value's payload is unsafe to decode.
-    """
-    try:
-        finish_local(template, reader, queue_local(template, reader))
-    finally:
-        reader.clear()
-
-
 def queue_local(template: MutableMapping[str, Any], reader: ShardReader) -> list[tuple[str, Any]]:
-    """First half of :func:`load_local`: queue every read that goes straight into a destination's memory (no
-    I/O yet) and return the rest (values, packed chunks) for :func:`finish_local`. Between the two the
-    reader's queued reads are known: ``verify_before_load`` checks their chunks and counts their NaN/Inf
+    """Load a single process's ``template`` (``{fqn: destination tensor | placeholder}``, see
+    :func:`trainguard._statefn.build_template`) in place, as ``dcp.load`` with the trainguard planner does, in
+    two halves (check :func:`local_loadable` first; call :meth:`ShardReader.clear` after both). This first half
+    queues every read that goes straight into a destination's memory (no I/O yet) and returns the rest (values,
+    packed chunks) for :func:`finish_local`, which reads every saved shard into its region of the destination
+    and decodes each value (JSON or ``torch.load(weights_only=True)``). Between the two the reader's queued
+    reads are known: ``verify_before_load`` checks their chunks and counts their NaN/Inf
     (:meth:`ShardReader.block_scans`) before any byte reaches the caller's objects.
 
     Raises:
@@ -436,7 +424,7 @@ def queue_local(template: MutableMapping[str, Any], reader: ShardReader) -> list
 def finish_local(
     template: MutableMapping[str, Any], reader: ShardReader, rest: list[tuple[str, Any]]
 ) -> None:
-    """Second half of :func:`load_local`: the queued reads in the reading threads while this thread decodes
+    """Second half of :func:`queue_local`: the queued reads in the reading threads while this thread decodes
     the values and reads the packed chunks of ``rest`` (:func:`queue_local`'s result).
 
     Raises:

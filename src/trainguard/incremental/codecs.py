@@ -17,7 +17,8 @@ Decoding is bounded by what the manifest declares: the blosc2 header's decoded s
 ``size`` (itself bounded by the tensor bytes the manifest declares), and decoding writes into a buffer of
 exactly that size, so a hostile frame cannot make restore allocate more.
 
-``blosc2`` is imported by the first :func:`compress` or :func:`decompress_into`, not with this module: it pulls
+``blosc2`` is imported by :func:`load_library` (a manager's first save with compression on, or the first
+:func:`compress` or :func:`decompress_into`), not with this module: it pulls
 httpx, rich, click and threadpoolctl, 0.2-0.3 s of CPU that every relaunch paid in ``import trainguard``
 although a restore of uncompressed chunks never decodes a frame (benchmarks/RESULTS.md, "Time to resume").
 """
@@ -60,11 +61,6 @@ def load_library() -> Any:
     return blosc2
 
 
-def _blosc2() -> Any:
-    """The ``blosc2`` module (:func:`load_library`)."""
-    return load_library()
-
-
 class CodecError(ValueError):
     """Stored bytes that do not decode to what their record declares (the caller reports it as corruption)."""
 
@@ -98,7 +94,7 @@ def compress(view: memoryview | bytes, typesize: int) -> bytes:
     Returns:
         a blosc2 frame.
     """
-    blosc2 = _blosc2()
+    blosc2 = load_library()
     typesize = min(max(int(typesize), 1), MAX_TYPESIZE)
     src = np.frombuffer(view, dtype=np.uint8)
     if src.nbytes > BLOSC2_MAX_BYTES:
@@ -121,7 +117,7 @@ def decompress_into(stored: memoryview | bytes, out: memoryview) -> None:
     Raises:
         CodecError: the frame is malformed or declares another size than ``out``'s.
     """
-    blosc2 = _blosc2()
+    blosc2 = load_library()
     out = out.cast("B") if out.format != "B" else out
     src = bytes(stored) if not isinstance(stored, bytes) else stored
     try:
