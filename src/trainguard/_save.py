@@ -21,7 +21,6 @@ from ._text import exception_text
 from .catalog import inspect_step, is_committed
 from .errors import CheckpointExistsError, ConfigError, SaveError, TrainguardError
 from .format import step_dir_name
-from .format.layout import step_problem
 from .policies import SavePolicy
 from .results import SaveResult
 from .retention.apply import apply_retention
@@ -192,7 +191,8 @@ class SavePath:
         (raised by the next call, ``wait`` or ``close``).
 
         Raises:
-            ConfigError: a bad ``step``, or a root layout that restore would refuse.
+            ConfigError: a root layout that restore would refuse (the manager checked ``step`` with
+                ``format.layout.as_step``).
             CheckpointExistsError: the step is committed (or being saved) and ``overwrite`` is False.
             RunConflictError: the first save would interleave with another run's checkpoints.
             SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
@@ -217,9 +217,6 @@ class SavePath:
     ) -> PendingSave:
         """The save itself (:meth:`save` without reporting earlier background failures)."""
         ctx = self.ctx
-        bad_step = step_problem(step)
-        if bad_step is not None:
-            raise ConfigError(bad_step)
         if not self._layout_ok:  # never report success for checkpoints that restore would refuse
             bad_layout = ctx.store.layout_problem()
             if bad_layout is not None:

@@ -23,7 +23,7 @@ import torch
 from .._optional import require
 from ..errors import CheckpointExistsError, ConfigError, RunConflictError, UnsafeCheckpointError, plain_text
 from ..format import validate_relpath
-from ..format.layout import step_problem
+from ..format.layout import as_step
 
 FORMATS = ("dcp", "torch", "safetensors")
 
@@ -104,9 +104,7 @@ def import_checkpoint(
 
     if format not in FORMATS:
         raise ConfigError(f"unknown import format {format!r}; use one of {', '.join(FORMATS)}")
-    bad_step = step_problem(step)
-    if bad_step is not None:
-        raise ConfigError(bad_step)
+    step = as_step(step)
     if key is not None and all_state:
         raise ConfigError("give either --key or --all, not both")
     if format == "safetensors":
