@@ -200,13 +200,13 @@ def test_the_non_finite_scan_reads_each_byte_once_and_counts_each_value_once(tmp
         mgr.save(1, {"w": t, "twin": t.clone()})
     (rec,) = read_manifest(tmp_path, 1).chunks.values()  # the twin shares the chunk
     scanned: list[int] = []
-    real = chunkread_mod._count_nonfinite_bytes
+    real = chunkread_mod.count_nonfinite_buffer
 
     def counting(view, dtype):
         scanned.append(len(view))
         return real(view, dtype)
 
-    monkeypatch.setattr(chunkread_mod, "_count_nonfinite_bytes", counting)
+    monkeypatch.setattr(chunkread_mod, "count_nonfinite_buffer", counting)
     out = {"w": torch.zeros_like(t), "twin": torch.zeros_like(t)}
     mgr = tg.CheckpointManager(tmp_path, read_only=True, check_finite="error", verify_before_load=verify)
     with pytest.raises(tg.SuspectCheckpointError, match="non-finite") as e:

@@ -252,8 +252,18 @@ def test_check_finite_only_scopes_the_scan_to_entries():
 def test_the_numpy_fast_path_finds_a_single_bad_value_in_any_block_and_never_flags_finite_extremes(dtype):
     """``all_finite_cpu`` (the scan's fast path, no torch worker threads) against the exact torch count: a
     NaN/+Inf/-Inf anywhere (first element, a later block, the last element) is found; the largest finite
-    values of the dtype and sums that overflow are not reported; views and non-contiguous tensors work."""
-    from trainguard.validation.finite import BLOCK_ELEMS, HALF_BLOCK_ELEMS, all_finite_cpu, count_nonfinite
+    values of the dtype and sums that overflow are not reported; views and non-contiguous tensors work.
+    ``count_nonfinite_buffer`` (a restore's per-block scan of the raw bytes) agrees with it on each case."""
+    from trainguard.validation.finite import (
+        BLOCK_ELEMS,
+        HALF_BLOCK_ELEMS,
+        all_finite_cpu,
+        count_nonfinite,
+        count_nonfinite_buffer,
+    )
+
+    def in_bytes(x: torch.Tensor) -> int:
+        return count_nonfinite_buffer(memoryview(x.contiguous().view(torch.uint8).numpy()), x.dtype)
 
     n = (HALF_BLOCK_ELEMS if dtype in (torch.bfloat16, torch.float16) else BLOCK_ELEMS) * 2 + 7
     real = (
@@ -263,7 +273,7 @@ def test_the_numpy_fast_path_finds_a_single_bad_value_in_any_block_and_never_fla
     t = torch.full((n,), top, dtype=dtype)  # every element finite, every sum overflows
     if dtype in (torch.bfloat16, torch.float16):
         assert all_finite_cpu(t)  # the exponent test is exact: no fall-back to the exact count
-    assert count_nonfinite(t) == 0
+    assert count_nonfinite(t) == 0 and in_bytes(t) == 0
     assert count_nonfinite(-t) == 0  # the negative view (is_neg) goes to the exact count
     assert all_finite_cpu(torch.zeros(n, dtype=dtype))
     for where in (0, n // 2 + 1, n - 1):
@@ -271,7 +281,8 @@ def test_the_numpy_fast_path_finds_a_single_bad_value_in_any_block_and_never_fla
             u = torch.zeros(n, dtype=dtype)
             u[where] = complex(0, bad) if dtype.is_complex else bad
             assert not all_finite_cpu(u), (where, bad)
-            assert count_nonfinite(u) == 1, (where, bad)
+            assert count_nonfinite(u) == 1 and in_bytes(u) == 1, (where, bad)
+            assert in_bytes(u[where : where + 1]) == 1 and in_bytes(u[:where]) == 0, (where, bad)
     m = torch.zeros(64, 64, dtype=dtype)
     m[3, 60] = float("nan")
     assert count_nonfinite(m.t()) == 1 and count_nonfinite(m[:, :8]) == 0  # non-contiguous: copied, scanned

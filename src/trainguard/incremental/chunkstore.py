@@ -396,6 +396,8 @@ class ChunkStore:
         def once(f: Any, same: bool) -> tuple[int | None, int]:
             nonlocal scanned
             got = crc = scanned = 0
+            if same and scan is None:  # checked moments ago and nothing to scan: one read of the whole chunk
+                got = read_full(f, out[: rec.length])
             while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
                 start, end = got, min(rec.length, got + CRC_BLOCK_BYTES)
                 got += read_full(f, out[start:end])
