@@ -353,6 +353,24 @@ def test_conjugate_and_negative_views_and_single_element_strided_views_round_tri
             assert torch.equal(target["d"][k], v), (async_save, k)
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_one_element_tensors_with_a_stride_other_than_1_save_scan_and_restore_in_place(tmp_path, async_save):
+    """``x[:, 0]`` of a ``(1, n)`` tensor is contiguous with stride ``(n,)``: the save's NaN/Inf scan, the
+    writer and a restore into such a tensor (in place) all take its bytes (CI found the scan refusing it)."""
+    x = torch.arange(10.0).reshape(1, 10)
+    bf = torch.arange(6.0).to(torch.bfloat16).reshape(1, 6)
+    state = {"d": {"col": x[:, 3], "bf": bf[:, 5]}}
+    assert state["d"]["col"].stride() == (10,) and state["d"]["col"].is_contiguous()
+    with tg.CheckpointManager(tmp_path, async_save=async_save, fsync=False, check_finite="error") as mgr:
+        mgr.save(1, state).wait()
+    dest = torch.zeros(1, 10)
+    dest_bf = torch.zeros(1, 6, dtype=torch.bfloat16)
+    target = {"d": {"col": dest[:, 7], "bf": dest_bf[:, 1]}}
+    assert restore(tmp_path, target) == 1
+    assert dest[0, 7].item() == 3.0 and dest.sum().item() == 3.0  # written in place, at its own element
+    assert dest_bf[0, 1].item() == 5.0 and dest_bf.float().sum().item() == 5.0
+
+
 # -- ResumableLoader after the last batch of an epoch ---------------------------------------------------------
 @pytest.mark.parametrize(("n", "batch", "drop_last"), [(8, 4, False), (10, 4, False), (10, 4, True)])
 def test_a_loader_saved_after_the_last_batch_of_an_epoch_restores_at_the_next_epochs_start(

@@ -286,3 +286,15 @@ def test_the_numpy_fast_path_finds_a_single_bad_value_in_any_block_and_never_fla
     m = torch.zeros(64, 64, dtype=dtype)
     m[3, 60] = float("nan")
     assert count_nonfinite(m.t()) == 1 and count_nonfinite(m[:, :8]) == 0  # non-contiguous: copied, scanned
+    one = m.t()[60, 3:4]  # one element, contiguous, stride 64: the fast path gives it stride 1 first
+    assert one.stride() == (64,) and one.is_contiguous()
+    assert count_nonfinite(one) == 1 and count_nonfinite(m.t()[60, 4:5]) == 0
+
+
+def test_a_probe_of_one_column_of_a_batch_of_one_is_recorded_and_compared():
+    """``logits[:, 0]`` of a batch of 1 is a one-element tensor with stride (vocab,): its bytes are taken."""
+    logits = torch.linspace(-1, 1, 12).reshape(1, 12)
+    out = compute(lambda: logits[:, 5])
+    back = decode(encode(out))
+    assert compare(back, compute(lambda: logits[:, 5])) is None
+    assert "differs bitwise" in compare(back, compute(lambda: logits[:, 6]))

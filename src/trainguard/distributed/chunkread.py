@@ -27,7 +27,7 @@ from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import read_decoded
 from ..state.dtypes import dtype_from_name
 from ..state.values import TAG_JSON, TAG_TORCH, decode_value
-from ..validation.finite import count_nonfinite_buffer
+from ..validation.finite import byte_view, count_nonfinite_buffer
 
 
 class ShardReader:
@@ -379,7 +379,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, as a flat memoryview of ``t.nbytes`` bytes."""
     if not t.numel():
         return memoryview(bytearray())
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
 
 
 def _block_scan(dtype: torch.dtype) -> Callable[[memoryview], int]:

@@ -29,7 +29,7 @@ from torch.futures import Future
 from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.values import TAG_JSON
-from ..validation.finite import SaveScan
+from ..validation.finite import SaveScan, byte_view
 from .options import WriterOptions
 
 CommitFn = Callable[[Metadata, list[list[WriteResult]], dict[str, Any]], None]
@@ -41,11 +41,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.detach().resolve_conj().resolve_neg().contiguous()
-    if t.dim() and t.stride(-1) != 1:  # size-1 dims count as contiguous whatever their stride
-        t = t.clone(memory_format=torch.contiguous_format)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
 
 
 def whole_tensor(item: Any, t: torch.Tensor) -> bool:

@@ -78,7 +78,23 @@ def all_finite_cpu(flat: torch.Tensor) -> bool:
     if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():
         return False
     np_dtype = _NUMPY_VIEW.get(flat.dtype)
-    return np_dtype is not None and _numpy_finite(flat.view(torch.uint8).numpy().view(np_dtype), flat.dtype)
+    if np_dtype is None:
+        return False
+    return _numpy_finite(byte_view(flat).numpy().view(np_dtype), flat.dtype)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor as a 1-D uint8 tensor of ``t.nbytes`` elements sharing its memory
+    (writes through it land in ``t``).
+
+    A one-element tensor is contiguous whatever its stride (``x[:, 0]`` of a ``(1, n)`` ``x`` has stride
+    ``(n,)``), which ``Tensor.view(torch.uint8)`` refuses: it is given stride 1 first (same element)."""
+    if not t.numel():
+        return torch.empty(0, dtype=torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def count_nonfinite_buffer(view: memoryview, dtype: torch.dtype) -> int:

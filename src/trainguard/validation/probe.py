@@ -27,6 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..format import step_dir_name
 from ..storage.safeio import MIB
+from .finite import byte_view
 
 if TYPE_CHECKING:
     from ..storage.base import Storage
@@ -91,7 +92,7 @@ def compute(fn: Callable[[], Any]) -> dict[str, torch.Tensor]:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return byte_view(t).numpy().tobytes()
 
 
 def encode(outputs: dict[str, torch.Tensor], *, manifest: bytes | None = None) -> bytes:
@@ -196,7 +197,7 @@ def compare(
 
 
 def _raw_view(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return byte_view(t.contiguous())
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
