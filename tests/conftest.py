@@ -35,3 +35,34 @@ def run_env() -> dict[str, str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+# The demo's small GPT (train_args of DemoConfig), for the tests that run the demo.
+TINY = (
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "64",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--corpus-bytes",
+    str(1 << 20),
+)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One demo run with five failures (one of each kind), 60 steps of the small GPT saved every 5 steps: its
+    summary (``run_demo``'s dict; the runs under ``summary["out"]``). Shared by the end-to-end test and the
+    report tests (one run of ~1 minute instead of one each)."""
+    from trainguard.demo import DemoConfig, run_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    # heartbeat timeout 10 s: a fault that waits for its save to commit before it fires (corrupt_newest,
+    # silent_corruption) beats nothing meanwhile, and an fsync on a busy disk takes seconds
+    cfg = DemoConfig(
+        steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=10.0, train_args=TINY
+    )
+    return run_demo(cfg, echo=lambda m: None, progress=False)

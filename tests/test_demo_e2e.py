@@ -6,24 +6,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from trainguard.demo import DemoConfig, fault_plan, run_demo
+from trainguard.demo import DemoConfig, fault_plan
 from trainguard.recovery.events import read_events
-
-TINY = (
-    "--n-layer",
-    "2",
-    "--n-embd",
-    "64",
-    "--n-head",
-    "2",
-    "--block-size",
-    "32",
-    "--corpus-bytes",
-    str(1 << 20),
-)
 
 
 def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress():
@@ -46,13 +34,9 @@ def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress(
 
 
 @pytest.mark.slow
-def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(tmp_path):
-    # heartbeat timeout 10 s: a fault that waits for its save to commit before it fires (corrupt_newest,
-    # silent_corruption) beats nothing meanwhile, and an fsync on a busy disk takes seconds
-    cfg = DemoConfig(
-        steps=100, failures=5, out=tmp_path, seed=1, save_every=10, heartbeat_timeout_s=10.0, train_args=TINY
-    )
-    s = run_demo(cfg, echo=lambda m: None, progress=False)
+def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(demo_run):
+    s = demo_run  # tests/conftest.py: 60 steps saved every 5, five failures (the report tests read it too)
+    out = Path(s["out"])
     assert s["supervisor_exit_code"] == 0, s
     assert s["identical"] is True and s["tensors_compared"] > 10, s["differences"]
     assert s["ok"] is True
@@ -72,7 +56,7 @@ def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used
     assert causes["hang"] == "hang" and causes["kill_step"] == "signal"
     corrupt = next(f for f in s["failures"] if f["kind"] == "corrupt_newest")
     # the corrupt newest checkpoint was skipped: resumed from an older one, and the event log names the chunk
-    skipped = read_events(tmp_path / "faulted", event="restore_skipped")
+    skipped = read_events(out / "faulted", event="restore_skipped")
     by_chunk = [e for e in skipped if e.get("chunk")]
     assert by_chunk and by_chunk[0]["chunk"].startswith("chunks/") and corrupt["corrupt_chunk_reported"]
     assert corrupt["resumed_from"] < by_chunk[0]["step"]
@@ -82,7 +66,7 @@ def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used
     assert suspect and silent["resumed_from"] < suspect[0]["step"]
     # the step the fault damaged (named in the job's log) is the one flagged, and the resume came from before it
     damaged = re.search(
-        r"\[fault\] silently corrupted (\S+) in \S+ of step (\d+)", (tmp_path / "faulted.log").read_text()
+        r"\[fault\] silently corrupted (\S+) in \S+ of step (\d+)", (out / "faulted.log").read_text()
     )
     assert damaged, "the silent-corruption fault did not run"
     step = int(damaged.group(2))
@@ -110,7 +94,7 @@ def test_demo_json_has_the_documented_keys(tmp_path):
             "trainguard",
             "demo",
             "--steps",
-            "80",
+            "40",
             "--failures",
             "1",
             "--save-every",

@@ -193,11 +193,11 @@ def test_an_odd_manifest_is_reported_and_its_step_skipped(root, tmp_path, kind):
     rows = {r["step"]: r for r in ls_json(root)}
     assert rows[1]["status"] == "valid" and rows[2]["status"] == "corrupt", rows
     assert restore_latest(root)["restored"] == 1
-    for args in (["verify", str(root), "--all", "--json"], ["info", str(root), "2"]):
-        rc, out, err = run_limited(["-m", "trainguard", *args])
-        assert rc == 1 and "Traceback" not in out + err, out + err
     rc, out, err = run_limited(["-m", "trainguard", "verify", str(root), "--all", "--json"])
+    assert rc == 1 and "Traceback" not in out + err, out + err
     assert [c["step"] for c in json.loads(out)["corrupt"]] == [2]
+    rc, out, err = run_limited(["-m", "trainguard", "info", str(root), "2"])
+    assert rc == 1 and "Traceback" not in out + err, out + err
 
 
 @pytest.mark.parametrize("errno_", ["EACCES", "EIO"])

@@ -15,11 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainguard.demo import DemoConfig, run_demo
 from trainguard.planning import optimal_interval_s
 from trainguard.recovery.events import read_events
-
-from ..test_demo_e2e import TINY  # the demo's small GPT, as in the end-to-end test
 
 KINDS = {"kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption"}
 CHROMIUM = shutil.which("chromium")
@@ -28,16 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    # heartbeat timeout 10 s: a fault that waits for its save to commit before it fires (corrupt_newest,
-    # silent_corruption) beats nothing meanwhile, and an fsync on a busy disk takes seconds
-    cfg = DemoConfig(
-        steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=10.0, train_args=TINY
-    )
-    summary = run_demo(cfg, echo=lambda m: None, progress=False)
-    assert summary["ok"], summary
-    return summary
+def demo(demo_run):
+    assert demo_run["ok"], demo_run
+    return demo_run
 
 
 @pytest.fixture(scope="module")
