@@ -273,6 +273,48 @@ def test_auto_logs_its_decision_and_inputs_and_writes_the_first_save_uncompresse
     assert manifest(tmp_path, 1)["format_version"] == 1  # raw chunks only: older readers still read it
 
 
+def test_auto_models_the_encoding_threads_of_the_save_it_decides():
+    """The model's ``n`` is the writer threads of this save: codec 1 GB/s per thread, storage 1 GB/s, ratio
+    0.3, 128 MiB in 1 MiB pieces: with 2 threads compressing is modelled faster (t_on ~0.5 t_off), with one
+    (an async save's background writer on 2 CPUs) not (t_on ~ t_off)."""
+    from trainguard.incremental.auto import CompressionChooser
+
+    c = CompressionChooser("auto", threads=2)
+    if c.threads < 2:
+        pytest.skip("needs 2 CPUs")
+    c.bw_Bps, c.codec_Bps, c.ratio = 1e9, 1e9, 0.3
+    L = 128 << 20
+    two = c.decide(L, piece_bytes=1 << 20)
+    one = c.decide(L, piece_bytes=1 << 20, threads=1)
+    assert two.compress is True and two.inputs["threads"] == 2
+    assert one.compress is False and one.inputs["threads"] == 1 and "storage is faster" in one.reason
+    assert one.inputs["t_on_s"] > 1.9 * two.inputs["t_on_s"] - 1e-9  # twice the encoding time, one thread
+    assert c.decide(L, piece_bytes=1 << 20, threads=64).inputs["threads"] == 2  # never above the manager's
+
+
+def test_an_async_save_decides_compression_with_its_background_writer_threads(tmp_path, monkeypatch):
+    """An async save's persist runs ``WriterOptions.background()`` threads (1 on 2 CPUs): the auto decision
+    models those, so a storage/codec pair where only 2+ encoding threads pay is not compressed in the
+    background (each compressed trial would take CPU from training for a save no faster). Before, the model
+    used the synchronous save's threads and an async save on 2 CPUs compressed its 2nd save and every 17th."""
+    from trainguard.distributed.options import WriterOptions
+
+    monkeypatch.setattr(WriterOptions, "background", lambda self: WriterOptions(**{**vars(self), "threads": 1}))
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(80)}  # 80 MiB in 1 MiB tensors
+    reasons = {}
+    for async_save in (False, True):
+        root = tmp_path / str(async_save)
+        with tg.CheckpointManager(root, async_save=async_save, fsync=False) as mgr:
+            chooser = mgr.ctx.compression
+            if chooser.threads < 2:
+                pytest.skip("needs 2 CPUs")
+            chooser.bw_Bps, chooser.codec_Bps, chooser.ratio = 1e9, 1e9, 0.3  # as measured on an earlier save
+            mgr.save(1, state).wait()
+        ev = next(iter_events(root, event="save"))["compression"]
+        reasons[async_save] = (ev["compress"], ev["threads"])
+    assert reasons == {False: (True, chooser.threads), True: (False, 1)}, reasons
+
+
 def test_off_writes_raw_chunks_and_delta_without_compression_is_a_config_error(tmp_path):
     with tg.CheckpointManager(tmp_path, async_save=False, compression="off", fsync=False) as mgr:
         mgr.save(1, evolve(1))

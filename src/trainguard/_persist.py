@@ -96,14 +96,16 @@ def persist(
     from .distributed import TrainguardSavePlanner, TrainguardWriter
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
-    decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap)
+    # a background persist leaves training a core; its writer threads also encode (compression="auto"'s model)
+    options = ctx.options if blocking else ctx.options.background()
+    decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap, threads=options.threads)
     validation = ctx.validation
     scan = validation.save_scan() if overlap and validation is not None else None
     writer = TrainguardWriter(
         ctx.store,
         staging,
         commit,
-        ctx.options if blocking else ctx.options.background(),  # a background persist leaves training a core
+        options,
         step,
         paths=dict(paths),
         encoder=encoder,
@@ -233,7 +235,7 @@ def logical_bytes(flat: Mapping[str, Any]) -> int:
 
 
 def begin_encoding(
-    ctx: RootContext, flat: Mapping[str, Any], *, defer_sample: bool = False
+    ctx: RootContext, flat: Mapping[str, Any], *, defer_sample: bool = False, threads: int | None = None
 ) -> tuple[Decision, SaveEncoder | None, list[tuple[memoryview, int]] | None]:
     """Decide whether this save compresses (``compression``) and set up its encoder (None: raw chunks, no
     memory of pieces needed).
@@ -244,6 +246,8 @@ def begin_encoding(
         defer_sample: when the decision does not depend on the codec sample of ``compression="auto"`` (the
             first save), return the sample instead of compressing it here, for the caller to measure
             (``CompressionChooser.measure_sample``) beside the writes.
+        threads: the writer threads of this save, which encode its chunks (an async save's background
+            writer may run fewer than a synchronous one); None: the manager's.
 
     Returns:
         ``(decision, encoder, sample)``: ``sample`` is None unless deferred.
@@ -263,7 +267,7 @@ def begin_encoding(
         sample = None
     piece = max((t.numel() * t.element_size() for t in tensors), default=0)
     decision = chooser.decide(
-        logical_bytes(flat), sample, piece_bytes=min(piece, ctx.options.chunk_size_bytes)
+        logical_bytes(flat), sample, piece_bytes=min(piece, ctx.options.chunk_size_bytes), threads=threads
     )
     log.info(
         "save compression: %s (%s)",

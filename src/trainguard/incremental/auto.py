@@ -95,19 +95,23 @@ class CompressionChooser:
         sample: list[tuple[memoryview, int]] | None = None,
         *,
         piece_bytes: int = 0,
+        threads: int | None = None,
     ) -> Decision:
         """Decide for a save of ``logical_bytes`` whose largest piece is ``piece_bytes``; ``sample`` ((bytes,
-        itemsize) pairs of the state) measures the codec when it has not run yet."""
+        itemsize) pairs of the state) measures the codec when it has not run yet. ``threads``: the encoding
+        threads this save's writer runs (default: the manager's; an async save's background writer runs fewer
+        on few CPUs, :meth:`~trainguard.distributed.options.WriterOptions.background`), the model's ``n``."""
         if self.mode != "auto":
             return Decision(self.mode == "zstd", f"compression={self.mode!r}")
         if self.codec_Bps is None and sample:
             self.measure_sample(sample)
+        n = self.threads if threads is None else max(1, min(threads, self.threads))
         measured = self.s_per_GB
         inputs: dict[str, Any] = {
             "write_bw_Bps": self.bw_Bps,
             "codec_Bps": self.codec_Bps,
             "ratio": self.ratio,
-            "threads": self.threads,
+            "threads": n,
             "logical_bytes": logical_bytes,
             "measured_off_s_per_GB": measured.get(False),
             "measured_on_s_per_GB": measured.get(True),
@@ -128,7 +132,7 @@ class CompressionChooser:
             )
         t_off = logical_bytes / self.bw_Bps
         t_on = (
-            max(logical_bytes / (self.codec_Bps * self.threads), self.ratio * logical_bytes / self.bw_Bps)
+            max(logical_bytes / (self.codec_Bps * n), self.ratio * logical_bytes / self.bw_Bps)
             + min(piece_bytes, logical_bytes) / self.codec_Bps
         )
         inputs.update(t_off_s=t_off, t_on_s=t_on)
