@@ -299,7 +299,9 @@ def test_an_async_save_decides_compression_with_its_background_writer_threads(tm
     used the synchronous save's threads and an async save on 2 CPUs compressed its 2nd save and every 17th."""
     from trainguard.distributed.options import WriterOptions
 
-    monkeypatch.setattr(WriterOptions, "background", lambda self: WriterOptions(**{**vars(self), "threads": 1}))
+    monkeypatch.setattr(
+        WriterOptions, "background", lambda self: WriterOptions(**{**vars(self), "threads": 1})
+    )
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(80)}  # 80 MiB in 1 MiB tensors
     reasons = {}
     for async_save in (False, True):
