@@ -297,11 +297,11 @@ def test_an_async_save_decides_compression_with_its_background_writer_threads(tm
     models those, so a storage/codec pair where only 2+ encoding threads pay is not compressed in the
     background (each compressed trial would take CPU from training for a save no faster). Before, the model
     used the synchronous save's threads and an async save on 2 CPUs compressed its 2nd save and every 17th."""
+    import dataclasses
+
     from trainguard.distributed.options import WriterOptions
 
-    monkeypatch.setattr(
-        WriterOptions, "background", lambda self: WriterOptions(**{**vars(self), "threads": 1})
-    )
+    monkeypatch.setattr(WriterOptions, "background", lambda self: dataclasses.replace(self, threads=1))
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(80)}  # 80 MiB in 1 MiB tensors
     reasons = {}
     for async_save in (False, True):

@@ -377,8 +377,6 @@ class ShardReader:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, as a flat memoryview of ``t.nbytes`` bytes."""
-    if not t.numel():
-        return memoryview(bytearray())
     return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
 
 

@@ -41,8 +41,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.detach().resolve_conj().resolve_neg().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
     return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
 
 
