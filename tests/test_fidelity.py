@@ -29,6 +29,8 @@ for _name in (
     "uint16",
     "uint32",
     "uint64",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",  # two 4-bit floats per byte; no NaN/Inf encoding, no CPU conversion
 ):
     if hasattr(torch, _name):
         DTYPES.append(getattr(torch, _name))
@@ -60,6 +62,26 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path, dtype):
         got.view(torch.uint8) if dtype != torch.bool else got,
         t.view(torch.uint8) if dtype != torch.bool else t,
     )
+
+
+@pytest.mark.parametrize("n", [5, 1 << 18], ids=["packed", "own-chunk"])
+def test_complex32_saves_and_restores_with_the_nan_check_on(tmp_path, n):
+    """complex32 (two float16 parts) has no CPU reductions: the NaN/Inf scan tests its bits (save and
+    restore), so the default ``check_finite`` neither crashes nor misses a NaN in either part."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        x = torch.randn(n, dtype=torch.complex64).to(torch.complex32)
+        with tg.CheckpointManager(tmp_path, check_finite="error", async_save=False) as mgr:
+            mgr.save(1, {"s": {"x": x}})
+            out = {"s": {"x": torch.zeros_like(x)}}
+            assert mgr.restore_latest(out) == 1
+            assert torch.equal(out["s"]["x"].view(torch.uint8), x.view(torch.uint8))
+            bad = x.clone()
+            torch.view_as_real(bad)[n // 2, 1] = float("nan")  # the imaginary part only
+            with pytest.raises(tg.NonFiniteStateError, match=r"s\.x"):
+                mgr.save(2, {"s": {"x": bad}})
 
 
 def test_a_tensor_is_loaded_in_place_into_the_live_tensor(tmp_path):

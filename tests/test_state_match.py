@@ -321,6 +321,9 @@ UNSTORABLE = {
     "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
     "meta": lambda: torch.empty(3, device="meta"),
     "wrapper subclass": lambda: TwoTensor(torch.ones(3), torch.full((3,), 2.0)),
+    # torch gives no element size (DCP's planner) or no CPU copy (staging) for bit and sub-byte dtypes
+    "bits8": lambda: torch.zeros(4, dtype=torch.bits8),
+    "uint4": lambda: torch.zeros(4, dtype=torch.uint4),
 }
 
 
@@ -369,6 +372,55 @@ def test_one_element_tensors_with_a_stride_other_than_1_save_scan_and_restore_in
     assert restore(tmp_path, target) == 1
     assert dest[0, 7].item() == 3.0 and dest.sum().item() == 3.0  # written in place, at its own element
     assert dest_bf[0, 1].item() == 5.0 and dest_bf.float().sum().item() == 5.0
+
+
+@pytest.mark.parametrize("n", [3, 1 << 18], ids=["packed", "own-chunk"])
+def test_a_restore_into_conjugate_and_negative_views_loads_their_values(tmp_path, n):
+    """A live conjugate or negative view takes the saved values (``Tensor.copy_`` resolves the bit), packed
+    with other tensors or in chunks of its own; also from another dtype with ``strict=False`` (a restore into
+    a conjugate view crashed on taking its bytes)."""
+    z = torch.randn(n, dtype=torch.complex64)
+    x = torch.randn(n)
+    save(tmp_path, {"d": {"z": z, "x": x, "z128": z.to(torch.complex128)}})
+    zc, xn, z64 = torch.zeros(n, dtype=torch.complex64), torch.zeros(n), torch.zeros(n, dtype=torch.complex64)
+    target = {"d": {"z": zc.conj(), "x": torch._neg_view(xn), "z128": z64.conj()}}
+    assert target["d"]["z"].is_conj() and target["d"]["x"].is_neg()
+    assert restore(tmp_path, target, strict=False) == 1
+    assert torch.equal(target["d"]["z"].resolve_conj(), z) and torch.equal(zc, z.conj())
+    assert torch.equal(target["d"]["x"].resolve_neg(), x) and torch.equal(xn, -x)
+    assert torch.equal(z64, z.conj())  # complex128 -> complex64 is exact for values that were complex64
+
+
+UNLOADABLE = {
+    "meta": (lambda: torch.empty(3, 4, device="meta"), "on the meta device"),
+    "sparse": (lambda: torch.zeros(3, 4).to_sparse(), "sparse_coo tensor"),
+    "expanded": (lambda: torch.zeros(1, 4).expand(3, 4), "expanded view"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNLOADABLE))
+def test_a_live_tensor_that_cannot_take_values_is_refused_before_anything_is_loaded(tmp_path, kind):
+    """A destination on the meta device (a copy into it does nothing: the restore used to return 1 with
+    nothing loaded), a sparse one or an expanded view (torch refuses the copy after other entries were
+    loaded) is named in a StateMismatchError before any entry is loaded."""
+    make, words = UNLOADABLE[kind]
+    save(tmp_path, {"d": {"a": torch.ones(4), "w": torch.randn(3, 4)}})
+    a = torch.zeros(4)
+    with pytest.raises(
+        tg.StateMismatchError, match=rf"d\.w: the live tensor is .*{words}.*\n.*Nothing was loaded"
+    ):
+        restore(tmp_path, {"d": {"a": a, "w": make()}})
+    assert not a.any()  # the entry beside it kept its values
+
+
+def test_a_module_on_the_meta_device_is_refused_naming_to_empty(tmp_path):
+    save(tmp_path, {"model": torch.nn.Linear(4, 4)})
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(tg.StateMismatchError, match=r"model\.weight: .*meta device.*to_empty"):
+        restore(tmp_path, {"model": model})
+    model.to_empty(device="cpu")
+    assert restore(tmp_path, {"model": model}) == 1
 
 
 # -- ResumableLoader after the last batch of an epoch ---------------------------------------------------------

@@ -9,6 +9,7 @@ result is then handed to ``load_state_dict``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -110,6 +111,11 @@ def check_storable(t: torch.Tensor, fqn: str) -> None:
             "a meta tensor (it has no data)",
             "materialize it (e.g. module.to_empty() and initialize it)",
         )
+    elif not storable_dtype(t.dtype):
+        what, fix = (
+            f"of dtype {t.dtype}, which this torch cannot copy or size on the CPU (a bit or sub-byte dtype)",
+            f"store its bytes, t.view(torch.uint8), and view them back as {t.dtype} after restore",
+        )
     elif is_traceable_wrapper_subclass(t) and not is_dtensor(t):
         what, fix = (
             f"a tensor subclass ({type(t).__qualname__}) whose data lives in inner tensors (e.g. torchao's quantized "
@@ -122,6 +128,37 @@ def check_storable(t: torch.Tensor, fqn: str) -> None:
         f"state entry {fqn!r} is {what}: trainguard stores a tensor's elements, dtype and shape only, so it "
         f"would not come back as it is; {fix}. Nothing was written."
     )
+
+
+@functools.cache
+def storable_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be checkpointed: torch gives its element size (DCP's planner asks) and
+    copies it on the CPU (staging). False for the bit and sub-byte dtypes (``bits8``, ``uint1``-``uint7``,
+    ``int1``-``int4``, ...) of this torch."""
+    try:
+        torch._utils._element_size(dtype)
+        t = torch.empty(2, dtype=dtype)
+        torch.empty_like(t).copy_(t)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def unloadable(t: torch.Tensor) -> str | None:
+    """Why a live tensor cannot be loaded into in place (None when it can): no memory (meta), a layout other
+    than strided, nested or quantized, or elements sharing memory (an expanded view: stride 0 on a dim longer
+    than 1)."""
+    if t.device.type == "meta":
+        return "on the meta device (it has no memory to load into); materialize it first (e.g. module.to_empty())"
+    if getattr(t, "is_quantized", False) or getattr(t, "is_nested", False) or t.layout != torch.strided:
+        kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+        return f"a {kind} tensor; restore into a dense tensor (or an empty container) and convert it"
+    if not is_dtensor(t) and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+        return (
+            "an expanded view (several elements share one memory location); restore into a tensor with memory "
+            "of its own (e.g. t.contiguous()) or an empty container"
+        )
+    return None
 
 
 def build_template(
@@ -143,7 +180,8 @@ def build_template(
 
     Raises:
         StateMismatchError: a requested top-level key is not in the checkpoint; live tensors have different
-            shapes (strict or not); or, with ``strict``, keys, dtypes or recorded optimizer state differ. Every
+            shapes or cannot be loaded into (meta, sparse, nested, quantized, expanded: :func:`unloadable`),
+            strict or not; or, with ``strict``, keys, dtypes or recorded optimizer state differ. Every
             difference of an entry is listed in one message (:func:`~trainguard.state.matching.mismatch_message`).
         InsufficientMemoryError: the tensors to allocate (saved entries the target lacks, optimizer state of
             another dtype) need more memory than is available; nothing is allocated.
@@ -156,6 +194,7 @@ def build_template(
     paths: dict[str, PathT] = {}
     reports: list[str] = []
     shape_mismatch = False
+    unloadable_: list[str] = []  # live tensors that cannot take the loaded values (see unloadable)
     fresh: list[
         tuple[str, TensorEntry]
     ] = []  # tensors to allocate: checked against the memory available first
@@ -221,6 +260,11 @@ def build_template(
                 name = f if lf == f else f"{f} (target {lf})"
                 shapes.append((name, tuple(e.shape), tuple(cur.shape)))
             template[f] = cur
+            why = unloadable(cur)
+            if why is not None:
+                name = f if lf == f else f"{f} (target {lf})"
+                unloadable_.append(f"{name}: the live tensor is {why}")
+                continue
             if cur.dtype != dtype:
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
                     template[f] = None  # replaced by what was saved (allocated after the memory check)
@@ -247,6 +291,16 @@ def build_template(
                     "empty.",
                 )
             )
+    if unloadable_:
+        shown = "\n  ".join(unloadable_[:20]) + (
+            f"\n  ... and {len(unloadable_) - 20} more" if len(unloadable_) > 20 else ""
+        )
+        reports.insert(
+            0,
+            f"cannot restore step {manifest.step} into the state passed: {len(unloadable_)} live tensor(s) cannot "
+            f"be loaded into in place:\n  {shown}",
+        )
+        raise StateMismatchError("\n".join(reports) + "\nNothing was loaded.")
     if reports:
         if strict or shape_mismatch:  # a shape cannot be converted: strict=False does not load it either
             raise StateMismatchError("\n".join(reports))

@@ -160,9 +160,8 @@ class ShardReader:
         return (
             all(o == 0 for o in storage_offsets)
             and tuple(lengths) == tuple(shard.sizes)
-            and dest.device.type == "cpu"
             and dest.dtype == dtype
-            and dest.is_contiguous()
+            and _plain_memory(dest)
         )
 
     def _own_chunks(self, shard: ShardRecord) -> bool:
@@ -375,6 +374,12 @@ class ShardReader:
         raise CorruptCheckpointError(f"{entry.fqn!r}: no saved shard at offsets {offsets}")
 
 
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are its bytes as they lie: contiguous CPU memory, no conjugate or negative bit
+    (a view with one of those bits is loaded by value through ``Tensor.copy_``)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, as a flat memoryview of ``t.nbytes`` bytes."""
     return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
@@ -441,7 +446,7 @@ def queue_local(template: MutableMapping[str, Any], reader: ShardReader) -> Rest
             if reader.queues_directly(*args):
                 reader.read_tensor(*args)
             else:
-                whole = region.device.type == "cpu" and region.is_contiguous()
+                whole = region.dtype == dtype_from_name(entry.dtype) and _plain_memory(region)
                 rest.append((fqn, (args, _bytes_of(region) if whole else None)))
     return rest
 

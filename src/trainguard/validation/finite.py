@@ -19,7 +19,7 @@ BLOCK_ELEMS = 1 << 22  # elements scanned per block (bounded temporary memory: 4
 NAMES_SHOWN = 8  # tensors named in an error message (the rest are counted)
 HALF_BLOCK_ELEMS = 1 << 20  # 16-bit floats: elements per block of the exponent test (a 2 MiB temporary)
 # 16-bit floats whose bits, sign cleared, are at least this are NaN or +-Inf (the exponent all ones)
-_HALF_NONFINITE = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_HALF_NONFINITE = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.complex32: 0x7C00}
 # the NumPy view of a dtype's bytes that :func:`_numpy_finite` tests (16-bit floats as their bit patterns)
 _NUMPY_VIEW = {
     torch.float32: np.float32,
@@ -28,7 +28,10 @@ _NUMPY_VIEW = {
     torch.complex128: np.float64,
     torch.bfloat16: np.uint16,
     torch.float16: np.uint16,
+    torch.complex32: np.uint16,  # two float16 parts per element
 }
+# floating dtypes with no NaN or Inf encoding (and no conversion to float32 on CPU to count them with)
+_NO_NONFINITE = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
 
 
 def _local(v: Any) -> torch.Tensor | None:
@@ -50,7 +53,7 @@ def count_nonfinite(t: torch.Tensor) -> int:
     Returns:
         The count of non-finite elements.
     """
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0 or t.dtype in _NO_NONFINITE:
         return 0
     flat = t.detach().reshape(-1)
     if all_finite_cpu(flat):
@@ -60,6 +63,8 @@ def count_nonfinite(t: torch.Tensor) -> int:
         block = flat[start : start + BLOCK_ELEMS]
         if block.element_size() == 1:  # float8: CPU has no reductions for it; float32 holds every value
             block = block.float()
+        elif block.dtype == torch.complex32:  # no CPU reductions either; complex64 holds every value
+            block = block.to(torch.complex64)
         # Fast path: one reduction, no temporary: a NaN or Inf anywhere makes the sum non-finite. A non-finite
         # sum of finite values (overflow) falls through to the exact count, which then finds none.
         if bool(torch.isfinite(block.sum())):
@@ -84,7 +89,7 @@ def all_finite_cpu(flat: torch.Tensor) -> bool:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous CPU tensor as a 1-D uint8 tensor of ``t.nbytes`` elements sharing its memory
+    """The bytes of a contiguous CPU tensor (no conjugate or negative bit) as a 1-D uint8 tensor of ``t.nbytes`` elements sharing its memory
     (writes through it land in ``t``).
 
     A one-element tensor is contiguous whatever its stride (``x[:, 0]`` of a ``(1, n)`` ``x`` has stride
@@ -110,7 +115,7 @@ def count_nonfinite_buffer(view: memoryview, dtype: torch.dtype) -> int:
     Raises:
         ValueError: ``len(view)`` is not a multiple of ``dtype``'s element size.
     """
-    if not (dtype.is_floating_point or dtype.is_complex) or len(view) == 0:
+    if not (dtype.is_floating_point or dtype.is_complex) or len(view) == 0 or dtype in _NO_NONFINITE:
         return 0
     np_dtype = _NUMPY_VIEW.get(dtype)
     if np_dtype is not None and _numpy_finite(np.frombuffer(view, dtype=np_dtype), dtype):
@@ -122,7 +127,7 @@ def _numpy_finite(values: np.ndarray, dtype: torch.dtype) -> bool:
     """True when ``values`` (the elements of a ``dtype`` tensor as :data:`_NUMPY_VIEW` gives them) certainly
     hold no NaN/Inf. 32/64-bit floats (complex ones as their real and imaginary parts): one sum per block (a
     NaN or Inf anywhere makes it non-finite; an overflowing sum of finite values only sends the caller to the
-    exact count). bfloat16 and float16: the largest bit pattern with the sign cleared, compared with the
+    exact count). bfloat16, float16 and complex32 (two float16 parts): the largest bit pattern with the sign cleared, compared with the
     exponent's all-ones pattern (exact; no float arithmetic on 16-bit values)."""
     limit = _HALF_NONFINITE.get(dtype)
     if limit is not None:
