@@ -273,6 +273,36 @@ def test_auto_logs_its_decision_and_inputs_and_writes_the_first_save_uncompresse
     assert manifest(tmp_path, 1)["format_version"] == 1  # raw chunks only: older readers still read it
 
 
+def test_blosc2_encodes_and_decodes_without_holding_the_gil_once_trainguard_loads_it(tmp_path):
+    """blosc2 holds the GIL while it encodes unless told otherwise (its default): an async save compressing in
+    the background then stopped the training thread for each chunk's whole encode, and the writing and reading
+    threads encoded one at a time (benchmarks/RESULTS.md, "blosc2 held the GIL"). ``load_library`` turns the
+    release on, once, and compressed saves still round-trip from several threads."""
+    code = textwrap.dedent(
+        """
+        import json, sys, torch, trainguard as tg
+        from trainguard.incremental import codecs
+        b2 = codecs.load_library()
+        released = b2.set_releasegil(True)  # returns the state before this call: the one load_library left
+        g = torch.Generator().manual_seed(0)
+        state = {"w": {f"t{i}": torch.randn(300_000, generator=g) for i in range(6)}}
+        with tg.CheckpointManager(sys.argv[1], compression="zstd", async_save=False,
+                                  chunk_size_bytes=1 << 20) as mgr:
+            res = mgr.save(1, state).wait()
+        out = {"w": {}}
+        tg.CheckpointManager(sys.argv[1], read_only=True).restore(1, out)
+        same = all(torch.equal(out["w"][k], v) for k, v in state["w"].items())
+        print(json.dumps({"released": released, "same": same, "stored": res.bytes_written}))
+        """
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"released": True, "same": True, "stored": got["stored"]} and got["stored"] > 0
+
+
 def test_auto_models_the_encoding_threads_of_the_save_it_decides():
     """The model's ``n`` is the writer threads of this save: codec 1 GB/s per thread, storage 1 GB/s, ratio
     0.3, 128 MiB in 1 MiB pieces: with 2 threads compressing is modelled faster (t_on ~0.5 t_off), with one

@@ -25,6 +25,7 @@ although a restore of uncompressed chunks never decodes a frame (benchmarks/RESU
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 import threading
@@ -41,6 +42,7 @@ BLOSC2_MAX_BYTES = (1 << 31) - 64  # one blosc2 frame holds less than 2 GiB
 
 
 _IMPORT_LOCK = threading.Lock()
+_GIL_RELEASED = False  # blosc2.set_releasegil(True) done (see load_library)
 
 
 def load_library() -> Any:
@@ -48,17 +50,31 @@ def load_library() -> Any:
     ``random`` state as it was: rich, which blosc2 pulls in through httpx, draws ``getrandbits(24)`` at import,
     which would shift the training job's ``random`` stream and break a bit-exact resume. Call it from the
     thread that runs the training loop (a save's caller does at the first save with compression on): an import
-    in a background thread, restoring the state, could undo the draws the training thread made meanwhile."""
-    mod = sys.modules.get("blosc2")
-    if mod is not None:
+    in a background thread, restoring the state, could undo the draws the training thread made meanwhile.
+
+    It also sets ``blosc2.set_releasegil(True)`` (process-wide): blosc2 then encodes and decodes without
+    holding the GIL, so the training thread runs beside an async save's compression, and the reading and
+    writing threads encode and decode chunks in parallel."""
+    global _GIL_RELEASED
+    mod: Any = sys.modules.get("blosc2")
+    if mod is not None and _GIL_RELEASED:
         return mod
     with _IMPORT_LOCK:
-        state = random.getstate()
-        try:
-            import blosc2
-        finally:
-            random.setstate(state)
-    return blosc2
+        if mod is None:
+            state = random.getstate()
+            try:
+                mod = importlib.import_module("blosc2")
+            finally:
+                random.setstate(state)
+        if not _GIL_RELEASED:
+            # blosc2 holds the GIL while it compresses or decompresses unless told otherwise (its default): an
+            # async save's encoding in the background would then stop the training thread for the whole
+            # encode (0.45 s per save of a 230 MB state, seen with py-spy --gil), and the writer and reader
+            # threads would encode one at a time. Our frames are whole chunks (MiBs), the case blosc2 documents
+            # releasing the GIL for. Process-wide: it also applies to the caller's own blosc2 calls.
+            mod.set_releasegil(True)
+            _GIL_RELEASED = True
+    return mod
 
 
 class CodecError(ValueError):
