@@ -137,8 +137,11 @@ def storable_dtype(dtype: torch.dtype) -> bool:
     ``int1``-``int4``, ...) of this torch."""
     try:
         torch._utils._element_size(dtype)
-        t = torch.empty(2, dtype=dtype)
-        torch.empty_like(t).copy_(t)
+        # complex32 warns "ComplexHalf support is experimental": the caller's own tensor warned already
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.empty(2, dtype=dtype)
+            torch.empty_like(t).copy_(t)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
     return True
