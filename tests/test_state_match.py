@@ -413,6 +413,39 @@ def test_a_live_tensor_that_cannot_take_values_is_refused_before_anything_is_loa
     assert not a.any()  # the entry beside it kept its values
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(3, 4).nonzero(),  # nothing matched: shape (0, 2), stride (1, 0)
+        lambda: torch.zeros(1, 0).expand(4, 0),  # stride (0, 1) but no element
+        lambda: torch.ones(1, 5).expand(1, 5),  # stride 0 on a dim of size 1 only
+    ],
+    ids=["empty-nonzero", "empty-expanded", "size-1-dim"],
+)
+def test_a_live_tensor_with_a_stride_of_0_but_no_shared_element_restores(tmp_path, make):
+    """Only elements sharing memory make a destination unloadable: a zero-element tensor or a stride of 0 on a
+    dim of size 1 is a valid destination (``x.nonzero()`` of an all-zero mask is one)."""
+    saved = make().contiguous() + 0
+    save(tmp_path, {"d": {"t": saved, "w": torch.ones(2)}})
+    target = {"d": {"t": make(), "w": torch.zeros(2)}}
+    assert restore(tmp_path, target) == 1
+    assert torch.equal(target["d"]["w"], torch.ones(2)) and torch.equal(target["d"]["t"], saved)
+
+
+def test_a_lazy_module_that_never_ran_is_refused_naming_the_forward_pass(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.LazyLinear(3)
+    model(torch.ones(1, 4))
+    save(tmp_path, {"model": model})
+    lazy = torch.nn.LazyLinear(3)
+    with pytest.raises(
+        tg.StateMismatchError, match=r"model\.weight: .*uninitialized parameter.*forward pass"
+    ):
+        restore(tmp_path, {"model": lazy})
+    lazy(torch.zeros(1, 4))
+    assert restore(tmp_path, {"model": lazy}) == 1 and torch.equal(lazy.weight, model.weight)
+
+
 def test_a_module_on_the_meta_device_is_refused_naming_to_empty(tmp_path):
     save(tmp_path, {"model": torch.nn.Linear(4, 4)})
     with torch.device("meta"):

@@ -18,6 +18,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._lazy import is_dtensor
@@ -150,13 +151,22 @@ def storable_dtype(dtype: torch.dtype) -> bool:
 def unloadable(t: torch.Tensor) -> str | None:
     """Why a live tensor cannot be loaded into in place (None when it can): no memory (meta), a layout other
     than strided, nested or quantized, or elements sharing memory (an expanded view: stride 0 on a dim longer
-    than 1)."""
+    than 1, in a tensor with elements), or an uninitialized parameter of a lazy module."""
+    if isinstance(t, (UninitializedParameter, UninitializedBuffer)):
+        return (
+            "an uninitialized parameter of a lazy module (e.g. nn.LazyLinear); run one forward pass (a dummy "
+            "batch) to give it its shape, then restore"
+        )
     if t.device.type == "meta":
         return "on the meta device (it has no memory to load into); materialize it first (e.g. module.to_empty())"
     if getattr(t, "is_quantized", False) or getattr(t, "is_nested", False) or t.layout != torch.strided:
         kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
         return f"a {kind} tensor; restore into a dense tensor (or an empty container) and convert it"
-    if not is_dtensor(t) and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+    if (
+        not is_dtensor(t)
+        and t.numel() > 1
+        and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+    ):
         return (
             "an expanded view (several elements share one memory location); restore into a tensor with memory "
             "of its own (e.g. t.contiguous()) or an empty container"
@@ -259,15 +269,15 @@ def build_template(
                 template[f] = None
                 fresh.append((f, e))  # allocated after the memory check
                 continue
-            if tuple(cur.shape) != tuple(e.shape):  # listed with every other difference, strict or not
-                name = f if lf == f else f"{f} (target {lf})"
-                shapes.append((name, tuple(e.shape), tuple(cur.shape)))
-            template[f] = cur
             why = unloadable(cur)
             if why is not None:
                 name = f if lf == f else f"{f} (target {lf})"
                 unloadable_.append(f"{name}: the live tensor is {why}")
                 continue
+            if tuple(cur.shape) != tuple(e.shape):  # listed with every other difference, strict or not
+                name = f if lf == f else f"{f} (target {lf})"
+                shapes.append((name, tuple(e.shape), tuple(cur.shape)))
+            template[f] = cur
             if cur.dtype != dtype:
                 if stateful and (f.startswith(opt_prefixes) or str(lf).startswith(opt_prefixes)):
                     template[f] = None  # replaced by what was saved (allocated after the memory check)
