@@ -27,7 +27,7 @@ from .format import Manifest, TensorEntry
 from .state import optim
 from .state.dtypes import dtype_from_name
 from .state.flatten import PathT, flatten, fqn_of, unflatten
-from .state.matching import match_names, mismatch_message
+from .state.matching import MAX_LISTED, match_names, mismatch_message
 from .state.per_rank import PerRank, job_rank, plan_load, saved_by_rank
 
 log = logging.getLogger("trainguard")
@@ -305,9 +305,8 @@ def build_template(
                 )
             )
     if unloadable_:
-        shown = "\n  ".join(unloadable_[:20]) + (
-            f"\n  ... and {len(unloadable_) - 20} more" if len(unloadable_) > 20 else ""
-        )
+        more = len(unloadable_) - MAX_LISTED
+        shown = "\n  ".join(unloadable_[:MAX_LISTED]) + (f"\n  ... and {more} more" if more > 0 else "")
         reports.insert(
             0,
             f"cannot restore step {manifest.step} into the state passed: {len(unloadable_)} live tensor(s) cannot "

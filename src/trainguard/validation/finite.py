@@ -89,8 +89,8 @@ def all_finite_cpu(flat: torch.Tensor) -> bool:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous CPU tensor (no conjugate or negative bit) as a 1-D uint8 tensor of ``t.nbytes`` elements sharing its memory
-    (writes through it land in ``t``).
+    """The bytes of a contiguous CPU tensor (no conjugate or negative bit) as a 1-D uint8 tensor of ``t.nbytes``
+    elements sharing its memory (writes through it land in ``t``).
 
     A one-element tensor is contiguous whatever its stride (``x[:, 0]`` of a ``(1, n)`` ``x`` has stride
     ``(n,)``), which ``Tensor.view(torch.uint8)`` refuses: it is given stride 1 first (same element)."""
@@ -127,8 +127,8 @@ def _numpy_finite(values: np.ndarray, dtype: torch.dtype) -> bool:
     """True when ``values`` (the elements of a ``dtype`` tensor as :data:`_NUMPY_VIEW` gives them) certainly
     hold no NaN/Inf. 32/64-bit floats (complex ones as their real and imaginary parts): one sum per block (a
     NaN or Inf anywhere makes it non-finite; an overflowing sum of finite values only sends the caller to the
-    exact count). bfloat16, float16 and complex32 (two float16 parts): the largest bit pattern with the sign cleared, compared with the
-    exponent's all-ones pattern (exact; no float arithmetic on 16-bit values)."""
+    exact count). bfloat16, float16 and complex32 (two float16 parts): the largest bit pattern with the sign
+    cleared, compared with the exponent's all-ones pattern (exact; no float arithmetic on 16-bit values)."""
     limit = _HALF_NONFINITE.get(dtype)
     if limit is not None:
         tmp = np.empty(min(HALF_BLOCK_ELEMS, values.size), dtype=np.uint16)
