@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._text import exception_text, naming_step
+from ._writers import WriterThreads
 from .commit import publish
 from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
@@ -50,12 +51,17 @@ def persist(
     blocking: bool,
     staging_s: float | None = None,
     cancel: threading.Event | None = None,
+    writers: WriterThreads | None = None,
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
     Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
+
+    A background save (``blocking=False``) starts the manager's writer threads but lets only
+    ``WriterOptions.background()``'s number of them work at once (training keeps a core), all of them once
+    ``writers`` is lifted (a caller waits for this save: :class:`~trainguard._writers.WriterThreads`).
 
     One process: the ``check_finite`` scan of each tensor stored as chunks of its own runs in the writer
     thread that stored it, skipped for a tensor whose chunks equal those it had when last found finite
@@ -96,9 +102,17 @@ def persist(
     from .distributed import TrainguardSavePlanner, TrainguardWriter
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
-    # a background persist leaves training a core; its writer threads also encode (compression="auto"'s model)
-    options = ctx.options if blocking else ctx.options.background()
-    decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap, threads=options.threads)
+    # a background persist leaves training a core until someone waits for it; its writer threads also encode
+    # (compression="auto" models the threads of a save that nobody waits for)
+    options = ctx.options
+    threads = options.threads
+    if not blocking:
+        threads = options.background().threads
+        writers = writers or WriterThreads()
+        writers.configure(low=threads, high=options.threads)
+    else:
+        writers = None
+    decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap, threads=threads)
     validation = ctx.validation
     scan = validation.save_scan() if overlap and validation is not None else None
     writer = TrainguardWriter(
@@ -110,6 +124,7 @@ def persist(
         paths=dict(paths),
         encoder=encoder,
         scan=scan,
+        writers=writers,
     )
     beside = Beside(
         (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]

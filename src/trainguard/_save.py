@@ -18,6 +18,7 @@ from typing import Any
 from . import _persist, _statefn, lineage
 from ._context import RootContext
 from ._text import exception_text
+from ._writers import WriterThreads
 from .catalog import inspect_step, is_committed
 from .errors import CheckpointExistsError, ConfigError, SaveError, TrainguardError
 from .format import step_dir_name
@@ -316,7 +317,9 @@ class SavePath:
         )
         return handle
 
-    def _persist_request(self, req: SaveRequest, staging_s: float, cancel: threading.Event) -> SaveResult:
+    def _persist_request(
+        self, req: SaveRequest, staging_s: float, cancel: threading.Event, writers: WriterThreads
+    ) -> SaveResult:
         """The save path of a background save (run by the AsyncPersister's worker thread)."""
         return _persist.persist(
             self.ctx,
@@ -330,4 +333,5 @@ class SavePath:
             blocking=False,
             staging_s=staging_s,
             cancel=cancel,
+            writers=writers,
         )

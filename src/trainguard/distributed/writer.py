@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .._writers import WriterThreads
 from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.values import TAG_JSON
@@ -67,6 +68,8 @@ class TrainguardWriter(StorageWriter):
         scan: the ``check_finite`` scan of the tensors stored as chunks of their own, run by the writer
             threads once a tensor's chunks are stored (:class:`~trainguard.validation.finite.SaveScan`); None:
             no scan here.
+        writers: how many of the ``options.threads`` writer threads work at once (an async save: fewer
+            until a caller waits for it, :class:`~trainguard._writers.WriterThreads`); None: all of them.
     """
 
     def __init__(
@@ -79,8 +82,10 @@ class TrainguardWriter(StorageWriter):
         paths: dict[str, Any] | None = None,
         encoder: SaveEncoder | None = None,
         scan: SaveScan | None = None,
+        writers: WriterThreads | None = None,
     ) -> None:
         super().__init__()
+        self.writers = writers
         self.encoder = encoder
         self.scan = scan
         self.write_s = 0.0  # seconds of write_data (chunks written and durable)
@@ -178,6 +183,18 @@ class TrainguardWriter(StorageWriter):
                 self.scan.tensor(fqn, t, tuple(h for h, _ in parts))
             return parts
 
+        limit = self.writers
+
+        def limited(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if limit is None:
+                return fn
+
+            def run(*args: Any) -> Any:
+                with limit.slot():
+                    return fn(*args)
+
+            return run
+
         with ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="trainguard-write") as pool:
 
             def flush_pack() -> None:
@@ -191,7 +208,9 @@ class TrainguardWriter(StorageWriter):
                     blob[off : off + len(view)] = view
                     placed.append((item, off, len(view), codec))
                     off += len(view)
-                packs.append((placed, pool.submit(self._put, memoryview(blob))))  # written by the pool too
+                packs.append(
+                    (placed, pool.submit(limited(self._put), memoryview(blob)))
+                )  # written by the pool too
                 pack, pack_size = [], 0
 
             for item in plan.items:
@@ -230,7 +249,9 @@ class TrainguardWriter(StorageWriter):
                     futures.append(
                         (
                             item,
-                            pool.submit(put_many, pieces, item.index.fqn, offsets, t, whole_tensor(item, t)),
+                            pool.submit(
+                                limited(put_many), pieces, item.index.fqn, offsets, t, whole_tensor(item, t)
+                            ),
                             n,
                         )
                     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,6 +17,8 @@ class PendingSave:
         step: the step being saved.
         staging_s: seconds the caller was blocked (waiting for a free buffer set, state_dict(), copying).
         skipped: True when the save was skipped because every buffer set was busy (``when_busy="skip"``).
+        on_wait: called (once) when a caller starts waiting for the save before it is done (the persister
+            lets the save use every writer thread then: nothing trains while the caller waits).
     """
 
     def __init__(self, step: int, staging_s: float = 0.0, *, skipped: bool = False) -> None:
@@ -26,6 +29,7 @@ class PendingSave:
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
         self._error_seen = False
+        self.on_wait: Callable[[], None] | None = None
         if skipped:
             self._event.set()
 
@@ -58,6 +62,12 @@ class PendingSave:
         return self._event.wait(timeout)
 
     # -- caller side --------------------------------------------------------------------------------------
+    def hurry(self) -> None:
+        """Tell the save that a caller waits for it (see ``on_wait``); a no-op once done."""
+        fn, self.on_wait = self.on_wait, None
+        if fn is not None and not self._event.is_set():
+            fn()
+
     def done(self) -> bool:
         """True once the save committed, failed or was skipped."""
         return self._event.is_set()
@@ -69,6 +79,8 @@ class PendingSave:
             TimeoutError: not done within ``timeout`` seconds.
             SaveError: the background persist failed (nothing was committed for this step).
         """
+        if not self._event.is_set():
+            self.hurry()
         if not self._event.wait(timeout):
             raise TimeoutError(f"save of step {self.step} still persisting after {timeout} s")
         if self._error is not None:

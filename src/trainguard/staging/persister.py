@@ -11,6 +11,9 @@ Invariants:
   and exits. At most ``staging_buffers`` abandoned saves may be stuck at once (each holds a copy of the state,
   so host memory stays within twice the usual bound); beyond that a save fails at once instead of staging
   another copy.
+- A save that a caller waits for (its handle's ``wait``, :meth:`AsyncPersister.wait`, or a new save blocked
+  for a buffer set) has its writer-thread limit lifted (:class:`~trainguard._writers.WriterThreads`): nothing
+  trains meanwhile, so it persists with every writer thread.
 - At interpreter exit, a manager that was not closed is flushed: pending saves are waited for (bounded by
   ``save_timeout_s`` when set) and a warning says so; its failures are logged.
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._text import exception_text, naming_step
+from .._writers import WriterThreads
 from ..errors import SaveError
 from ..results import SaveResult
 from .buffers import BufferSet, Stager
@@ -67,8 +71,9 @@ class SaveRequest:
     t0: float
 
 
-PersistFn = Callable[[SaveRequest, float, threading.Event], SaveResult]
-"""``persist(request, staging_s, cancel)``: write and commit one save (the save path, ``_persist.persist``)."""
+PersistFn = Callable[[SaveRequest, float, threading.Event, WriterThreads], SaveResult]
+"""``persist(request, staging_s, cancel, writers)``: write and commit one save (the save path,
+``_persist.persist``); ``writers`` is lifted once a caller waits for the save."""
 
 
 @dataclass(eq=False)
@@ -77,6 +82,7 @@ class _Job:
     bufset: BufferSet
     request: SaveRequest | None
     cancel: threading.Event = field(default_factory=threading.Event)
+    writers: WriterThreads = field(default_factory=WriterThreads)
     finished: threading.Event = field(default_factory=threading.Event)
     started_t: float | None = None
 
@@ -144,6 +150,10 @@ class AsyncPersister:
         if not block:
             self.check_stalled()
             return self.stager.acquire(block=False)
+        bufset = self.stager.acquire(block=False)
+        if bufset is not None:
+            return bufset
+        self.hurry()  # the caller waits for a save in flight to free its buffers: nothing trains meanwhile
         while True:
             timeout = POLL_S if self.save_timeout_s is not None else None
             bufset = self.stager.acquire(block=True, timeout=timeout)
@@ -155,7 +165,9 @@ class AsyncPersister:
         """Queue a staged save (its buffer set comes back to the stager when it is done)."""
         self._in_flight_t[request.step] = time.time()
         self._pending.append(handle)
-        self._queue.put(_Job(handle, bufset, request))
+        job = _Job(handle, bufset, request)
+        handle.on_wait = job.writers.lift  # a caller waiting for it: every writer thread may work
+        self._queue.put(job)
         self._ensure_worker()
 
     def _ensure_worker(self) -> None:
@@ -218,8 +230,19 @@ class AsyncPersister:
                 raise TimeoutError(f"save of step {h.step} still persisting after {timeout} s")
         self.raise_background_error()
 
+    def hurry(self) -> None:
+        """Lift the writer-thread limit of every save queued or persisting (a caller waits for them)."""
+        for h in self._pending:
+            h.hurry()
+
     def wait_handle(self, h: PendingSave, deadline: float | None) -> bool:
-        """Wait for ``h`` until ``deadline`` (monotonic seconds), abandoning it when it stalls. False on timeout."""
+        """Wait for ``h`` until ``deadline`` (monotonic seconds), abandoning it when it stalls. False on timeout.
+        Saves queued before ``h`` and ``h`` itself persist with every writer thread from now on."""
+        for earlier in self._pending:
+            earlier.hurry()
+            if earlier is h:
+                break
+        h.hurry()
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             step = left if self.save_timeout_s is None else min(POLL_S, left if left is not None else POLL_S)
@@ -261,7 +284,7 @@ class AsyncPersister:
         try:
             request, job.request = job.request, None
             assert request is not None
-            result = self.persist(request, handle.staging_s, job.cancel)
+            result = self.persist(request, handle.staging_s, job.cancel, job.writers)
         except BaseException as e:  # noqa: BLE001 - reported on the next save/wait/close
             if isinstance(e, SaveError):  # reported by a later call: the message must name the failed step
                 if e.step is None:
