@@ -298,3 +298,59 @@ def test_a_probe_of_one_column_of_a_batch_of_one_is_recorded_and_compared():
     back = decode(encode(out))
     assert compare(back, compute(lambda: logits[:, 5])) is None
     assert "differs bitwise" in compare(back, compute(lambda: logits[:, 6]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_16_bit_fast_path_agrees_with_torch_on_every_one_of_the_65536_bit_patterns(dtype):
+    """The max-based exponent test of bfloat16/float16 (a signed and an unsigned maximum per block) against
+    ``torch.isfinite`` for each bit pattern alone, NaN payloads and signs included, and for all of them at
+    once (the count)."""
+    from trainguard.validation.finite import all_finite_cpu, count_nonfinite, count_nonfinite_buffer
+
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns.float())
+    assert count_nonfinite(patterns) == int((~finite).sum()) > 0
+    background = torch.zeros(1000, dtype=dtype)
+    wrong = []
+    for i in range(patterns.numel()):
+        background[517] = patterns[i]
+        if all_finite_cpu(background) != bool(finite[i]):
+            wrong.append(hex(i - (1 << 15) & 0xFFFF))
+        background[517] = 0
+    assert not wrong, wrong[:10]
+    raw = memoryview(patterns.view(torch.uint8).numpy())
+    assert count_nonfinite_buffer(raw, dtype) == int((~finite).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+def test_the_32_and_64_bit_fast_path_never_flags_finite_extremes_and_finds_every_nan_and_inf(dtype):
+    """max/min per block: the largest and smallest finite values and denormals pass (exact: no fall-back to
+    the exact count for a sum that overflows); NaN with any payload and either sign, +Inf and -Inf fail."""
+    import numpy as np
+
+    from trainguard.validation.finite import SCAN_BLOCK_BYTES, all_finite_cpu
+
+    real = torch.float32 if dtype == torch.complex64 else dtype
+    fi = torch.finfo(real)
+    n = 3 * SCAN_BLOCK_BYTES // torch.empty(0, dtype=dtype).element_size() + 5
+    extremes = torch.tensor(
+        [fi.max, -fi.max, fi.tiny, -fi.tiny, fi.smallest_normal / 4, 0.0, -0.0], dtype=real
+    )
+    t = extremes.repeat(n // 7 + 1)[:n].to(dtype)
+    assert all_finite_cpu(t)
+    ints = np.uint32 if real == torch.float32 else np.uint64
+    bits = 32 if real == torch.float32 else 64
+    exp_all_ones = {32: 0x7F800000, 64: 0x7FF0000000000000}[bits]
+    nans = [
+        exp_all_ones | 1,
+        exp_all_ones | (1 << (bits - 10)),
+        exp_all_ones | ((1 << 23) - 1 if bits == 32 else (1 << 52) - 1),
+    ]
+    specials = [*nans, *[x | (1 << (bits - 1)) for x in nans], exp_all_ones, exp_all_ones | (1 << (bits - 1))]
+    for where in (0, n // 2, n - 1):
+        for pattern in specials:
+            u = t.clone()
+            flat = u.view(real) if not dtype.is_complex else torch.view_as_real(u).reshape(-1)
+            k = where if not dtype.is_complex else 2 * where + 1  # the imaginary part of a complex value
+            flat.numpy().view(ints)[k] = pattern
+            assert not all_finite_cpu(u), (where, hex(pattern))
