@@ -42,6 +42,9 @@ Methods (every one writes durably, with fsync):
 - ``dcp.async_save``: ``FileSystemWriter(dir)`` with its own staging (``cache_staged_state_dict=False``: a
   fresh CPU copy per save; the cached variant pins memory and fails on a CPU-only build), thread executor, a
   gloo process group of world size 1, waiting on the previous future before the next save as DCP documents.
+  Its checkpoints beyond the newest 2 (``keep=2``, as trainguard's) are deleted as torchtitan deletes them: put
+  on a purge thread right after ``async_save`` returns, removed while training runs; the segment's end waits
+  for that thread as trainguard's ``wait()`` waits for its retention.
 - ``dcp.async_save + stager``: the same with one reused ``DefaultStager(StagingOptions(False, False, False,
   False))``, which keeps its CPU copies between saves: DCP's best staging on CPU.
 
@@ -54,11 +57,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import queue
 import shutil
 import statistics
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -344,6 +349,22 @@ class DcpMethod(Method):
         self.stager = DefaultStager(StagingOptions(False, False, False, False)) if reuse_stager else None
         self.fut: Any = None
         self.dirs: list[Path] = []
+        # keep=2 as the trainguard methods, deleted as torchtitan does (components/checkpoint.py: right after
+        # async_save returns, the stale directories go to a purge thread that rmtree's them while training
+        # runs), so both pay for deleting their old checkpoints inside the timed segments
+        self.purge: queue.Queue[Path | None] = queue.Queue()
+        self.purger = threading.Thread(target=self._purge, name="dcp-purge", daemon=True)
+        self.purger.start()
+
+    def _purge(self) -> None:
+        while True:
+            path = self.purge.get()
+            try:
+                if path is None:
+                    return
+                remove_path(path)
+            finally:
+                self.purge.task_done()
 
     def hook(self, step: int) -> None:
         if step % self.every:
@@ -370,6 +391,8 @@ class DcpMethod(Method):
         self.saves.append(rec)
         self.fut = fut
         self.dirs.append(d)
+        while len(self.dirs) > 2:  # torchtitan's _purge_stale_checkpoints, after the save is started
+            self.purge.put(self.dirs.pop(0))
 
     def drain(self) -> None:
         if self.fut is not None:
@@ -380,13 +403,12 @@ class DcpMethod(Method):
             rec = self.saves[-1]
             rec["persist_s"] = rec.get("t_done", time.perf_counter()) - rec["t_call"]
             self.fut = None
-
-    def housekeeping(self) -> None:
-        while len(self.dirs) > 2:  # keep=2 like the trainguard methods, deleted outside the timed region
-            remove_path(self.dirs.pop(0))
+        self.purge.join()  # as trainguard's wait() includes its retention's deletions
 
     def close(self) -> None:
         self.drain()
+        self.purge.put(None)
+        self.purger.join()
         if self.stager is not None:
             self.stager.close()
 

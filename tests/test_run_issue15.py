@@ -63,13 +63,14 @@ def test_save_load_and_syncfs_parts_print_every_target(tmp_path):
         "save_load: sync save faster than dcp.save",
         "save_load: async 2nd save (to durable) >= 0.9x raw write",
         "save_load: unchanged-state save (async_save=False) <= 2x hashing alone",
-        "save_load: load >= 0.9x raw read",
+        "save_load: load, one read (verify_before_load=False) >= 0.9x raw read",
+        "save_load: load, verified (default: two reads) >= 0.9x raw read cold + warm",
         "syncfs: auto (default) within 1.1x of per_file, contended (0.02 GiB written beside)",
         "syncfs: auto (default) within 1.1x of batched, alone",
     }, v
     rows = table_rows(lines)
-    assert len(rows) == len(v) + 1  # + the async unchanged save (info)
-    assert sum(r[-1] == "info" for r in rows) == 1
+    assert len(rows) == len(v) + 3  # + the async unchanged save, the polled save, the verified load (info)
+    assert sum(r[-1] == "info" for r in rows) == 3
     assert f"{sum(x == 'PASS' for x in v.values())} of {len(v)} targets PASS" in lines
     assert set(res["parts"]) == {"save_load", "syncfs"} and len(res["rows"]) == len(rows)
     # the unchanged save wrote nothing and its hashing floor was measured in the same repetition
