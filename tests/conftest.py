@@ -66,3 +66,26 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         steps=60, failures=5, out=out, seed=1, save_every=5, heartbeat_timeout_s=10.0, train_args=TINY
     )
     return run_demo(cfg, echo=lambda m: None, progress=False)
+
+
+# With pytest-xdist, ``scripts/test`` runs ``-n 2 --dist loadscope``: every test of a module runs on the same
+# worker, one after another, so a module-scoped fixture (a Ray cluster, a 4-rank job) runs once. The modules
+# that share the session's demo run form one scope, so the demo runs once. (xdist's ``loadgroup`` cannot be
+# used for this: xdist 3.8 tags the group onto ``item._nodeid``, which pytest 9 no longer reads.)
+_SHARED_SCOPES = {
+    "tests/test_demo_e2e.py": "demo_run",
+    "tests/observe/test_report_demo.py": "demo_run",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _SHARED_SCOPES.get(path, path)
+
+    return ModuleScopes(config, log)

@@ -158,8 +158,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         wait_for(paths["control"] / "holding", procs, f"step {HOLD} at world size 1")
         node_b2 = start(cmd, d / "node_b2.out")
         procs.append(node_b2)
+        end = time.monotonic() + MARKER_TIMEOUT_S
         for p in (node_a, node_b2):
-            p.wait(timeout=MARKER_TIMEOUT_S)
+            try:
+                p.wait(timeout=max(end - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"the job did not end within {MARKER_TIMEOUT_S} s after node B came back"
+                ) from None
+    except AssertionError as e:
+        # a node that ended early, a step never reached or a job that never ended: say what every node printed
+        raise AssertionError(f"{e}\n{diagnostics(d, paths['root'], paths['logs'])}") from None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -168,6 +177,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     outs = {name: (d / f"{name}.out").read_text() for name in ("node_a", "node_b2")}
     assert not ref_error, ref_error
     return {**paths, "run_id": run_id, "node_a": node_a, "node_b2": node_b2, "outs": outs}
+
+
+def diagnostics(d: Path, root: Path, logs: Path, tail: int = 3000) -> str:
+    """What a stuck elastic run leaves to read: each node's output (supervisor, torchrun agent, worker), the
+    supervisors' event logs and the last step each worker logged, tails of ``tail`` characters."""
+    parts = []
+    for out in sorted(d.glob("node_*.out")):
+        parts.append(f"--- {out.name} ---\n{out.read_text(errors='replace')[-tail:]}")
+    for log in sorted((root / "events").glob("supervisor-*.jsonl")):
+        parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-tail:]}")
+    for f in sorted(logs.glob("steps-*.jsonl")):
+        lines = f.read_text(errors="replace").splitlines()
+        parts.append(f"--- {f.name}: {len(lines)} steps, last: {lines[-1] if lines else None}")
+    return "\n".join(parts)
 
 
 def lineage(logs: Path) -> dict[int, list[dict[str, Any]]]:
