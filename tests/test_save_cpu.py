@@ -77,3 +77,36 @@ def test_the_manifest_is_encoded_once_and_byte_identical_to_the_canonical_form(t
     crc = body.pop("crc32c")
     assert crc == crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
     assert manifest_from_json(out) == m
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_single_process_save_builds_no_dcp_log_record_per_entry(tmp_path, async_save):
+    """dcp.save wraps every entry's state_dict() in a logger that builds two DEBUG records (and a uuid4) per
+    entry and save; one process drives the planner and writer itself (trainguard.distributed.local)."""
+    import logging
+
+    from torch.distributed.checkpoint.logging_handlers import DCP_LOGGER_NAME
+
+    records: list[logging.LogRecord] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    dcp_logger = logging.getLogger(f"c10d-NullHandler-{DCP_LOGGER_NAME}")
+    handler = Count(level=logging.DEBUG)
+    state = {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(50)}, "note": "x"}
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, state).wait()  # DCP imported by now
+        dcp_logger.addHandler(handler)
+        try:
+            mgr.save(2, state).wait()
+        finally:
+            dcp_logger.removeHandler(handler)
+        assert mgr.latest_step() == 2
+    assert records == []
+    restored = {"model": {f"w{i}": torch.zeros(64) for i in range(50)}, "note": None}
+    with tg.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(restored) == 2
+    assert all(torch.equal(restored["model"][f"w{i}"], state["model"][f"w{i}"]) for i in range(50))
+    assert restored["note"] == "x"

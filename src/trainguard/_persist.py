@@ -100,6 +100,7 @@ def persist(
     import torch.distributed.checkpoint as dcp
 
     from .distributed import TrainguardSavePlanner, TrainguardWriter
+    from .distributed.local import save_local
 
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
     # a background persist leaves training a core until someone waits for it; its writer threads also encode
@@ -130,8 +131,13 @@ def persist(
         (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]
     )
     try:
-        with quiet_dcp():
-            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
+        if ctx.dist.enabled:
+            with quiet_dcp():
+                dcp.save(
+                    flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs()
+                )
+        else:  # the same planner and writer calls, without dcp.save's logging of every entry
+            save_local(flat, writer, TrainguardSavePlanner())
     except BaseException as e:
         err = unwrap(e, step)
         # rejected by the scan before the commit (its event is logged)
