@@ -113,3 +113,34 @@ def test_restoring_a_key_the_checkpoint_lacks_names_what_it_holds(tmp_path):
         mgr.save(1, {"model": torch.nn.Linear(2, 2)})
         with pytest.raises(tg.StateMismatchError, match="no state entry 'optim'.*'model'"):
             mgr.restore(1, {"model": torch.nn.Linear(2, 2), "optim": {}})
+
+
+class Counter:
+    """An object with state_dict/load_state_dict (torch's Stateful protocol), not a tensor or container."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.n = d["n"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_object_with_state_dict_nested_beside_tensors_is_refused_naming_it_and_nothing_is_written(
+    tmp_path, async_save
+):
+    # it used to be saved as its state_dict() by a synchronous save and come back as a plain dict in its place
+    # (the object never restored); an async save refused it as unpicklable
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        with pytest.raises(tg.ConfigError, match=r"'extra\.counter'.*top-level entry") as err:
+            mgr.save(1, {"extra": {"w": torch.ones(3), "counter": Counter(7)}}).wait()
+        assert "state['counter'] = obj" in str(err.value)
+        assert mgr.latest_step() is None
+        mgr.save(2, {"w": torch.ones(3), "counter": Counter(7)}).wait()  # at the top level it is restored
+    live = {"w": torch.zeros(3), "counter": Counter(0)}
+    with tg.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(live) == 2
+    assert isinstance(live["counter"], Counter) and live["counter"].n == 7

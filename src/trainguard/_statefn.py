@@ -64,7 +64,8 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
 
     Raises:
         ConfigError: the state is not a dict, or holds a tensor whose elements alone do not give its value
-            (quantized, sparse, nested, meta tensors, tensor subclasses other than DTensor): refused here, before anything is written.
+            (quantized, sparse, nested, meta tensors, tensor subclasses other than DTensor), or an object with
+            ``state_dict``/``load_state_dict`` below the top level: refused here, before anything is written.
     """
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
@@ -88,6 +89,14 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
     for fqn, v in flat.items():
         if isinstance(v, torch.Tensor):
             check_storable(v, fqn)
+        elif is_stateful(v):  # nested beside tensors: only top-level entries are restored by load_state_dict
+            raise ConfigError(
+                f"state entry {fqn!r} is a {type(v).__name__} (it has state_dict() and load_state_dict()) inside "
+                "a container: trainguard calls load_state_dict only on top-level entries of the state, so this "
+                "one would come back as a plain dict and the object would not be restored. Make it a top-level "
+                f"entry (state[{fqn.rsplit('.', 1)[-1]!r}] = obj) or put its state_dict() into its parent's "
+                "state_dict()"
+            )
     return flat, paths, top
 
 

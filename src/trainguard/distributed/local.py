@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
 
@@ -29,8 +27,9 @@ def save_local(state_dict: dict[str, Any], writer: StorageWriter, planner: SaveP
     planner=planner, no_dist=True)`` does, without its logging wrappers.
 
     Args:
-        state_dict: flat name -> tensor or value; a non-tensor value that is ``Stateful`` is replaced by its
-            ``state_dict()``, as ``dcp.save`` does.
+        state_dict: flat name -> tensor or value (:func:`trainguard._statefn.collect` already replaced every
+            ``Stateful`` by its ``state_dict()`` and refuses one below the top level, so nothing is left of
+            what ``dcp.save``'s ``_stateful_to_state_dict`` does).
         writer: the storage writer (its ``finish`` commits).
         planner: the save planner.
 
@@ -41,12 +40,8 @@ def save_local(state_dict: dict[str, Any], writer: StorageWriter, planner: SaveP
         Whatever the planner or the writer raises (the writer's ``write_data`` error as it was set on its
         future), unwrapped: ``dcp.save`` would wrap it in a ``CheckpointException``.
     """
-    state_dict = {
-        k: v.state_dict() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful) else v
-        for k, v in state_dict.items()
-    }
-    writer.reset(None)
     planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=True)
+    # dcp.save passes use_collectives=True (its no_dist collectives do nothing); TrainguardWriter ignores it
     writer.set_up_storage_writer(True, rank=0, use_collectives=False)
     local_plan = writer.prepare_local_plan(planner.create_local_plan())
     plans, metadata = planner.create_global_plan([local_plan])
