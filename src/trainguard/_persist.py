@@ -131,11 +131,8 @@ def persist(
         (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]
     )
     try:
-        if ctx.dist.enabled:
-            with quiet_dcp():
-                dcp.save(
-                    flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs()
-                )
+        if ctx.dist.enabled:  # with a process group: no "single process" warning to silence (quiet_dcp)
+            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
         else:  # the same planner and writer calls, without dcp.save's logging of every entry
             save_local(flat, writer, TrainguardSavePlanner())
     except BaseException as e:
