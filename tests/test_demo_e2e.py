@@ -34,6 +34,7 @@ def test_the_fault_plan_is_seeded_covers_every_kind_and_leaves_room_to_progress(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # reads the shared demo run, which runs alone (tests/conftest.py)
 def test_a_demo_with_five_kinds_of_failure_ends_identical_and_each_recovery_used_the_newest_valid(demo_run):
     s = demo_run  # tests/conftest.py: 60 steps saved every 5, five failures (the report tests read it too)
     out = Path(s["out"])

@@ -21,7 +21,7 @@ from trainguard.recovery.events import read_events
 KINDS = {"kill_step", "kill_during_save", "hang", "corrupt_newest", "silent_corruption"}
 CHROMIUM = shutil.which("chromium")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # the shared demo run's goodput from two sources
 
 
 @pytest.fixture(scope="module")
