@@ -33,6 +33,11 @@ checkpoint in the page cache (it was just written) for both. A third read, into 
 a new process has to do: every page is faulted in on first touch), is reported beside the floor to explain the
 load phase; the floor itself is the reused-buffer read, as defined in the issue.
 
+Prefetch: the supervisor reads the newest checkpoint into the page cache while the relaunch starts
+(``SupervisorConfig.prefetch``, on by default), so in the ``cold`` condition the restore mostly reads memory
+and TTR can fall below this floor, which charges the read after the imports. ``--prefetch off`` (or
+``on,off``: both, alternating) measures without it; the ``prefetch`` column is the supervisor's read time.
+
 Load-independent figures, for a shared machine where wall times swing with other processes' load: the CPU
 seconds (user + system, all threads) of the relaunched job from its start to the end of its first step and of
 the import probe (the difference is what the relaunch does beyond importing: the manager, the restore, the
@@ -160,7 +165,9 @@ def read_files(files: list[Path], *, fresh: bool) -> float:
     return total
 
 
-def run_once(size_mb: float, cache: str, scratch: Path, save_step: int) -> dict[str, Any]:
+def run_once(
+    size_mb: float, cache: str, scratch: Path, save_step: int, prefetch: bool = True
+) -> dict[str, Any]:
     from trainguard.recovery.config import Backoff, SupervisorConfig
     from trainguard.recovery.supervisor import Supervisor
 
@@ -193,6 +200,7 @@ def run_once(size_mb: float, cache: str, scratch: Path, save_step: int) -> dict[
         backoff=Backoff(initial_s=0.0, max_s=0.0),
         grace_period_s=5.0,
         forward_signals=False,
+        prefetch=prefetch,
     )
     result = Supervisor(cmd, cfg, echo=log).run()
     th.join()
@@ -202,6 +210,7 @@ def run_once(size_mb: float, cache: str, scratch: Path, save_step: int) -> dict[
     from trainguard.recovery.events import read_events
 
     restore = [e for e in read_events(root, event="restore") if e.get("restart_count") == 1][-1]
+    fetched = [e for e in read_events(root, event="prefetch") if e.get("restart_count") == 1]
     relaunch_cpu_s, relaunch_read = (float(x) for x in (ctl / "relaunch.txt").read_text().split())
     files = chunk_files(root, rec.restored_step)
     ckpt_bytes = sum(f.stat().st_size for f in files)
@@ -220,6 +229,9 @@ def run_once(size_mb: float, cache: str, scratch: Path, save_step: int) -> dict[
     row = {
         "size_mb": size_mb,
         "cache": cache,
+        "prefetch": prefetch,
+        "prefetch_status": fetched[-1]["status"] if fetched else None,
+        "prefetch_s": fetched[-1]["seconds"] if fetched else None,
         "bytes": ckpt_bytes,
         "restore_bytes": restore.get("bytes"),
         "ttr_s": rec.ttr_s,
@@ -267,6 +279,7 @@ COLUMNS = [
     ("validation_s", "validate", ".3f"),
     ("first_step_s", "1st step", ".3f"),
     ("other_s", "other", ".3f"),
+    ("prefetch_s", "prefetch", ".2f"),
 ]
 FLOOR_COLUMNS = [
     ("label", "state / cache", ""),
@@ -294,16 +307,24 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (size, cache): the run with the median TTR/floor (its phases and floor parts belong
     together), with the range of TTR/floor over all repeats."""
     out = []
-    keys = sorted({(r["size_mb"], r["cache"]) for r in rows}, key=lambda k: (k[0], k[1] != "cold"))
-    for size, cache in keys:
+    keys = sorted(
+        {(r["size_mb"], r["cache"], r.get("prefetch", True)) for r in rows},
+        key=lambda k: (k[0], k[1] != "cold", not k[2]),
+    )
+    for size, cache, prefetch in keys:
         group = sorted(
-            (r for r in rows if r["size_mb"] == size and r["cache"] == cache), key=lambda r: r["ttr_x"]
+            (
+                r
+                for r in rows
+                if (r["size_mb"], r["cache"], r.get("prefetch", True)) == (size, cache, prefetch)
+            ),
+            key=lambda r: r["ttr_x"],
         )
         med = dict(group[(len(group) - 1) // 2])
         med["n"] = len(group)
         med["ttr_x_range"] = f"{group[0]['ttr_x']:.2f}-{group[-1]['ttr_x']:.2f}"
         med["bytes_mb"] = med["bytes"] / 1e6
-        med["label"] = f"{size:g} MB / {cache}"
+        med["label"] = f"{size:g} MB / {cache}" + ("" if prefetch else " / no prefetch")
         out.append(med)
     return out
 
@@ -313,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-mb", default="100,1000", help="state sizes in MB (10^6 bytes), comma-separated")
     ap.add_argument("--cache", default="cold,warm", help="cache conditions: cold, warm or both")
     ap.add_argument("--repeat", type=int, default=2, help="runs per (size, cache condition)")
+    ap.add_argument(
+        "--prefetch",
+        default="on",
+        help="the supervisor's prefetch (SupervisorConfig.prefetch): on (its default), off, or on,off (both, "
+        "alternating within each repeat)",
+    )
     ap.add_argument("--save-step", type=int, default=10)
     ap.add_argument("--scratch", default=None, help="parent of the scratch directory (default: the temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
@@ -321,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     caches = [c for c in a.cache.split(",") if c]
     if any(c not in ("cold", "warm") for c in caches):
         ap.error("--cache takes cold, warm or both")
+    prefetches = [p for p in a.prefetch.split(",") if p]
+    if not prefetches or any(p not in ("on", "off") for p in prefetches):
+        ap.error("--prefetch takes on, off or on,off")
     scratch = Path(tempfile.mkdtemp(prefix="bench_ttr-", dir=a.scratch or default_scratch_parent(REPO)))
     can_drop = drop_caches() if "cold" in caches else False
     rows = []
@@ -328,13 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeat):
             for size in sizes:
                 for cache in caches:
-                    row = run_once(size, cache, scratch, a.save_step)
-                    row["repeat"] = rep
-                    rows.append(row)
-                    log(
-                        f"{size:g} MB {cache}: TTR {row['ttr_s']:.2f} s, floor {row['floor_s']:.2f} s "
-                        f"(x{row['ttr_x']:.2f}); relaunch {row['relaunch_s']:.2f} load {row['load_s']:.2f}"
-                    )
+                    order = prefetches if rep % 2 == 0 else prefetches[::-1]
+                    for pf in order:
+                        row = run_once(size, cache, scratch, a.save_step, prefetch=pf == "on")
+                        row["repeat"] = rep
+                        rows.append(row)
+                        log(
+                            f"{size:g} MB {cache} prefetch {pf}: TTR {row['ttr_s']:.2f} s, floor "
+                            f"{row['floor_s']:.2f} s (x{row['ttr_x']:.2f}); relaunch {row['relaunch_s']:.2f} "
+                            f"load {row['load_s']:.2f}"
+                        )
     finally:
         remove_path(scratch)
     import torch  # for machine_info's version
@@ -380,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in summary:
         ok = s["ttr_x"] <= TARGET_X
         print(
-            f"{s['size_mb']:g} MB, {s['cache']} cache: TTR {s['ttr_s']:.2f} s = {s['ttr_x']:.2f}x the floor "
+            f"{s['label']}: TTR {s['ttr_s']:.2f} s = {s['ttr_x']:.2f}x the floor "
             f"({s['floor_s']:.2f} s); target <= {TARGET_X:g}x: {'MET' if ok else 'NOT MET'}; "
             f"{s['ttr_x_torch']:.2f}x a floor with only python + import torch ({s['floor_torch_s']:.2f} s)"
         )

@@ -62,6 +62,7 @@ OWN_EVENTS = frozenset(
         "adaptive_interval",
         "supervisor_start",
         "job_start",
+        "prefetch",
         "failure",
         "restart",
         "recovery",

@@ -94,6 +94,13 @@ _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, mea
     help="Serve Prometheus metrics of the run at http://127.0.0.1:PORT/metrics while it runs (this machine "
     "only; 0: any free port). Default: off.",
 )
+@click.option(
+    "--prefetch/--no-prefetch",
+    default=None,
+    help="While each attempt starts, read the newest usable checkpoint under --root into this node's page "
+    "cache so the job's restore reads memory, not the disk (at most half the available memory; the restore "
+    "still checks every chunk). Default: on, off for a multi-node torchrun (--nnodes other than 1).",
+)
 @click.option("--poll-interval", type=float, default=0.1, show_default=True, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of the table.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -110,6 +117,7 @@ def run_command(
     run_id: str | None,
     preempt_signals: tuple[str, ...],
     metrics_port: int | None,
+    prefetch: bool | None,
     poll_interval: float,
     as_json: bool,
     command: tuple[str, ...],
@@ -150,6 +158,7 @@ def run_command(
             run_id=run_id,
             preempt_signals=tuple(parse_signal(s) for s in preempt_signals),
             metrics_port=metrics_port,
+            prefetch=prefetch,
         )
         supervisor = Supervisor(command, config)
         result = supervisor.run()  # a metrics port that cannot be bound fails here, before any launch

@@ -109,6 +109,11 @@ class SupervisorConfig:
         metrics_port: serve Prometheus metrics of the run (:mod:`trainguard.observe.metrics`) on this TCP
             port of 127.0.0.1 (this machine only) while it runs (0: any free port, see
             :attr:`Supervisor.metrics_url`); None: off.
+        prefetch: while each attempt starts (imports, model build), read the chunk files of the newest
+            usable checkpoint under ``root`` into this node's page cache, so the job's restore reads memory
+            instead of the disk (:mod:`.prefetch`; at most half the available memory; the restore still
+            checks every chunk). None (default): on, except for a multi-node torchrun command (``--nnodes``
+            other than 1), where every node would read the whole checkpoint; True/False: on/off.
     """
 
     max_restarts: int = 10
@@ -124,6 +129,7 @@ class SupervisorConfig:
     run_id: str | None = None
     preempt_signals: tuple[int, ...] = ()
     metrics_port: int | None = None
+    prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:

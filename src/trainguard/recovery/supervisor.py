@@ -33,12 +33,18 @@ restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without
 because the job's ``restore_latest`` raised NoValidCheckpointError (its ``restore_failed`` event in the run
 root's event log: a relaunch would fail the same way); 127 COMMAND could not be started; 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
 
+Prefetch (``SupervisorConfig.prefetch``, on by default except for a multi-node torchrun): while each attempt
+starts, a background thread reads the chunk files of the newest usable checkpoint under the root into this
+node's page cache (:mod:`.prefetch`), so the job's restore reads memory instead of the disk; a ``prefetch``
+event records what it read.
+
 Concurrency: one :meth:`Supervisor.run` at a time per object. Signals are forwarded only when ``run`` is
 called from the main thread (Python delivers signals there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -84,7 +90,7 @@ from .config import (
 )
 from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
-from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command
+from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, torchrun_option
 from .lifetime import (
     TERMINATING_SIGNALS,
     children,
@@ -94,6 +100,7 @@ from .lifetime import (
     set_child_subreaper,
     stop_processes,
 )
+from .prefetch import Prefetch, PrefetchResult
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
 
@@ -267,7 +274,12 @@ class Supervisor:
                 return self._finish("spawn_failed", "spawn_failed", EXIT_SPAWN_FAILED)
             if pending is not None:
                 pending.t_spawn = job.t_spawn
-            result = self._watch(job, pending)
+            prefetch = self._start_prefetch(attempt, restart_count)
+            try:
+                result = self._watch(job, pending)
+            finally:
+                if prefetch is not None:  # the relaunch does not wait for a read in flight
+                    prefetch.stop(timeout=0.2)
             self._attempts.append(result)
             if pending is not None and not pending.done:
                 self._record_recovery(pending)
@@ -406,6 +418,26 @@ class Supervisor:
         )
         self._echo(f"[trainguard] attempt {attempt} started: pid {proc.pid}, run {self.run_id}")
         return job
+
+    def _prefetch_wanted(self) -> bool:
+        if self.config.prefetch is not None:
+            return self.config.prefetch
+        nnodes = torchrun_option(self.command, "--nnodes")
+        return nnodes is None or nnodes.strip() in ("1", "1:1")
+
+    def _start_prefetch(self, attempt: int, restart_count: int) -> Prefetch | None:
+        """Read the newest usable checkpoint into the page cache while the attempt starts (``prefetch``);
+        a ``prefetch`` event records what was read. Nothing when there is no checkpoint yet."""
+        if not self._prefetch_wanted():
+            return None
+
+        def done(result: PrefetchResult) -> None:
+            if result.status == "skipped":
+                return  # no checkpoint yet (a new run): nothing worth an event
+            with contextlib.suppress(Exception):  # best effort from this thread (the log may be closed)
+                self._log.write("prefetch", attempt=attempt, restart_count=restart_count, **result.to_dict())
+
+        return Prefetch(self.root, on_done=done).start()
 
     def _watch(self, job: Job, pending: PendingRecovery | None) -> Attempt:
         cfg = self.config
