@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import trainguard as tg
+import trainguard.recovery.prefetch as prefetch_module
 from trainguard.catalog import read_manifest, record_corrupt
 from trainguard.eventlog import iter_events
 from trainguard.format import MANIFEST_NAME, step_dir_name
@@ -139,15 +140,68 @@ def test_a_stopped_prefetch_says_so(tmp_path):
         (["python", "train.py"], None, True),
         (["torchrun", "--nproc-per-node", "2", "train.py"], None, True),
         (["torchrun", "--nnodes=1", "train.py"], None, True),
+        (["torchrun", "--nnodes", "1:1", "--standalone", "train.py"], None, True),
         (["torchrun", "--nnodes", "2", "train.py"], None, False),
         (["torchrun", "--nnodes=1:2", "train.py"], None, False),
+        (["torchrun", "--nnode=2", "train.py"], None, False),  # argparse takes the abbreviation
+        (["srun", "python", "train.py"], None, False),
+        (["/usr/bin/env", "torchrun", "--nnodes=2", "train.py"], None, False),
+        (["uv", "run", "torchrun", "--nnodes=4", "t.py"], None, False),
+        (["bash", "-c", "torchrun --nnodes=2 --nproc-per-node 8 t.py"], None, False),
+        (["python", "-m", "torch.distributed.run", "--nnodes=4", "t.py"], None, False),
         (["torchrun", "--nnodes", "2", "train.py"], True, True),
         (["python", "train.py"], False, False),
     ],
 )
-def test_prefetch_is_on_by_default_except_for_a_multi_node_torchrun(tmp_path, command, setting, wanted):
+def test_prefetch_is_on_by_default_except_for_a_multi_node_command(tmp_path, command, setting, wanted):
     sup = Supervisor(command, SupervisorConfig(root=tmp_path / "root", prefetch=setting))
     assert sup._prefetch_wanted() is wanted  # noqa: SLF001
+
+
+def test_a_manifest_over_the_limit_is_not_parsed(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    save_steps(root, [10])
+    size = (root / step_dir_name(10) / MANIFEST_NAME).stat().st_size
+    monkeypatch.setattr(prefetch_module, "MAX_MANIFEST_BYTES", size - 1)
+    monkeypatch.setattr(prefetch_module, "_CACHE", {})
+    parsed = []
+    monkeypatch.setattr("trainguard.catalog.read_manifest", lambda *a, **k: parsed.append(a))
+    result = Prefetch(root).start().join(30)
+    assert result is not None and result.status == "skipped" and parsed == []
+    assert f"has {size} bytes" in (result.reason or "")
+
+
+def test_a_chunk_file_longer_than_recorded_is_read_only_to_its_recorded_length(tmp_path):
+    root = tmp_path / "root"
+    save_steps(root, [10])
+    victim = chunk_paths(root, 10)[0]
+    recorded = victim.stat().st_size
+    os.truncate(victim, 64 << 20)  # sparse: 60 MiB more than the manifest records
+    for advise in (True, False):
+        result = Prefetch(root, advise=advise).start().join(30)
+        assert result is not None and result.status == "done"
+        assert result.bytes == result.total_bytes
+        assert recorded < result.total_bytes < 64 << 20
+    if resident_share(victim) > 0.5:
+        pytest.fail(f"{resident_share(victim):.0%} of the enlarged file was read into the page cache")
+
+
+def test_the_manifest_of_the_same_checkpoint_is_parsed_once_per_supervisor(tmp_path, monkeypatch):
+    import trainguard.catalog as catalog
+
+    root = tmp_path / "root"
+    save_steps(root, [10])
+    monkeypatch.setattr(prefetch_module, "_CACHE", {})
+    calls = []
+    real = catalog.read_manifest
+    monkeypatch.setattr(catalog, "read_manifest", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    for _ in range(3):
+        assert Prefetch(root).start().join(30).status == "done"  # type: ignore[union-attr]
+    assert calls == [10]
+    save_steps(root, [20])  # a new checkpoint: parsed once more
+    calls.clear()
+    assert Prefetch(root).start().join(30).step == 20  # type: ignore[union-attr]
+    assert calls == [20]
 
 
 WAIT_FOR_PREFETCH = """
@@ -194,4 +248,5 @@ def test_a_chunk_replaced_by_a_named_pipe_never_blocks_the_prefetch(tmp_path):
     os.mkfifo(victim)  # an open for reading would wait for a writer forever
     result = Prefetch(root).start().join(30)
     assert result is not None, "the prefetch hung on a named pipe"
-    assert (result.status, result.files) == ("done", len(chunk_paths(root, 10)) - 1)
+    assert (result.status, result.files) == ("partial", len(chunk_paths(root, 10)) - 1)
+    assert "1 chunk file(s) missing, refused" in (result.reason or "")

@@ -97,9 +97,10 @@ _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<6} {meaning}" for code, mea
 @click.option(
     "--prefetch/--no-prefetch",
     default=None,
-    help="While each attempt starts, read the newest usable checkpoint under --root into this node's page "
-    "cache so the job's restore reads memory, not the disk (at most half the available memory; the restore "
-    "still checks every chunk). Default: on, off for a multi-node torchrun (--nnodes other than 1).",
+    help="While each attempt starts, have the newest usable checkpoint under --root read into this node's "
+    "page cache so the job's restore reads memory, not the disk (at most half the available memory, not for a "
+    "manifest over 1 MiB; the restore still checks every chunk). Default: on, off for a multi-node COMMAND "
+    "(srun/mpirun/..., or torchrun --nnodes other than 1). Not `trainguard prefetch` (tiers to hot root).",
 )
 @click.option("--poll-interval", type=float, default=0.1, show_default=True, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of the table.")

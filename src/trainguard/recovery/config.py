@@ -109,11 +109,12 @@ class SupervisorConfig:
         metrics_port: serve Prometheus metrics of the run (:mod:`trainguard.observe.metrics`) on this TCP
             port of 127.0.0.1 (this machine only) while it runs (0: any free port, see
             :attr:`Supervisor.metrics_url`); None: off.
-        prefetch: while each attempt starts (imports, model build), read the chunk files of the newest
-            usable checkpoint under ``root`` into this node's page cache, so the job's restore reads memory
-            instead of the disk (:mod:`.prefetch`; at most half the available memory; the restore still
-            checks every chunk). None (default): on, except for a multi-node torchrun command (``--nnodes``
-            other than 1), where every node would read the whole checkpoint; True/False: on/off.
+        prefetch: while each attempt starts (imports, model build), have the chunk files of the newest
+            usable checkpoint under ``root`` read into this node's page cache, so the job's restore reads
+            memory instead of the disk (:mod:`.prefetch`: at most half the available memory, not for a
+            manifest over 1 MiB; the restore still checks every chunk). None (default): on, except for a
+            multi-node command (:func:`.prefetch.multi_node_command`: ``srun``/``mpirun``/... or torchrun's
+            ``--nnodes`` other than 1), where every node would read the whole checkpoint; True/False: on/off.
     """
 
     max_restarts: int = 10

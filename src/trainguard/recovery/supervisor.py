@@ -90,7 +90,7 @@ from .config import (
 )
 from .events import EventLog
 from .heartbeat import EXIT_PREEMPTED, HEARTBEAT_FILE_ENV, PREEMPT_SIGNALS_ENV, Heartbeat, read_heartbeats
-from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command, torchrun_option
+from .job import SHARE_STORE_ENV, RestartBudget, is_elastic_torchrun, run_id_from_command
 from .lifetime import (
     TERMINATING_SIGNALS,
     children,
@@ -100,7 +100,7 @@ from .lifetime import (
     set_child_subreaper,
     stop_processes,
 )
-from .prefetch import Prefetch, PrefetchResult
+from .prefetch import NO_CHECKPOINT, Prefetch, PrefetchResult, multi_node_command
 from .ttr import Attempt, EventTail, PendingRecovery, RecoveryTiming, RunResult
 
 
@@ -144,6 +144,7 @@ class Supervisor:
         self._attempt_token = ""
         self._spawn_error: str | None = None
         self._metrics: Any = None
+        self._prefetch: Prefetch | None = None
         self.metrics_url: str | None = None
         """The scrape URL while :meth:`run` serves metrics (``metrics_port`` set), else None."""
 
@@ -422,22 +423,28 @@ class Supervisor:
     def _prefetch_wanted(self) -> bool:
         if self.config.prefetch is not None:
             return self.config.prefetch
-        nnodes = torchrun_option(self.command, "--nnodes")
-        return nnodes is None or nnodes.strip() in ("1", "1:1")
+        return not multi_node_command(self.command)
 
     def _start_prefetch(self, attempt: int, restart_count: int) -> Prefetch | None:
         """Read the newest usable checkpoint into the page cache while the attempt starts (``prefetch``);
-        a ``prefetch`` event records what was read. Nothing when there is no checkpoint yet."""
+        a ``prefetch`` event records what was read. Nothing when there is no checkpoint yet, or while the
+        previous attempt's prefetch is still running (one at a time)."""
         if not self._prefetch_wanted():
             return None
+        if self._prefetch is not None and self._prefetch.running():
+            return self._prefetch  # still choosing or reading for the previous attempt
 
         def done(result: PrefetchResult) -> None:
-            if result.status == "skipped":
+            if result.status == "skipped" and result.step is None and result.reason == NO_CHECKPOINT:
                 return  # no checkpoint yet (a new run): nothing worth an event
             with contextlib.suppress(Exception):  # best effort from this thread (the log may be closed)
                 self._log.write("prefetch", attempt=attempt, restart_count=restart_count, **result.to_dict())
 
-        return Prefetch(self.root, on_done=done).start()
+        try:
+            self._prefetch = Prefetch(self.root, on_done=done).start()
+        except Exception:  # noqa: BLE001 - no thread to spare: the restore reads the disk as before
+            self._prefetch = None
+        return self._prefetch
 
     def _watch(self, job: Job, pending: PendingRecovery | None) -> Attempt:
         cfg = self.config
