@@ -532,16 +532,16 @@ def verify_chunks(
 def delta_chain_users(m: Manifest, hashes: list[str], owners: dict[str, list[str]]) -> dict[str, list[str]]:
     """``hashes`` and every delta base their decoding reads (the chain closure), each mapped to the entries
     whose bytes depend on it (a base that is no entry's own chunk: the entries of the deltas built on it)."""
-    users: dict[str, list[str]] = {}
+    users: dict[str, dict[str, None]] = {}  # ordered sets (a packed chunk has thousands of owners)
     for h in hashes:
         cur: str | None = h
         # the parser bounded every chain (MAX_DELTA_CHAIN) and checked that each base exists
         while cur is not None:
-            names = users.setdefault(cur, list(owners.get(cur) or []))
-            names.extend(n for n in owners.get(h, []) if n not in names)
+            names = users.setdefault(cur, dict.fromkeys(owners.get(cur) or []))
+            names.update(dict.fromkeys(owners.get(h, [])))
             rec = m.chunks.get(cur)
             cur = rec.base if rec is not None else None
-    return users
+    return {h: list(names) for h, names in users.items()}
 
 
 def mark_corrupt(ctx: RootContext, step: int, err: CorruptCheckpointError) -> None:

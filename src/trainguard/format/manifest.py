@@ -201,8 +201,8 @@ class Manifest:
 
     def chunk_owners(self) -> dict[str, list[str]]:
         """Map chunk hash -> FQNs of the entries with bytes in it."""
-        owners: dict[str, list[str]] = {h: [] for h in self.chunks}
-        for e in self.entries.values():
+        owners: dict[str, dict[str, None]] = {h: {} for h in self.chunks}  # ordered sets: one packed chunk
+        for e in self.entries.values():  # can hold thousands of entries (a list's `in` made this quadratic)
             segs: list[Segment] = []
             if isinstance(e, TensorEntry):
                 for sh in e.shards:
@@ -210,10 +210,8 @@ class Manifest:
             elif e.segments:
                 segs.extend(e.segments)
             for s in segs:
-                lst = owners.setdefault(s.chunk, [])
-                if e.fqn not in lst:
-                    lst.append(e.fqn)
-        return owners
+                owners.setdefault(s.chunk, {})[e.fqn] = None
+        return {h: list(names) for h, names in owners.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
