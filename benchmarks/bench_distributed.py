@@ -233,24 +233,36 @@ def worker(args: argparse.Namespace) -> int:
         dist.barrier()
         return ok
 
-    # Every timed save starts right after ~the state's size was freed (on these VMs a write right after a
-    # deletion can run several times faster than one into other free space): before the first one, this
-    # untimed primer of every rank's shard bytes is what gets freed.
+    def save_and_load(method: str, path: Path) -> tuple[float, float]:
+        """Seconds of ``method``'s save of the state into ``path``, then of its load in place (cold when the
+        page cache can be dropped); the load is checked bitwise."""
+        nonlocal cold
+        if method == "dcp":
+            save_s = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path))))
+            zero_(target)
+            cold &= uncache()
+            load_s = timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(str(path))))
+        else:
+            with tg.CheckpointManager(path, async_save=False) as mgr:
+                save_s = timed(lambda: mgr.save(1, {"model": state}))
+            zero_(target)
+            cold &= uncache()
+            with tg.CheckpointManager(path, read_only=True) as reader:
+                load_s = timed(lambda: reader.restore(1, {"model": target}))
+        check_equal(method, target, state)
+        return save_s, load_s
+
     if args.warmup:  # each method's one-time costs (imports, first calls) outside the timed repetitions
         for method in METHODS:
             path = scratch / f"warmup-{method}"
-            if method == "dcp":
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
-                dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)))
-            else:
-                with tg.CheckpointManager(path, async_save=False) as mgr:
-                    mgr.save(1, {"model": state})
-                with tg.CheckpointManager(path, read_only=True) as reader:
-                    reader.restore(1, {"model": target})
+            save_and_load(method, path)
             dist.barrier()
             if rank == 0:
                 remove_path(path)
             dist.barrier()
+    # Every timed save starts right after ~the state's size was freed (on these VMs a write right after a
+    # deletion can run several times faster than one into other free space): before the first one, this
+    # untimed primer of every rank's shard bytes is what gets freed.
     primer = scratch / f"primer-{rank}.bin"
     raw_write_floor((memoryview(local_bytes(t).numpy()) for t in state.values()), primer)
     prev.append(primer)
@@ -260,25 +272,7 @@ def worker(args: argparse.Namespace) -> int:
         for method in order:
             path = scratch / f"{method}-{rep}"
             free_previous()
-            if method == "dcp":
-                r["dcp_save"] = timed(
-                    lambda path=path: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
-                )
-                zero_(target)
-                cold &= uncache()
-                r["dcp_load"] = timed(
-                    lambda path=path: dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)))
-                )
-            else:
-                mgr = tg.CheckpointManager(path, async_save=False)
-                r["trainguard_save"] = timed(lambda mgr=mgr: mgr.save(1, {"model": state}))
-                mgr.close()
-                zero_(target)
-                cold &= uncache()
-                reader = tg.CheckpointManager(path, read_only=True)
-                r["trainguard_load"] = timed(lambda reader=reader: reader.restore(1, {"model": target}))
-                reader.close()
-            check_equal(method, target, state)
+            r[f"{method}_save"], r[f"{method}_load"] = save_and_load(method, path)
             prev[:] = [path]
             if rank == 0:
                 log(

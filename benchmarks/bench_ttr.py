@@ -33,10 +33,11 @@ checkpoint in the page cache (it was just written) for both. A third read, into 
 a new process has to do: every page is faulted in on first touch), is reported beside the floor to explain the
 load phase; the floor itself is the reused-buffer read, as defined in the issue.
 
-Prefetch: the supervisor reads the newest checkpoint into the page cache while the relaunch starts
+Prefetch: the supervisor has the newest checkpoint read into the page cache while the relaunch starts
 (``SupervisorConfig.prefetch``, on by default), so in the ``cold`` condition the restore mostly reads memory
 and TTR can fall below this floor, which charges the read after the imports. ``--prefetch off`` (or
-``on,off``: both, alternating) measures without it; the ``prefetch`` column is the supervisor's read time.
+``on,off``: both, alternating) measures without it; the ``prefetch`` column is the ``seconds`` of the
+supervisor's ``prefetch`` event (choosing the checkpoint and issuing the reads).
 
 Load-independent figures, for a shared machine where wall times swing with other processes' load: the CPU
 seconds (user + system, all threads) of the relaunched job from its start to the end of its first step and of
@@ -307,19 +308,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (size, cache): the run with the median TTR/floor (its phases and floor parts belong
     together), with the range of TTR/floor over all repeats."""
     out = []
-    keys = sorted(
-        {(r["size_mb"], r["cache"], r.get("prefetch", True)) for r in rows},
-        key=lambda k: (k[0], k[1] != "cold", not k[2]),
-    )
+
+    def condition(r: dict[str, Any]) -> tuple[float, str, bool]:
+        return r["size_mb"], r["cache"], r.get("prefetch", True)
+
+    keys = sorted({condition(r) for r in rows}, key=lambda k: (k[0], k[1] != "cold", not k[2]))
     for size, cache, prefetch in keys:
-        group = sorted(
-            (
-                r
-                for r in rows
-                if (r["size_mb"], r["cache"], r.get("prefetch", True)) == (size, cache, prefetch)
-            ),
-            key=lambda r: r["ttr_x"],
-        )
+        group = sorted((r for r in rows if condition(r) == (size, cache, prefetch)), key=lambda r: r["ttr_x"])
         med = dict(group[(len(group) - 1) // 2])
         med["n"] = len(group)
         med["ttr_x_range"] = f"{group[0]['ttr_x']:.2f}-{group[-1]['ttr_x']:.2f}"

@@ -344,14 +344,12 @@ def available_memory_bytes() -> int | None:
     """Memory this process can still allocate, in bytes: the smaller of the system's available memory
     (``MemAvailable`` + ``SwapFree`` of /proc/meminfo) and the headroom under ``RLIMIT_AS``; None where neither
     is known."""
+    from .storage.local import meminfo
+
     limits: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            info = {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in f if ":" in ln)}
-        if "MemAvailable" in info:
-            limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
-    except (OSError, ValueError):
-        pass
+    info = meminfo()
+    if info is not None and "MemAvailable" in info:
+        limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
     try:
         import resource
 

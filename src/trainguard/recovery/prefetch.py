@@ -97,18 +97,6 @@ def multi_node_command(command: Sequence[str]) -> bool:
     return False
 
 
-def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or None where the kernel does not report it."""
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def readahead_bytes(fd: int) -> int:
     """The readahead window of the filesystem holding ``fd`` (``/sys/class/bdi/MAJ:MIN/read_ahead_kb``), in
     bytes; 128 KiB (the Linux default) where it cannot be read."""
@@ -140,8 +128,8 @@ def _advise(fd: int, size: int, stop: threading.Event) -> bool:
     return True
 
 
-_CACHE: dict[tuple[str, int, int, int, int], list[tuple[str, int]]] = {}
-"""(root, step, manifest inode, size, mtime) -> its chunk list: a supervisor restarting a job several times
+_CACHE: dict[tuple[str, int, tuple[Any, ...]], list[tuple[str, int]]] = {}
+"""(root, step, the manifest's ``ObjectInfo.version``: inode, size, mtime, ctime) -> its chunk list: a supervisor restarting a job several times
 parses one manifest once."""
 
 
@@ -176,15 +164,17 @@ def newest_chunks(
         if corrupt_marker(storage, step) is not None or suspect_reason(storage, step) is not None:
             continue
         try:
-            st = os.stat(storage.path(f"{step_dir_name(step)}/{MANIFEST_NAME}"), follow_symlinks=False)
+            info = storage.stat(f"{step_dir_name(step)}/{MANIFEST_NAME}")
         except OSError:
             continue
-        if st.st_size > MAX_MANIFEST_BYTES:
+        if info is None:
+            continue
+        if info.size > MAX_MANIFEST_BYTES:
             raise ManifestTooLarge(
-                f"the manifest of step {step} has {st.st_size} bytes (over {MAX_MANIFEST_BYTES}): parsing it "
+                f"the manifest of step {step} has {info.size} bytes (over {MAX_MANIFEST_BYTES}): parsing it "
                 "would stall the supervisor"
             )
-        key = (str(root), step, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = (str(root), step, info.version)
         if key not in _CACHE:
             try:
                 manifest = read_manifest(storage, step)
@@ -271,7 +261,12 @@ class Prefetch:
             return PrefetchResult(status, reason=NO_CHECKPOINT if status == "skipped" else None)
         step, chunks = found
         total = sum(n for _, n in chunks)
-        memory = self.memory_bytes if self.memory_bytes is not None else available_memory()
+        if self.memory_bytes is not None:
+            memory: int | None = self.memory_bytes
+        else:
+            from ..storage.local import meminfo
+
+            memory = (meminfo() or {}).get("MemAvailable")
         cap = int(memory * MEMORY_SHARE) if memory is not None else total
         todo: list[tuple[str, int]] = []
         planned = 0

@@ -33,10 +33,10 @@ restarts; 4 gave up after ``max_no_progress_restarts`` restarts in a row without
 because the job's ``restore_latest`` raised NoValidCheckpointError (its ``restore_failed`` event in the run
 root's event log: a relaunch would fail the same way); 127 COMMAND could not be started; 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
 
-Prefetch (``SupervisorConfig.prefetch``, on by default except for a multi-node torchrun): while each attempt
-starts, a background thread reads the chunk files of the newest usable checkpoint under the root into this
+Prefetch (``SupervisorConfig.prefetch``, on by default except for a multi-node command): while each attempt
+starts, a background thread has the chunk files of the newest usable checkpoint under the root read into this
 node's page cache (:mod:`.prefetch`), so the job's restore reads memory instead of the disk; a ``prefetch``
-event records what it read.
+event records what was requested.
 
 Concurrency: one :meth:`Supervisor.run` at a time per object. Signals are forwarded only when ``run`` is
 called from the main thread (Python delivers signals there).

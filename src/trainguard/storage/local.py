@@ -230,23 +230,31 @@ def _fsync_all(paths: list[Path], threads: int = 4) -> None:
             f.result()
 
 
-def dirty_bytes(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
-    """Bytes of the node's page cache that are dirty or being written back (``Dirty`` + ``Writeback`` of
-    ``/proc/meminfo``, every filesystem together), or None where that is unknown (not Linux)."""
+def meminfo(path: str | os.PathLike[str] = "/proc/meminfo") -> dict[str, int] | None:
+    """The fields of ``/proc/meminfo`` in bytes (its kB figures times 1024; a line that does not parse is left
+    out), or None where the file cannot be read (not Linux)."""
     try:
-        with open(meminfo, "rb") as f:
+        with open(path, "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
     found = {}
     for line in lines:
         name, _, rest = line.partition(b":")
-        if name in (b"Dirty", b"Writeback"):
-            try:
-                found[name] = int(rest.split()[0]) * 1024  # kB
-            except (IndexError, ValueError):
-                return None
-    return sum(found.values()) if len(found) == 2 else None
+        try:
+            found[name.decode("ascii")] = int(rest.split()[0]) * 1024
+        except (IndexError, ValueError, UnicodeDecodeError):
+            continue
+    return found
+
+
+def dirty_bytes(meminfo_path: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """Bytes of the node's page cache that are dirty or being written back (``Dirty`` + ``Writeback`` of
+    ``/proc/meminfo``, every filesystem together), or None where that is unknown (not Linux)."""
+    info = meminfo(meminfo_path)
+    if info is None or "Dirty" not in info or "Writeback" not in info:
+        return None
+    return info["Dirty"] + info["Writeback"]
 
 
 DURABILITY_MODES = ("auto", "batched", "per_file")
