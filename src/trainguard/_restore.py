@@ -45,8 +45,7 @@ from .errors import (
     SuspectCheckpointError,
 )
 from .format import Manifest, step_dir_name
-from .format.run import LEGACY_RUN_ID
-from .lineage import head, record_resume
+from .lineage import head_manifest, record_resume, run_info
 from .results import RestoreTimings
 from .state.dtypes import check_shard_bytes
 from .validation.suspect import suspect_reason
@@ -170,14 +169,17 @@ def restore_latest(
     steps = committed_steps(ctx)
     while True:
         raced = False
-        hd = head(ctx.storage) if ctx.dist.is_coordinator else None
+        newest = head_manifest(ctx.storage, ctx.refs.take_newest()) if ctx.dist.is_coordinator else None
+        hd = run_info(newest.manifest) if newest is not None else None
         for step in steps:
             if step in judged:
                 continue
             verdict, problem, chunk, tensors = OK, "", None, None
             m = None  # rank 0: the manifest judged here is the one loaded (parsed once per restore)
             if ctx.dist.is_coordinator:
-                info, m = inspect_step(ctx.storage, step, ctx.root / step_dir_name(step), ctx.store)
+                info, m = inspect_step(
+                    ctx.storage, step, ctx.root / step_dir_name(step), ctx.store, reuse=newest
+                )
                 if not info.usable:  # valid or unverified: restore reads and checks every byte it loads
                     verdict = GONE if not is_committed(ctx.storage, step) else BAD
                     marker = corrupt_marker(ctx.storage, step)
@@ -185,7 +187,7 @@ def restore_latest(
                     if isinstance(listed, list):
                         tensors = [str(x) for x in listed]
                 elif m is not None and hd is not None:
-                    rid = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+                    rid = run_info(m).run_id
                     if not hd.owns(rid, step):
                         verdict = FOREIGN
                         if step not in foreign:

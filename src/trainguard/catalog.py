@@ -174,24 +174,65 @@ def is_committed(root: str | os.PathLike[str] | Storage, step: int) -> bool:
     return as_storage(root).exists(f"{step_dir_name(step)}/{MANIFEST_NAME}")
 
 
-def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest:
+@dataclass(frozen=True)
+class ParsedManifest:
+    """A manifest as :func:`read_parsed` parsed it, with the ``Storage.stat`` version of its file then: pass it
+    to :func:`read_manifest` (``reuse``) to skip a second parse of an unchanged file."""
+
+    step: int
+    version: tuple[object, ...]
+    manifest: Manifest
+
+
+def read_manifest(
+    root: str | os.PathLike[str] | Storage, step: int, *, reuse: ParsedManifest | None = None
+) -> Manifest:
     """Parse and validate the manifest of ``step``.
 
     The file is opened without following a symlink and without blocking, and read only if it is a regular
     file of at most ``MAX_MANIFEST_BYTES``.
+
+    Args:
+        reuse: a manifest parsed before (:func:`read_parsed`): returned without reading when it is of ``step``
+            and the file's ``Storage.stat`` version (inode, size, mtime, ctime) is still the one it was parsed
+            from; on a local root only (an object store's version here is the size alone). A 32,000-tensor
+            manifest (6 MB) takes about 1.9 s to parse on 2 cores.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint of that step.
         CorruptCheckpointError / UnsafeCheckpointError: the manifest is damaged, unsafe, not a regular file
             (a symlink, a directory, a named pipe) or cannot be read (permissions, I/O error).
     """
-    storage = as_storage(root)
+    return _read(as_storage(root), step, reuse).manifest
+
+
+def read_parsed(
+    root: str | os.PathLike[str] | Storage, step: int, *, reuse: ParsedManifest | None = None
+) -> ParsedManifest:
+    """:func:`read_manifest`, with the version of the file it parsed (to pass as its ``reuse`` later).
+
+    Raises:
+        as :func:`read_manifest`.
+    """
+    return _read(as_storage(root), step, reuse)
+
+
+def _read(storage: Storage, step: int, reuse: ParsedManifest | None) -> ParsedManifest:
     key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     p = storage.location(key)
     try:
         info = retry_transient(lambda: storage.stat(key))
     except OSError:
         info = None
+    if (
+        reuse is not None
+        and reuse.step == step
+        and storage.local_path is not None  # an object store's version is its size only (ObjectInfo)
+        and info is not None
+        and info.kind == "file"
+        and info.version == reuse.version
+    ):
+        return reuse
     if info is not None and info.kind == "symlink":
         raise CorruptCheckpointError(
             f"manifest of step {step} is a symlink; refusing to follow it", step=step
@@ -215,7 +256,8 @@ def read_manifest(root: str | os.PathLike[str] | Storage, step: int) -> Manifest
             f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
         ) from None
     local = storage.local_path
-    return manifest_from_json(data, root=str(local) if local is not None else None, expect_step=step)
+    m = manifest_from_json(data, root=str(local) if local is not None else None, expect_step=step)
+    return ParsedManifest(step, tuple(info.version) if info is not None else (), m)
 
 
 def corrupt_marker(root: str | os.PathLike[str] | Storage, step: int) -> dict[str, object] | None:
@@ -319,6 +361,8 @@ def inspect_step(
     step: int,
     path: str | os.PathLike[str] | None = None,
     store: ChunkStore | None = None,
+    *,
+    reuse: ParsedManifest | None = None,
 ) -> tuple[CheckpointInfo, Manifest | None]:
     """Status of one step directory (cheap: parses the manifest and stats its chunks, reads no chunk data).
 
@@ -332,6 +376,7 @@ def inspect_step(
         step: the step.
         path: how to name the step directory in the result (default: the storage's location of it).
         store: the chunk store to stat chunks with (default: one on ``root``'s storage).
+        reuse: the manifest of ``step`` parsed before, used if its file is unchanged (see :func:`read_manifest`).
 
     Returns:
         The :class:`CheckpointInfo`, and the parsed manifest when it parsed (None otherwise).
@@ -343,7 +388,7 @@ def inspect_step(
     if not is_committed(storage, step):
         return _incomplete(storage, step, key, "no manifest (the save did not commit)", where), None
     try:
-        m = read_manifest(storage, step)
+        m = read_manifest(storage, step, reuse=reuse)
     except CheckpointNotFoundError:
         return _incomplete(storage, step, key, GONE, where), None
     except CorruptCheckpointError as e:

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .catalog import read_manifest, step_keys
+from .catalog import ParsedManifest, read_manifest, read_parsed, step_keys
 from .errors import CheckpointExistsError, RunConflictError, TrainguardError
 from .format import MANIFEST_NAME, Manifest
 from .format.run import LEGACY_RUN_ID, RunInfo, run_from_json
@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from ._context import RootContext
 
 log = logging.getLogger("trainguard")
+
+
+def run_info(m: Manifest) -> RunInfo:
+    """The run that wrote manifest ``m`` (the legacy run, id ``""``, for one written before run ids)."""
+    return m.run or RunInfo(LEGACY_RUN_ID)
 
 
 def run_of(
@@ -42,7 +47,7 @@ def run_of(
         m = read_manifest(root, step)
     except TrainguardError:
         return None
-    rid = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+    rid = run_info(m).run_id
     if cache is not None:
         cache[step] = rid
     return rid
@@ -51,6 +56,22 @@ def run_of(
 def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
     """The run of the most recently committed checkpoint (newest manifest mtime; the higher step on a tie) that
     parses, or None. Reads through the root's storage."""
+    parsed = head_manifest(root)
+    if parsed is None:
+        return None
+    return run_info(parsed.manifest)
+
+
+def head_manifest(
+    root: str | os.PathLike[str] | Storage, reuse: ParsedManifest | None = None
+) -> ParsedManifest | None:
+    """The manifest :func:`head` takes the run from (the most recently committed one that parses), with its
+    file's version: ``restore_latest`` passes it on (``read_manifest(reuse=...)``), so the checkpoint it usually
+    loads next is not parsed twice. None when no manifest parses.
+
+    Args:
+        reuse: a manifest parsed before (a writer's open: ``ManifestCache.newest``), used when it is the one
+            wanted and its file is unchanged (see :func:`~trainguard.catalog.read_manifest`)."""
     storage = as_storage(root)
     keys, _ = step_keys(storage)
     stamped = []
@@ -63,10 +84,9 @@ def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
             stamped.append((info.mtime, s))
     for _, s in sorted(stamped, reverse=True):
         try:
-            m = read_manifest(storage, s)
+            return read_parsed(storage, s, reuse=reuse)
         except TrainguardError:
             continue
-        return m.run or RunInfo(LEGACY_RUN_ID)
     return None
 
 
@@ -147,7 +167,7 @@ def record_resume(ctx: RootContext, m: Manifest) -> None:
         return
     ctx.run = ctx.run.resume(m.run, m.step)
     ctx.resumed = True
-    parent = m.run.run_id if m.run is not None else LEGACY_RUN_ID
+    parent = run_info(m).run_id
     log.info("run %s resumes run %s at step %d", ctx.run.run_id, parent or "(unnamed)", m.step)
     ctx.event("resume", resumed_from={"run_id": parent, "step": m.step}, lineage=ctx.run.to_json()["lineage"])
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..catalog import committed_split, corrupt_marker, read_manifest, scan, step_keys
+from ..catalog import committed_split, corrupt_marker, read_manifest, read_parsed, scan, step_keys
 from ..errors import TrainguardError
 from ..format import CHUNKS_DIR, MANIFEST_NAME, step_dir_name
 from . import KeepAll, select, uses_metrics
@@ -27,13 +27,19 @@ log = logging.getLogger("trainguard")
 GC_GRACE_S = 300.0
 
 
-def _learn(ctx: RootContext, step: int) -> bool:
-    """Read the manifest of ``step`` into the manager's cache (chunks, run, metrics). False if unreadable."""
+def _learn(ctx: RootContext, step: int, *, keep_newest: bool = False) -> bool:
+    """Read the manifest of ``step`` into the manager's cache (chunks, run, metrics). False if unreadable.
+
+    ``keep_newest``: also keep the parsed manifest in ``ctx.refs.newest`` when ``step`` is the highest so far
+    (at open, for ``restore_latest``)."""
     try:
-        m = read_manifest(ctx.storage, step)
+        parsed = read_parsed(ctx.storage, step)
     except TrainguardError:
         return False
+    m = parsed.manifest
     ctx.refs.add(step, m.chunks, run_id=m.run.run_id if m.run is not None else "", metrics=m.metrics)
+    if keep_newest and (ctx.refs.newest is None or step > ctx.refs.newest.step):
+        ctx.refs.newest = parsed
     return True
 
 
@@ -51,16 +57,21 @@ def metrics_of(ctx: RootContext, step: int) -> dict[str, Any] | None:
     return ctx.refs.metrics[step]
 
 
-def referenced_chunks(ctx: RootContext) -> Mapping[str, int] | None:
+def referenced_chunks(ctx: RootContext, *, keep_newest: bool = False) -> Mapping[str, int] | None:
     """Every chunk a committed manifest references (hash -> references); None if a manifest cannot be read.
 
     One listing of the root; only manifests not cached yet are read (at open: all of them; then none, unless
-    a checkpoint was copied in), so the cost per save does not grow with the number of checkpoints."""
+    a checkpoint was copied in), so the cost per save does not grow with the number of checkpoints.
+    ``keep_newest``: see :func:`_learn`."""
     steps, _ = step_keys(ctx.storage)
     for s in ctx.refs.steps() - set(steps):  # deleted meanwhile (by hand): its chunks are unreferenced
         ctx.refs.drop(s)
     for s, d in steps.items():
-        if s not in ctx.refs.chunks and not _learn(ctx, s) and ctx.storage.exists(f"{d}/{MANIFEST_NAME}"):
+        if (
+            s not in ctx.refs.chunks
+            and not _learn(ctx, s, keep_newest=keep_newest)
+            and ctx.storage.exists(f"{d}/{MANIFEST_NAME}")
+        ):
             return None  # an unreadable manifest: its chunks are unknown, collect nothing
     return ctx.refs.referenced()
 
@@ -158,7 +169,7 @@ def cleanup_after_crash(ctx: RootContext) -> None:
     for ps in partials.values():
         for p in ps:
             storage.delete_prefix(p)
-    referenced = referenced_chunks(ctx)
+    referenced = referenced_chunks(ctx, keep_newest=True)  # restore_latest takes the newest one parsed
     if referenced is None:
         log.warning("a manifest under %s is unreadable; not collecting orphan chunks", ctx.root)
         return

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..catalog import ParsedManifest
 
 
 class ManifestCache:
@@ -31,6 +34,14 @@ class ManifestCache:
         # Steps a full scan found usable (valid or unverified), plus the commits since; None: scan again.
         self.usable: set[int] | None = None
         self.repairs_seen = 0  # ChunkStore.repaired entries already accounted for
+        # The manifest of the highest step read at open, until restore_latest takes it (the checkpoint it
+        # usually loads: not parsed a second time) or this writer commits; one manifest at most.
+        self.newest: ParsedManifest | None = None
+
+    def take_newest(self) -> ParsedManifest | None:
+        """The manifest :attr:`newest` held (None if none), forgetting it."""
+        parsed, self.newest = self.newest, None
+        return parsed
 
     def add(
         self,
@@ -65,6 +76,7 @@ class ManifestCache:
 
     def committed(self, step: int) -> None:
         """``step`` was just committed by this writer (its bytes written or verified by the save)."""
+        self.newest = None  # no longer the newest; restore_latest is over by now
         if self.usable is not None:
             self.usable.add(step)
 
