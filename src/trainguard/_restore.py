@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _statefn
+from ._gc import paused_gc
 from ._persist import quiet_dcp, unwrap
 from .catalog import (
     STABLE_SCAN_S,
@@ -72,7 +73,10 @@ def restore_step(ctx: RootContext, step: int, state: MutableMapping[str, Any], *
     """
     t0 = time.perf_counter()
     # chunks missing or corrupt on the hot root: read from a tier straight into the tensors
-    with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session:
+    with (
+        paused_gc(),
+        ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session,
+    ):
         load(ctx, step, state, strict=strict)
         if session is not None:
             session.step = step
@@ -103,7 +107,10 @@ def restore_newest(ctx: RootContext, state: MutableMapping[str, Any], *, strict:
     """
     timings = RestoreTimings()
     try:
-        with ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session:
+        with (
+            paused_gc(),  # the caller waits; the manifest and the load's plans are many small objects
+            ctx.tiers.restoring(ctx) if ctx.tiers is not None else contextlib.nullcontext() as session,
+        ):
             step = restore_latest(ctx, state, timings, strict=strict)
             if session is not None:
                 session.step = step

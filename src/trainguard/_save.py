@@ -17,6 +17,7 @@ from typing import Any
 
 from . import _persist, _statefn, lineage
 from ._context import RootContext
+from ._gc import paused_gc
 from ._text import exception_text
 from ._writers import WriterThreads
 from .catalog import inspect_step, is_committed
@@ -31,6 +32,8 @@ from .state import per_rank
 from .validation.attach import Validation
 
 log = logging.getLogger("trainguard")
+PERSIST_GC_PAUSE_S = 60.0
+"""Longest pause of the garbage collector by one background persist (seconds; see trainguard._gc)."""
 
 
 class SavePath:
@@ -199,11 +202,12 @@ class SavePath:
             SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
                 failed, or (synchronous) this save failed.
         """
-        if self.ctx.tiers is None:
-            handle = self._save(step, state, metrics, metadata, overwrite, block)
-        else:
-            with self.ctx.tiers.staging():
+        with paused_gc():  # the caller waits (see trainguard._gc); a background persist pauses on its own
+            if self.ctx.tiers is None:
                 handle = self._save(step, state, metrics, metadata, overwrite, block)
+            else:
+                with self.ctx.tiers.staging():
+                    handle = self._save(step, state, metrics, metadata, overwrite, block)
         self.raise_background_error(handle)
         return handle
 
@@ -320,18 +324,21 @@ class SavePath:
     def _persist_request(
         self, req: SaveRequest, staging_s: float, cancel: threading.Event, writers: WriterThreads
     ) -> SaveResult:
-        """The save path of a background save (run by the AsyncPersister's worker thread)."""
-        return _persist.persist(
-            self.ctx,
-            req.step,
-            dict(req.staged),
-            req.paths,
-            req.top,
-            req.metrics,
-            req.metadata,
-            req.t0,
-            blocking=False,
-            staging_s=staging_s,
-            cancel=cancel,
-            writers=writers,
-        )
+        """The save path of a background save (run by the AsyncPersister's worker thread). The collector is
+        paused meanwhile (at most ``PERSIST_GC_PAUSE_S``): a collection that the persist's allocations
+        trigger holds the GIL, so it would stall the training thread as well (see trainguard._gc)."""
+        with paused_gc(limit_s=PERSIST_GC_PAUSE_S):
+            return _persist.persist(
+                self.ctx,
+                req.step,
+                dict(req.staged),
+                req.paths,
+                req.top,
+                req.metrics,
+                req.metadata,
+                req.t0,
+                blocking=False,
+                staging_s=staging_s,
+                cancel=cancel,
+                writers=writers,
+            )

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._gc import paused_gc
 from ._text import error_field_text
 from ._time import iso
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError, UnsafeFileError
@@ -256,7 +257,8 @@ def _read(storage: Storage, step: int, reuse: ParsedManifest | None) -> ParsedMa
             f"manifest of step {step} cannot be read ({e.strerror or e}): {p}", step=step
         ) from None
     local = storage.local_path
-    m = manifest_from_json(data, root=str(local) if local is not None else None, expect_step=step)
+    with paused_gc():  # hundreds of thousands of small objects for a large manifest (see trainguard._gc)
+        m = manifest_from_json(data, root=str(local) if local is not None else None, expect_step=step)
     return ParsedManifest(step, tuple(info.version) if info is not None else (), m)
 
 
