@@ -3,9 +3,9 @@
 Parsing a manifest, and the plans and records of a restore, allocate container objects by the hundred
 thousand; each allocation burst triggers collections, and every third-generation one traverses every object
 of the process (the training job's modules and tensors included). Measured on this project's 2-core VM with
-Python 3.11 (benchmarks/RESULTS.md, "Garbage collection during a restore"): opening a writer on a root
-whose checkpoint holds 32,000 tensors and ``restore_latest`` spent 1.5 s of their 4.4 s in 1,689 collections
-(7 of the third generation); with the collector paused, 2.7-3.0 s in all.
+Python 3.11 (benchmarks/RESULTS.md, "All issue-15 targets", the run of 2026-12-03 13:23, item 1), 32,000
+tensors: a synchronous save 5.2-5.5 s, of which 2.6-3.1 s in collections, 1.6 s paused; opening a writer
+1.6-1.8 s, paused 0.5 s; ``restore_latest`` 2.7 s, paused 1.3 s.
 
 The pause is process-wide (``gc.disable``), so it only wraps work that the caller waits for and that creates
 no reference cycles worth collecting meanwhile; nested and concurrent pauses (several threads) keep the
