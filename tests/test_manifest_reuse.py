@@ -1,6 +1,7 @@
-"""restore_latest parses the manifest it loads once: the one ``lineage.head_manifest`` parsed to find the newest
-run is reused by the restore when its file is unchanged (``read_manifest(reuse=...)``), and never when the file
-changed or the root is an object store (whose version is the size alone)."""
+"""restore_latest parses the manifest it loads once: the one a writer's open or ``lineage.head_manifest`` parsed
+is reused by the restore when the file read again has the same bytes (size and CRC32C,
+``read_manifest(reuse=...)``), with its chunk paths checked against the root's links again; other bytes are
+parsed."""
 
 from __future__ import annotations
 
@@ -61,20 +62,41 @@ def test_a_writer_that_saves_before_restoring_drops_the_kept_manifest(tmp_path):
         assert mgr.ctx.refs.newest is None
 
 
-def test_a_manifest_rewritten_since_it_was_parsed_is_parsed_again(tmp_path, monkeypatch):
+def test_only_the_same_bytes_are_reused(tmp_path, monkeypatch):
     _save(tmp_path)
+    other = tmp_path / "other"
+    with tg.CheckpointManager(other, async_save=False) as mgr:  # step 2 with other values: other bytes
+        mgr.save(2, {"model": {"w": torch.full((8,), 7.0)}})
     first = read_parsed(tmp_path, 2)
     parsed = _count_parses(monkeypatch)
     assert read_manifest(tmp_path, 2, reuse=first) is first.manifest  # unchanged: no parse
-    assert parsed == []
     assert read_manifest(tmp_path, 1, reuse=first).step == 1  # another step: parsed
     assert parsed == [1]
     key = tmp_path / step_dir_name(2) / MANIFEST_NAME
     data = key.read_bytes()
     os.replace(key, key.with_suffix(".old"))
-    key.write_bytes(data)  # same bytes, a new file (new inode and ctime)
+    key.write_bytes(data)  # the same bytes in a new file (new inode and times): still the same manifest
+    assert read_manifest(tmp_path, 2, reuse=first) is first.manifest
+    key.write_bytes((other / step_dir_name(2) / MANIFEST_NAME).read_bytes())  # another manifest of step 2
     again = read_manifest(tmp_path, 2, reuse=first)
-    assert again is not first.manifest and parsed == [1, 2]
+    assert parsed == [1, 2] and set(again.chunks) != set(first.manifest.chunks)
+
+
+def test_a_reused_manifest_still_has_its_chunk_paths_checked(tmp_path):
+    """The bytes are the same, but a chunk directory replaced by a symlink out of the root is refused, as a
+    fresh parse would refuse it."""
+    _save(tmp_path)
+    first = read_parsed(tmp_path, 2)
+    rel = next(iter(first.manifest.chunks.values())).path
+    chunk_dir = tmp_path / rel.rsplit("/", 1)[0]
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    shutil.copytree(chunk_dir, outside)
+    shutil.rmtree(chunk_dir)
+    chunk_dir.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(tg.UnsafeCheckpointError):
+        read_manifest(tmp_path, 2)
+    with pytest.raises(tg.UnsafeCheckpointError):
+        read_manifest(tmp_path, 2, reuse=first)
 
 
 def test_a_manifest_deleted_since_it_was_parsed_is_not_returned(tmp_path):
@@ -85,11 +107,23 @@ def test_a_manifest_deleted_since_it_was_parsed_is_not_returned(tmp_path):
         read_manifest(tmp_path, 2, reuse=first)
 
 
-def test_an_object_store_manifest_is_always_parsed_again(tmp_path, monkeypatch):
+def test_an_object_store_manifest_is_reused_for_the_same_bytes(tmp_path, monkeypatch):
     _save(tmp_path)
     storage = ObjectStorage(LocalObjects(tmp_path))  # the run root read as an object store
     assert storage.local_path is None
     first = read_parsed(storage, 2)
     parsed = _count_parses(monkeypatch)
-    assert read_manifest(storage, 2, reuse=first).step == 2
-    assert parsed == [2]
+    assert read_manifest(storage, 2, reuse=first) is first.manifest
+    assert parsed == []
+
+
+def test_restore_step_and_close_drop_the_manifest_kept_at_open(tmp_path):
+    _save(tmp_path)
+    with tg.CheckpointManager(tmp_path) as mgr:
+        assert mgr.ctx.refs.newest is not None
+        mgr.restore(1, {"model": {"w": torch.zeros(8)}})
+        assert mgr.ctx.refs.newest is None
+    mgr = tg.CheckpointManager(tmp_path)
+    assert mgr.ctx.refs.newest is not None
+    mgr.close()
+    assert mgr.ctx.refs.newest is None

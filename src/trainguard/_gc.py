@@ -1,65 +1,126 @@
-"""Pausing Python's cyclic garbage collector while trainguard builds many objects at once.
+"""Pausing Python's automatic garbage collection while trainguard builds many objects at once.
 
-Parsing a manifest, and the plans and records of a restore, allocate container objects by the hundred
-thousand; each allocation burst triggers collections, and every third-generation one traverses every object
-of the process (the training job's modules and tensors included). Measured on this project's 2-core VM with
-Python 3.11 (benchmarks/RESULTS.md, "All issue-15 targets", the run of 2026-12-03 13:23, item 1), 32,000
-tensors: a synchronous save 5.2-5.5 s, of which 2.6-3.1 s in collections, 1.6 s paused; opening a writer
-1.6-1.8 s, paused 0.5 s; ``restore_latest`` 2.7 s, paused 1.3 s.
+Parsing a manifest, and the plans and records of a save or restore, allocate container objects by the hundred
+thousand; each allocation burst triggers collections, and every collection of the oldest generation traverses
+every object of the process (the training job's modules and tensors included) while holding the GIL.
+Measured on this project's 2-core VM with Python 3.11 (benchmarks/RESULTS.md, "All issue-15 targets", the run
+of 2026-12-03 13:23, item 1), 32,000 tensors: a synchronous save 5.2-5.5 s, of which 2.6-3.1 s in
+collections, 1.6 s paused; opening a writer 1.6-1.8 s, paused 0.5 s; ``restore_latest`` 2.7 s, paused 1.3 s.
 
-The pause is process-wide (``gc.disable``), so it only wraps work that the caller waits for and that creates
-no reference cycles worth collecting meanwhile; nested and concurrent pauses (several threads) keep the
-collector off until the last one ends, then restore the state found at the first one (a job that runs with
-the collector off keeps it off).
+How it pauses, and what it guarantees:
+
+- Automatic collection stops by setting the first threshold to 0 (``gc.set_threshold``); the job's own
+  ``gc.disable()``/``gc.enable()`` are left alone, before, during and after a pause (a job that manages the
+  collector by hand, e.g. Megatron's ``--manual-gc``, keeps doing so).
+- Pauses nest and overlap across threads: collection resumes when the last one ends, with the thresholds found
+  when the first one began (unless the job set others meanwhile).
+- When the last pause ends, the young generation is collected once (``gc.collect(0)``, when the collector is
+  enabled): every object allocated during the pause is in it, so reference cycles made meanwhile (by the
+  training loop too) are freed even when pauses follow each other back to back; this walks only those young
+  objects, not the whole heap.
+- A pause longer than its ``limit_s`` lets collection resume before it ends (a save stuck in storage retries
+  must not leave the job's garbage uncollected); if the timer thread cannot start, the pause has no limit.
+- A process forked during a pause (a DataLoader worker) starts with collection as it was before the pause.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
+DEFAULT_LIMIT_S = 60.0
+"""Longest time automatic collection stays off for one run of pauses that has a limit (seconds)."""
+
 _lock = threading.Lock()
 _depth = 0  # pauses in progress, all threads
-_was_enabled = False  # gc.isenabled() when the outermost pause began
+_saved: tuple[int, ...] | None = None  # the thresholds when the outermost pause began; None: none in effect
+_timer: threading.Timer | None = None  # the limit of the current run of pauses, if any
 
 
 @contextlib.contextmanager
-def paused_gc(limit_s: float | None = None) -> Iterator[None]:
-    """Keep the cyclic garbage collector off for the body (reference counting still frees everything
-    without cycles at once); the collector's previous state is restored when the last concurrent pause
-    ends. Objects in cycles made meanwhile are collected by the next collection after that.
+def paused_gc(limit_s: float | None = DEFAULT_LIMIT_S) -> Iterator[None]:
+    """Pause automatic garbage collection for the body (reference counting still frees everything outside
+    cycles at once); see the module docstring for the guarantees.
 
     Args:
-        limit_s: seconds after which the collector is turned back on even if the body still runs (a
-            background save stuck in storage retries must not keep the training job's garbage uncollected);
-            None: no limit.
+        limit_s: seconds after which automatic collection resumes even if the body still runs; None: no limit
+            (for bounded CPU work such as parsing one manifest). Only the outermost pause's timer runs.
     """
-    global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
-    timer = None
-    if limit_s is not None:
-        timer = threading.Timer(limit_s, _resume)
-        timer.daemon = True
-        timer.start()
+    entered = False
     try:
+        _enter(limit_s)
+        entered = True
         yield
     finally:
-        if timer is not None:
-            timer.cancel()
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        if entered:
+            _exit()
+
+
+def _enter(limit_s: float | None) -> None:
+    global _depth, _saved, _timer
+    with _lock:
+        if _depth == 0:
+            thresholds = gc.get_threshold()
+            _saved = thresholds
+            gc.set_threshold(0, *thresholds[1:])
+        _depth += 1
+        if limit_s is not None and _timer is None and _saved is not None:
+            timer = threading.Timer(limit_s, _resume)
+            timer.daemon = True
+            try:
+                timer.start()
+            except RuntimeError:  # no thread can start (pids.max, ulimit -u): the pause runs without a limit
+                return
+            _timer = timer
+
+
+def _exit() -> None:
+    global _depth, _saved, _timer
+    collect = False
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            if _timer is not None:
+                _timer.cancel()
+                _timer = None
+            collect = _restore_thresholds()
+    if collect and gc.isenabled():
+        gc.collect(0)  # the cycles made during the pause: only young objects are walked
+
+
+def _restore_thresholds() -> bool:
+    """Put back the thresholds saved by the outermost pause (not when the job set others meanwhile); True if
+    a pause was in effect. Called with the lock held."""
+    global _saved
+    saved, _saved = _saved, None
+    if saved is None:
+        return False
+    if gc.get_threshold()[0] == 0:
+        gc.set_threshold(*saved)
+    return True
 
 
 def _resume() -> None:
-    """A pause ran past its limit: the collector runs again (the pauses still in progress stay counted)."""
+    """The run of pauses passed its limit: automatic collection resumes now (the pauses still in progress stay
+    counted and end without touching the thresholds again)."""
+    global _timer
     with _lock:
-        if _depth > 0 and _was_enabled:
-            gc.enable()
+        _timer = None
+        _restore_thresholds()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked during a pause gets the collection the job had before it (its pauses ended with the
+    fork: only the forking thread survives)."""
+    global _lock, _depth, _timer
+    _lock = threading.Lock()
+    _depth = 0
+    _timer = None
+    _restore_thresholds()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -72,6 +72,7 @@ def restore_step(ctx: RootContext, step: int, state: MutableMapping[str, Any], *
         SuspectCheckpointError: the restored state failed validation (NaN/Inf, probe); marked suspect.
     """
     t0 = time.perf_counter()
+    ctx.refs.take_newest()  # the manifest a writer's open kept for restore_latest: not needed now
     # chunks missing or corrupt on the hot root: read from a tier straight into the tensors
     with (
         paused_gc(),

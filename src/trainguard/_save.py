@@ -32,8 +32,6 @@ from .state import per_rank
 from .validation.attach import Validation
 
 log = logging.getLogger("trainguard")
-PERSIST_GC_PAUSE_S = 60.0
-"""Longest pause of the garbage collector by one background persist (seconds; see trainguard._gc)."""
 
 
 class SavePath:
@@ -202,12 +200,11 @@ class SavePath:
             SaveError: an earlier background save failed (this save was started: ``pending_save``), staging
                 failed, or (synchronous) this save failed.
         """
-        with paused_gc():  # the caller waits (see trainguard._gc); a background persist pauses on its own
-            if self.ctx.tiers is None:
+        if self.ctx.tiers is None:
+            handle = self._save(step, state, metrics, metadata, overwrite, block)
+        else:
+            with self.ctx.tiers.staging():
                 handle = self._save(step, state, metrics, metadata, overwrite, block)
-            else:
-                with self.ctx.tiers.staging():
-                    handle = self._save(step, state, metrics, metadata, overwrite, block)
         self.raise_background_error(handle)
         return handle
 
@@ -243,8 +240,9 @@ class SavePath:
 
                 codecs.load_library()
         if self.persister is None or self.stager is None:
-            return self._save_sync(step, state, metrics, metadata, t0, now0)
-        bufset = self.persister.acquire(block=block)
+            with paused_gc():  # the caller waits for the whole save (see trainguard._gc)
+                return self._save_sync(step, state, metrics, metadata, t0, now0)
+        bufset = self.persister.acquire(block=block)  # not paused: this waits for an earlier persist
         if bufset is None:
             ctx.event(
                 "save_skipped", step=step, reason="every staging buffer set is busy persisting earlier saves"
@@ -252,10 +250,11 @@ class SavePath:
             log.warning("skipping the save of step %d: earlier saves are still persisting", step)
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
-            self.validation.run_probe(step)
-            flat, paths, top = _statefn.collect(state)
-            flat, paths = per_rank.split(flat, paths, top, ctx.dist)
-            staged = bufset.stage(flat)
+            with paused_gc():  # the state's flattening and staging; the persist pauses on its own
+                self.validation.run_probe(step)
+                flat, paths, top = _statefn.collect(state)
+                flat, paths = per_rank.split(flat, paths, top, ctx.dist)
+                staged = bufset.stage(flat)
         except BaseException as e:
             self.stager.release(bufset)
             if isinstance(e, (TrainguardError, KeyboardInterrupt, SystemExit)):
@@ -324,10 +323,10 @@ class SavePath:
     def _persist_request(
         self, req: SaveRequest, staging_s: float, cancel: threading.Event, writers: WriterThreads
     ) -> SaveResult:
-        """The save path of a background save (run by the AsyncPersister's worker thread). The collector is
-        paused meanwhile (at most ``PERSIST_GC_PAUSE_S``): a collection that the persist's allocations
-        trigger holds the GIL, so it would stall the training thread as well (see trainguard._gc)."""
-        with paused_gc(limit_s=PERSIST_GC_PAUSE_S):
+        """The save path of a background save (run by the AsyncPersister's worker thread). Automatic garbage
+        collection is paused meanwhile (at most ``trainguard._gc.DEFAULT_LIMIT_S``): a collection that the
+        persist's allocations trigger holds the GIL, so it would stall the training thread as well."""
+        with paused_gc():
             return _persist.persist(
                 self.ctx,
                 req.step,

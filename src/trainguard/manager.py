@@ -384,6 +384,7 @@ class CheckpointManager:
             err = e
             self._report_other_failures(e)
         self._closed = True
+        self.ctx.refs.take_newest()  # a manifest kept at open for a restore_latest that never came
         self.validation.close()
         if self._exit_flush is not None:
             import atexit

@@ -35,7 +35,7 @@ class ManifestCache:
         self.usable: set[int] | None = None
         self.repairs_seen = 0  # ChunkStore.repaired entries already accounted for
         # The manifest of the highest step read at open, until restore_latest takes it (the checkpoint it
-        # usually loads: not parsed a second time) or this writer commits; one manifest at most.
+        # usually loads: not parsed a second time), or restore(step), a commit or close drops it.
         self.newest: ParsedManifest | None = None
 
     def take_newest(self) -> ParsedManifest | None:
