@@ -120,20 +120,61 @@ def test_cycles_made_during_back_to_back_pauses_are_collected_when_each_ends():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_child_forked_during_a_pause_gets_collection_back():
+def test_a_child_forked_during_a_pause_gets_collection_back_and_can_pause_again():
     before = gc.get_threshold()
     r, w = os.pipe()
     with paused_gc():
         pid = os.fork()
-        if pid == 0:  # the child: report its thresholds and its pause depth
-            os.close(r)
-            os.write(w, f"{gc.get_threshold()} {_gc._depth}".encode())
+    if pid == 0:  # the child, after leaving the pause it was forked in
+        try:
+            with paused_gc():
+                inside = _paused()
+            os.write(w, f"{gc.get_threshold()} {_gc._depth} {inside}".encode())
+        finally:
             os._exit(0)
-        os.close(w)
-        got = os.read(r, 200).decode()
-        os.close(r)
-        os.waitpid(pid, 0)
-    assert got == f"{before} 0"
+    os.close(w)
+    got = os.read(r, 200).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == f"{before} 0 True"
+
+
+def test_a_limit_timer_of_an_ended_run_does_not_end_a_later_one():
+    stale = threading.Thread(target=_gc._resume)  # a timer that fired late, after its run ended
+    with paused_gc():
+        stale.start()
+        stale.join(5)
+        assert _paused()
+    assert not _paused()
+
+
+def test_an_interrupt_while_the_limit_timer_starts_leaves_no_pause(monkeypatch):
+    before = gc.get_threshold()
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Timer, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt), paused_gc():
+        pass
+    assert gc.get_threshold() == before and _gc._depth == 0
+
+
+def test_thresholds_left_by_a_pause_interrupted_while_ending_come_back_with_the_next_one():
+    before = gc.get_threshold()
+    _gc._saved = before  # the state an interrupt between the two steps of _exit would leave
+    gc.set_threshold(0, *before[1:])
+    with paused_gc():
+        assert _paused()
+    assert gc.get_threshold() == before and _gc._saved is None
+
+
+def test_a_jobs_own_threshold_zero_is_kept():
+    before = gc.get_threshold()
+    gc.set_threshold(0, *before[1:])
+    with paused_gc():
+        pass
+    assert gc.get_threshold()[0] == 0
 
 
 class _Probe:

@@ -21,6 +21,8 @@ How it pauses, and what it guarantees:
 - A pause longer than its ``limit_s`` lets collection resume before it ends (a save stuck in storage retries
   must not leave the job's garbage uncollected); if the timer thread cannot start, the pause has no limit.
 - A process forked during a pause (a DataLoader worker) starts with collection as it was before the pause.
+- ``gc.get_threshold()`` reads 0 during a pause: a job that saves the thresholds and sets them back around its
+  own code while a trainguard save persists should set its own values instead of the ones it read.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ _lock = threading.Lock()
 _depth = 0  # pauses in progress, all threads
 _saved: tuple[int, ...] | None = None  # the thresholds when the outermost pause began; None: none in effect
 _timer: threading.Timer | None = None  # the limit of the current run of pauses, if any
+_forks = (
+    0  # children forked from this process's lineage: a pause entered before a fork is not exited after it
+)
 
 
 @contextlib.contextmanager
@@ -49,44 +54,52 @@ def paused_gc(limit_s: float | None = DEFAULT_LIMIT_S) -> Iterator[None]:
         limit_s: seconds after which automatic collection resumes even if the body still runs; None: no limit
             (for bounded CPU work such as parsing one manifest). Only the outermost pause's timer runs.
     """
-    entered = False
+    _enter(limit_s)
+    forks = _forks
     try:
-        _enter(limit_s)
-        entered = True
         yield
     finally:
-        if entered:
+        if forks == _forks:  # in a child forked meanwhile the pause ended with the fork
             _exit()
 
 
 def _enter(limit_s: float | None) -> None:
     global _depth, _saved, _timer
     with _lock:
-        if _depth == 0:
-            thresholds = gc.get_threshold()
-            _saved = thresholds
-            gc.set_threshold(0, *thresholds[1:])
+        current = gc.get_threshold()
+        if _depth == 0 and current[0] != 0:
+            _saved = current
+            gc.set_threshold(0, *current[1:])
+        # threshold 0 at depth 0: the job's own setting (nothing saved, nothing to give back), or left by a pause
+        # interrupted while ending (its _saved is kept and given back when this one ends)
         _depth += 1
-        if limit_s is not None and _timer is None and _saved is not None:
-            timer = threading.Timer(limit_s, _resume)
-            timer.daemon = True
-            try:
-                timer.start()
-            except RuntimeError:  # no thread can start (pids.max, ulimit -u): the pause runs without a limit
-                return
-            _timer = timer
+        if limit_s is None or _timer is not None or _saved is None:
+            return
+        timer = threading.Timer(limit_s, _resume)
+        timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # no thread can start (pids.max, ulimit -u): the pause runs without a limit
+            return
+        except BaseException:  # KeyboardInterrupt while the thread starts: no pause is left behind
+            _depth -= 1
+            if _depth == 0:
+                _restore_thresholds()
+            raise
+        _timer = timer
 
 
 def _exit() -> None:
-    global _depth, _saved, _timer
+    global _depth, _timer
+    timer = None
     collect = False
     with _lock:
         _depth -= 1
         if _depth == 0:
-            if _timer is not None:
-                _timer.cancel()
-                _timer = None
-            collect = _restore_thresholds()
+            collect = _restore_thresholds()  # first: nothing below can leave collection off
+            timer, _timer = _timer, None
+    if timer is not None:
+        timer.cancel()
     if collect and gc.isenabled():
         gc.collect(0)  # the cycles made during the pause: only young objects are walked
 
@@ -95,28 +108,32 @@ def _restore_thresholds() -> bool:
     """Put back the thresholds saved by the outermost pause (not when the job set others meanwhile); True if
     a pause was in effect. Called with the lock held."""
     global _saved
-    saved, _saved = _saved, None
+    saved = _saved
     if saved is None:
         return False
     if gc.get_threshold()[0] == 0:
         gc.set_threshold(*saved)
+    _saved = None  # after the thresholds are back: a fork in between still finds them saved
     return True
 
 
 def _resume() -> None:
     """The run of pauses passed its limit: automatic collection resumes now (the pauses still in progress stay
-    counted and end without touching the thresholds again)."""
+    counted and end without touching the thresholds again). A timer of an earlier run does nothing."""
     global _timer
     with _lock:
+        if _timer is not threading.current_thread():  # this timer's run ended; another may be in progress
+            return
         _timer = None
         _restore_thresholds()
 
 
 def _after_fork_in_child() -> None:
-    """A child forked during a pause gets the collection the job had before it (its pauses ended with the
-    fork: only the forking thread survives)."""
-    global _lock, _depth, _timer
+    """A child forked during a pause gets the collection the job had before it: its pauses end with the fork
+    (only the forking thread survives, and :func:`paused_gc` does not exit a pause entered before the fork)."""
+    global _lock, _depth, _timer, _forks
     _lock = threading.Lock()
+    _forks += 1
     _depth = 0
     _timer = None
     _restore_thresholds()

@@ -65,13 +65,13 @@ def head(root: str | os.PathLike[str] | Storage) -> RunInfo | None:
 def head_manifest(
     root: str | os.PathLike[str] | Storage, reuse: ParsedManifest | None = None
 ) -> ParsedManifest | None:
-    """The manifest :func:`head` takes the run from (the most recently committed one that parses), with its
-    file's version: ``restore_latest`` passes it on (``read_manifest(reuse=...)``), so the checkpoint it usually
-    loads next is not parsed twice. None when no manifest parses.
+    """The manifest :func:`head` takes the run from (the most recently committed one that parses), with the size
+    and CRC32C of its bytes: ``restore_latest`` passes it on (``read_manifest(reuse=...)``), so the checkpoint it
+    usually loads next is not parsed twice. None when no manifest parses.
 
     Args:
         reuse: a manifest parsed before (a writer's open: ``ManifestCache.newest``), used when it is the one
-            wanted and its file is unchanged (see :func:`~trainguard.catalog.read_manifest`)."""
+            wanted and the file still holds the same bytes (see :func:`~trainguard.catalog.read_manifest`)."""
     storage = as_storage(root)
     keys, _ = step_keys(storage)
     stamped = []
