@@ -40,9 +40,8 @@ _lock = threading.Lock()
 _depth = 0  # pauses in progress, all threads
 _saved: tuple[int, ...] | None = None  # the thresholds when the outermost pause began; None: none in effect
 _timer: threading.Timer | None = None  # the limit of the current run of pauses, if any
-_forks = (
-    0  # children forked from this process's lineage: a pause entered before a fork is not exited after it
-)
+# forks this process descends from: a pause entered before a fork is not exited in the child
+_forks = 0
 
 
 @contextlib.contextmanager

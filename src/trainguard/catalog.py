@@ -380,7 +380,8 @@ def inspect_step(
         step: the step.
         path: how to name the step directory in the result (default: the storage's location of it).
         store: the chunk store to stat chunks with (default: one on ``root``'s storage).
-        reuse: the manifest of ``step`` parsed before, used if its file is unchanged (see :func:`read_manifest`).
+        reuse: the manifest of ``step`` parsed before, used if the file holds the same bytes (see
+            :func:`read_manifest`).
 
     Returns:
         The :class:`CheckpointInfo`, and the parsed manifest when it parsed (None otherwise).
