@@ -19,7 +19,9 @@ from .storage.base import Storage
 from .storage.local import LocalStorage
 
 
-def open_storage(root: str | os.PathLike[str] | Storage, *, fsync: bool, durability: str) -> Storage:
+def open_storage(
+    root: str | os.PathLike[str] | Storage, *, fsync: bool, durability: str, direct_io: bool = True
+) -> Storage:
     """The storage of a manager's ``root`` argument.
 
     Raises:
@@ -30,7 +32,7 @@ def open_storage(root: str | os.PathLike[str] | Storage, *, fsync: bool, durabil
         raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
     if isinstance(root, (str, os.PathLike)):
         try:
-            return LocalStorage(root, fsync=fsync, durability=durability)
+            return LocalStorage(root, fsync=fsync, durability=durability, direct_io=direct_io)
         except ValueError as e:  # the storage checks its own options
             raise ConfigError(str(e)) from None
     if isinstance(root, Storage) and root.local_path is not None:

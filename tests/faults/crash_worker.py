@@ -66,7 +66,7 @@ def install_hook(point: str, at: int, marker: str) -> None:
     if point == "mid_chunk_write":
         real_write_file = local.write_file  # the chunk store writes through it too
 
-        def write_file(path: Path, buf: Any, *, fsync: bool = True) -> None:
+        def write_file(path: Path, buf: Any, *, fsync: bool = True, **kw: Any) -> None:  # kw: direct
             if is_chunk_tmp(path) and hit():
                 view = memoryview(buf).cast("B")
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -74,7 +74,7 @@ def install_hook(point: str, at: int, marker: str) -> None:
                 os.fsync(fd)
                 os.close(fd)
                 fire(path=str(path), written=len(view) // 2, length=len(view))
-            real_write_file(path, buf, fsync=fsync)
+            real_write_file(path, buf, fsync=fsync, **kw)
 
         local.write_file = write_file
     elif point in ("chunk_published", "manifest_tmp_written"):
@@ -101,10 +101,10 @@ def install_hook(point: str, at: int, marker: str) -> None:
     elif point == "step_dir_created":
         real_write_file = local.write_file  # what atomic_write calls for the manifest's temporary file
 
-        def write_file_(path: Path, buf: Any, *, fsync: bool = True) -> None:
+        def write_file_(path: Path, buf: Any, *, fsync: bool = True, **kw: Any) -> None:
             if Path(path).name.startswith(".manifest.json.tmp") and hit():
                 fire(step_dir=str(Path(path).parent))
-            real_write_file(path, buf, fsync=fsync)
+            real_write_file(path, buf, fsync=fsync, **kw)
 
         local.write_file = write_file_
     elif point == "after_commit":  # the manifest published (committed); retention not run yet

@@ -81,10 +81,12 @@ class ChunkStore:
             that measure without durability). Used when ``root`` is a directory.
         durability: ``"auto"`` (default) or ``"batched"``: new chunks become visible under ``chunks/``
             only in :meth:`sync`, made durable by one ``syncfs(2)`` (``"auto"``: only when the node holds
-            no more dirty data than the save's own chunks, else an fsync per chunk file); ``"per_file"``:
-            each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes other processes'
+            no more dirty data than the size of the save's own chunks, else an fsync per chunk file);
+            ``"per_file"``: each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes other processes'
             dirty data on the same filesystem. See :class:`~trainguard.storage.local.LocalStorage`. Used
             when ``root`` is a directory.
+        direct_io: write chunk files of at least 1 MiB around the page cache (``O_DIRECT``; default True).
+            See :class:`~trainguard.storage.local.LocalStorage`. Used when ``root`` is a directory.
 
     Raises:
         ValueError: an unknown ``durability``.
@@ -93,12 +95,19 @@ class ChunkStore:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str] | Storage, *, fsync: bool = True, durability: str = "auto"
+        self,
+        root: str | os.PathLike[str] | Storage,
+        *,
+        fsync: bool = True,
+        durability: str = "auto",
+        direct_io: bool = True,
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if isinstance(root, (str, os.PathLike)):
-            self.storage: Storage = LocalStorage(root, fsync=fsync, durability=durability)
+            self.storage: Storage = LocalStorage(
+                root, fsync=fsync, durability=durability, direct_io=direct_io
+            )
         else:
             self.storage = root
         self._lock = threading.Lock()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -103,17 +104,162 @@ def _fail_write(e: OSError, tmp: Path, path: str | os.PathLike[str]) -> NoReturn
     raise_classified(e, path)
 
 
-def write_file(path: Path, buffers: list[memoryview] | memoryview | bytes, *, fsync: bool = True) -> None:
-    """Write ``buffers`` to a new file ``path`` (must not exist) and fsync it."""
+DIRECT_IO_MIN_BYTES = 1 << 20
+"""Objects of at least this many bytes are staged with direct I/O when :class:`LocalStorage`'s ``direct_io`` is
+on (a smaller write would wait for the device on its own, where the page cache batches it with others)."""
+
+DIRECT_IO_ALIGN = 4096
+"""Alignment of a direct write's memory address, length and file offset (bytes): the largest logical block
+size of common disks, so it satisfies 512-byte devices too. A filesystem or device that wants more refuses
+the write with EINVAL, and the file is finished through the page cache."""
+
+DIRECT_IO_BLOCK_BYTES = 8 << 20
+"""Size of each writing thread's aligned bounce buffer (bytes), and so of each direct ``write`` call."""
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every write is buffered
+_BOUNCE_KEPT = 16
+"""Bounce buffers kept for reuse between writes (the rest are unmapped when released): more than a save's
+writing threads, so every save after the first reuses memory already faulted in."""
+
+
+class _BouncePool:
+    """Page-aligned ``DIRECT_IO_BLOCK_BYTES`` buffers, one per direct write in progress, reused by later
+    writes (a save's writer threads are new threads each save). Private anonymous mappings: a forked child
+    gets copies, never the parent's memory, and starts with an empty pool (``os.register_at_fork``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[tuple[memoryview, Any]] = []
+
+    def acquire(self) -> tuple[memoryview, Any]:
+        """A buffer as a memoryview and a NumPy uint8 array of the same memory."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        import mmap
+
+        import numpy as np
+
+        mem = mmap.mmap(-1, DIRECT_IO_BLOCK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return memoryview(mem), np.frombuffer(mem, dtype=np.uint8)
+
+    def release(self, buf: tuple[memoryview, Any]) -> None:
+        with self._lock:
+            if len(self._free) < _BOUNCE_KEPT:
+                self._free.append(buf)
+
+    def reset(self) -> None:
+        """In a forked child: a new lock (another thread may have held the parent's) and no buffers."""
+        self._lock = threading.Lock()
+        self._free = []
+
+
+_BOUNCE = _BouncePool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_BOUNCE.reset)
+
+
+def _write_direct(fd: int, buffers: list[Any]) -> None:
+    """Write ``buffers`` in order to ``fd``, a new file with ``O_DIRECT`` set, through an aligned bounce buffer
+    (``_BOUNCE``; the copy releases the GIL), in ``DIRECT_IO_BLOCK_BYTES`` calls.
+
+    The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
+    data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, or one wanting
+    a larger alignment) clears ``O_DIRECT`` on ``fd`` and the same bytes go through the page cache, from
+    there to the end of the file. Durability still needs an fsync (or ``syncfs``): it flushes the file's
+    metadata and the device's write cache.
+    """
+    import numpy as np
+
+    bounce = _BOUNCE.acquire()
+    view, arr = bounce
+    direct = True
+    total = fill = 0
+
+    def flush(n: int, data: int) -> None:
+        """Write the first ``n`` bytes of the buffer, of which the first ``data`` are the file's (the rest is
+        the last block's padding, dropped once the file is written through the page cache)."""
+        nonlocal direct
+        done = 0
+        while done < (n if direct else data):
+            try:
+                done += os.write(fd, view[done : n if direct else data])
+            except OSError as e:
+                if e.errno != errno.EINVAL or not direct:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                direct = False
+
+    try:
+        for buf in buffers:
+            src = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+            pos = 0
+            while pos < len(src):
+                n = min(DIRECT_IO_BLOCK_BYTES - fill, len(src) - pos)
+                np.copyto(arr[fill : fill + n], src[pos : pos + n])
+                fill += n
+                pos += n
+                if fill == DIRECT_IO_BLOCK_BYTES:
+                    flush(fill, fill)
+                    total += fill
+                    fill = 0
+        if fill:
+            padded = -(-fill // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN if direct else fill
+            arr[fill:padded] = 0
+            flush(padded, fill)
+            total += fill
+            if os.fstat(fd).st_size != total:  # the padding reached the file
+                os.ftruncate(fd, total)
+    finally:
+        _BOUNCE.release(bounce)
+
+
+def _nbytes(data: Any) -> int:
+    """Bytes in ``data`` (a buffer, or a list of buffers, as :func:`write_file` takes)."""
+    if isinstance(data, list):
+        return sum(memoryview(b).nbytes for b in data)
+    return memoryview(data).nbytes
+
+
+def _set_direct(fd: int) -> bool:
+    """Turn on ``O_DIRECT`` for ``fd``; False where the platform has none or the filesystem refuses it."""
+    if not _O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def write_file(
+    path: Path, buffers: list[memoryview] | memoryview | bytes, *, fsync: bool = True, direct: bool = False
+) -> None:
+    """Write ``buffers`` to a new file ``path`` (must not exist) and fsync it.
+
+    Args:
+        direct: write around the page cache (``O_DIRECT``, see :func:`_write_direct`); the file is written
+            through the page cache where the platform or the filesystem has no direct I/O (the open or a
+            write refused with EINVAL).
+    """
     if not isinstance(buffers, list):
         buffers = [memoryview(buffers)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
-            while len(view):
-                n = os.write(fd, view[: 1 << 30])
-                view = view[n:]
+        # O_DIRECT set after the open: an open with it creates the file before a filesystem without direct
+        # I/O refuses it (EINVAL), and O_EXCL would then refuse the second open
+        if direct and not _set_direct(fd):
+            direct = False
+        if direct:
+            _write_direct(fd, buffers)
+        else:
+            for buf in buffers:
+                view = memoryview(buf).cast("B")
+                while len(view):
+                    n = os.write(fd, view[: 1 << 30])
+                    view = view[n:]
         if fsync:
             os.fsync(fd)
     finally:
@@ -314,13 +460,21 @@ class LocalStorage:
         fsync: make writes durable (False only for tests and benchmarks that measure without durability).
         durability: how :meth:`stage`/:meth:`commit_staged` make a save's objects durable. ``"auto"``
             (default): temporary files whose writeback starts at once (``sync_file_range``), then, at the
-            flush, one ``syncfs(2)`` when the node holds no more dirty page-cache data than the save's own
-            files (:func:`dirty_bytes`), else an fsync of each file (from a few threads); then the renames
+            flush, one ``syncfs(2)`` when the node holds no more dirty page-cache data than the size of the
+            save's own files (:func:`dirty_bytes`; files written with ``direct_io`` count at their size too,
+            though they leave no dirty pages: the flush waits for at most as much foreign data as the save
+            wrote), else an fsync of each file (from a few threads); then the renames
             and one more ``syncfs`` or the directories' fsyncs. ``syncfs`` flushes every process's dirty data
             on the filesystem: beside another job's unflushed writes it would make the save wait for them.
             ``"batched"``: always ``syncfs`` (per-file fsyncs where it is missing). ``"per_file"``: each object
             fsynced and renamed into place by :meth:`stage`, its directories fsynced by
             :meth:`commit_staged`.
+        direct_io: :meth:`stage` writes objects of at least ``DIRECT_IO_MIN_BYTES`` around the page cache
+            (``O_DIRECT``, through a reused aligned buffer per writing thread; see :func:`write_file`), so a
+            save neither allocates page-cache memory for its bytes nor evicts the job's cached data, and no
+            dirty pages wait for writeback. The durability above is unchanged. Where the filesystem has no
+            direct I/O the file is written through the page cache. False: every write goes through the
+            page cache (a restore right after a save then reads memory instead of the disk).
 
     Attributes:
         node_writers: processes of one job that save to this root from this node together (the ranks of a
@@ -334,12 +488,20 @@ class LocalStorage:
     Files are opened without following a symlink and without blocking (:mod:`trainguard.storage.safeio`).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, durability: str = "auto") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        durability: str = "auto",
+        direct_io: bool = True,
+    ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         self.root = Path(root)
         self.fsync = fsync
         self.durability = durability
+        self.direct_io = bool(direct_io)
         self.node_writers = 1
 
     def __repr__(self) -> str:
@@ -394,9 +556,11 @@ class LocalStorage:
         )
         tmp = self.path(tmp_key)
         batched = self.durability != "per_file"  # "auto" stages as "batched" does and decides at the flush
+        direct = self.direct_io and _nbytes(data) >= DIRECT_IO_MIN_BYTES
         try:
-            write_file(tmp, data, fsync=self.fsync and not batched)  # the module's: one seam for fault tests
-            if batched and self.fsync:
+            # the module's write_file: one seam for fault tests
+            write_file(tmp, data, fsync=self.fsync and not batched, **({"direct": True} if direct else {}))
+            if batched and self.fsync and not direct:  # a direct write leaves no dirty pages to start on
                 start_writeback(tmp)
             if not batched:
                 final.parent.mkdir(parents=True, exist_ok=True)

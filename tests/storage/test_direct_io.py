@@ -1,0 +1,261 @@
+"""Chunk files written around the page cache (``direct_io``, ``O_DIRECT``): exact bytes at every size around the
+alignment and bounce-buffer boundaries, O_DIRECT really set on the descriptor while the bytes are written, the
+fall-back to the page cache where the filesystem refuses direct I/O (when it is set, or at a write), a real
+failing write (``RLIMIT_FSIZE``) leaving nothing behind, and a manager's save and restore with it on and off.
+
+A filesystem that refuses ``O_DIRECT`` cannot be mounted in a test, so that refusal is simulated by making
+``fcntl`` or one ``write`` fail with EINVAL, exactly as the kernel reports it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainguard
+from tests.conftest import run_env
+from trainguard.integrity.verify import verify
+from trainguard.storage import LocalStorage
+from trainguard.storage import local as local_mod
+from trainguard.storage.local import DIRECT_IO_ALIGN, DIRECT_IO_BLOCK_BYTES, DIRECT_IO_MIN_BYTES, write_file
+
+pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
+
+B = DIRECT_IO_BLOCK_BYTES
+SIZES = [0, 1, DIRECT_IO_ALIGN - 1, DIRECT_IO_ALIGN, DIRECT_IO_ALIGN + 1, B - 1, B, B + 1, 2 * B + 12345]
+
+
+def _flags_while_writing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the file status flags of every descriptor ``local``'s ``os.write`` is called with (from
+    /proc/self/fdinfo, as the kernel holds them at that moment)."""
+    seen: list[int] = []
+    real = os.write
+
+    def write(fd: int, data: Any) -> int:
+        seen.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        return real(fd, data)
+
+    monkeypatch.setattr(local_mod.os, "write", write)
+    return seen
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_direct_write_holds_exactly_the_bytes_given(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    parts = [memoryview(data[: size // 3]), data[size // 3 : size // 2], bytearray(data[size // 2 :])]
+    p = tmp_path / "f"
+    write_file(p, parts, direct=True)
+    assert p.stat().st_size == size  # the padded last block was cut back
+    assert p.read_bytes() == data
+
+
+def test_a_direct_write_sets_o_direct_on_every_write_and_takes_any_buffer_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = torch.randn(3 * B // 4 + 5)  # float32: a memoryview of format "f"
+    seen = _flags_while_writing(monkeypatch)
+    write_file(tmp_path / "f", memoryview(t.numpy()), direct=True)
+    assert seen and all(f & os.O_DIRECT for f in seen)
+    assert (tmp_path / "f").read_bytes() == t.numpy().tobytes()
+    seen.clear()
+    write_file(tmp_path / "g", memoryview(t.numpy()))  # the default: through the page cache
+    assert seen and not any(f & os.O_DIRECT for f in seen)
+
+
+def test_without_direct_io_on_the_filesystem_the_file_is_written_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = fcntl.fcntl
+
+    def refuse(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what ext4 data=journal or a FUSE mount says
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(local_mod.fcntl, "fcntl", refuse)
+    seen = _flags_while_writing(monkeypatch)
+    data = os.urandom(B + 100)
+    write_file(tmp_path / "f", [data], direct=True)
+    assert seen and not any(f & os.O_DIRECT for f in seen)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_write_refused_with_einval_is_done_again_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.write
+    calls: list[int] = []
+
+    def write(fd: int, data: Any) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        calls.append(flags)
+        if flags & os.O_DIRECT and len(calls) == 2:  # the second block: e.g. a device wanting 64 KiB
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    monkeypatch.setattr(local_mod.os, "write", write)
+    data = os.urandom(2 * B + 777)
+    write_file(tmp_path / "f", [data], direct=True)
+    assert [bool(f & os.O_DIRECT) for f in calls] == [True, True, False, False]  # refused one, then buffered
+    assert (tmp_path / "f").stat().st_size == len(data)  # no padding: the tail was written as it is
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_another_write_error_is_raised_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def eio(fd: int, data: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(local_mod.os, "write", eio)
+    with pytest.raises(OSError) as ei:
+        write_file(tmp_path / "f", [b"x" * (B + 1)], direct=True)
+    assert ei.value.errno == errno.EIO
+
+
+def test_stage_writes_large_objects_direct_and_small_ones_and_everything_when_off_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, bool]] = []
+    real = local_mod.write_file
+
+    def spy(path: Path, data: Any, *, fsync: bool = True, direct: bool = False) -> None:
+        calls.append((Path(path).name.split(".")[0], direct))
+        real(path, data, fsync=fsync, direct=direct)
+
+    monkeypatch.setattr(local_mod, "write_file", spy)
+    for direct_io in (True, False):
+        s = LocalStorage(tmp_path / str(direct_io), direct_io=direct_io)
+        s.make_dir("partial")
+        big, small = os.urandom(DIRECT_IO_MIN_BYTES), os.urandom(DIRECT_IO_MIN_BYTES - 1)
+        staged = [
+            s.stage("chunks/ab/big", big, staging="partial"),
+            s.stage("chunks/ab/small", [memoryview(small)], staging="partial"),
+        ]
+        s.commit_staged(staged)
+        assert s.read("chunks/ab/big", limit_bytes=len(big)) == big
+        assert s.read("chunks/ab/small", limit_bytes=len(small)) == small
+    assert calls == [("big", True), ("small", False), ("big", False), ("small", False)]
+
+
+CHILD = r"""
+import sys
+from trainguard.storage import LocalStorage
+s = LocalStorage(sys.argv[1])
+s.make_dir("partial")
+try:
+    s.stage("chunks/ab/c", b"x" * (3 << 20), staging="partial")
+except OSError as e:
+    print("stage", e.errno)
+else:
+    print("stage ok")
+"""
+
+
+def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Path) -> None:
+    def limit() -> None:  # a real failing write: EFBIG past 1 MiB
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        env=run_env(),
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["stage", str(errno.EFBIG)]
+    assert [q for q in tmp_path.rglob("*") if q.is_file()] == []
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_manager_saves_and_restores_bit_exact_with_direct_io_on_and_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool
+) -> None:
+    seen = _flags_while_writing(monkeypatch)
+    torch.manual_seed(0)
+    state = {
+        "w": torch.randn(1 << 20),  # 4 MiB: direct when on
+        "h": torch.randn(1000, 333).to(torch.bfloat16),  # an odd length
+        "b": torch.randn(7),  # small: packed, through the page cache
+    }
+    with trainguard.CheckpointManager(tmp_path, direct_io=direct_io) as m:
+        m.save(1, {"model": state})
+        m.wait()
+    assert any(f & os.O_DIRECT for f in seen) is direct_io
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert trainguard.CheckpointManager(tmp_path, read_only=True).restore(1, {"model": got}) == 1
+    for k, v in state.items():
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert verify(tmp_path).ok
+
+
+def test_bounce_buffers_are_reused_by_later_threads_and_are_private_to_a_forked_child(tmp_path: Path) -> None:
+    import threading
+
+    pool = local_mod._BOUNCE
+    pool.release(pool.acquire())  # at least one kept
+    kept = len(pool._free)
+    for i in range(3):  # a save's writer threads are new threads every save
+        th = threading.Thread(
+            target=write_file, args=(tmp_path / f"f{i}", b"y" * (B + 1)), kwargs={"direct": True}
+        )
+        th.start()
+        th.join()
+    assert len(pool._free) == kept  # taken and given back: no new buffer per thread
+    view, arr = pool.acquire()
+    try:
+        arr[:4] = 1
+        pid = os.fork()
+        if pid == 0:  # the child: its own copy of the memory and an empty pool
+            code = 0 if pool._free == [] else 3
+            arr[:4] = 0x55
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert bytes(view[:4]) == b"\x01" * 4  # the child's write did not reach the parent's buffer
+    finally:
+        pool.release((view, arr))
+
+
+CHILD_EXACT = r"""
+import sys
+from pathlib import Path
+from trainguard.storage.local import write_file
+n = int(sys.argv[2])
+write_file(Path(sys.argv[1]) / "f", b"z" * n, direct=True)
+print("ok")
+"""
+
+
+def test_a_file_that_fits_its_size_limit_exactly_is_written_also_when_the_padding_would_not_fit(
+    tmp_path: Path,
+) -> None:
+    n = 3 * (1 << 20) + 100  # the padded last block would pass the limit: the kernel cuts that write short
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.RLIM_INFINITY))
+
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD_EXACT, str(tmp_path), str(n)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        env=run_env(),
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-2000:]
+    assert (tmp_path / "f").read_bytes() == b"z" * n
