@@ -65,8 +65,8 @@ class CheckpointManager:
     Args:
         root: the run root directory (created if missing), its :class:`~trainguard.storage.Storage`
             (e.g. a :class:`~trainguard.storage.FaultyStorage` in fault tests; ``fsync``, ``durability``
-            and ``direct_io`` are then the storage's own), or an object-store URL (``"s3://bucket/run1"``, any fsspec URL;
-            ``pip install 'trainguard[s3]'``): the manager then saves to a local cache
+            and ``direct_io`` are then the storage's own), or an object-store URL (``"s3://bucket/run1"``,
+            any fsspec URL; ``pip install 'trainguard[s3]'``): the manager then saves to a local cache
             (``$TRAINGUARD_CACHE_DIR``, default ``~/.cache/trainguard``) as its hot root, keeping the newest
             checkpoint there, with the URL as a dual-write replica that keeps ``keep``; a second writer of the
             URL is refused (RootLockedError), and credentials that cannot write are a ConfigError here.
@@ -76,21 +76,22 @@ class CheckpointManager:
         read_only: open without the write lock (list, verify and restore only); local by default (no
             collective, see ``collective``).
         fsync: make every save durable (default True).
-        durability: how chunk files are made durable. ``"auto"`` (default): after all chunks are written,
-            one ``syncfs(2)`` of the run root's filesystem per rank per save when the node holds no more
-            dirty page-cache data than the size of the save's own chunks (under torch.distributed: those of
-            every rank of the job on this node; chunks written with ``direct_io`` count too), else an fsync of each chunk file; then the
-            renames into ``chunks/``. ``"batched"``: always ``syncfs`` (per-file fsyncs where it is
-            missing). ``"per_file"``: fsync every chunk file and directory as it is written. ``syncfs``
-            also flushes other processes' dirty data on that filesystem, and the save waits for it:
+        durability: how chunk files are made durable. ``"auto"`` (default): after all chunks are written, one
+            ``syncfs(2)`` of the run root's filesystem per rank per save when the node holds no more dirty
+            page-cache data than the size of the save's own chunks (under torch.distributed: those of every
+            rank of the job on this node; chunks written with ``direct_io`` count too), else an fsync of each
+            chunk file; then the renames into ``chunks/``. ``"batched"``: always ``syncfs`` (per-file fsyncs
+            where it is missing). ``"per_file"``: fsync every chunk file and directory as it is written.
+            ``syncfs`` also flushes other processes' dirty data on that filesystem, and the save waits for it:
             ``"auto"`` avoids it beside other writers (benchmarks/RESULTS.md, bench_syncfs).
         direct_io: write chunk files of at least 1 MiB around the page cache (``O_DIRECT``, default True),
-            through one reused aligned buffer per writing thread: a save allocates no page-cache memory for
-            its bytes, evicts none of the job's cached data (its dataset, say) and leaves no dirty pages for
-            the kernel to write back. The ``durability`` above still applies. Filesystems without direct I/O
-            get buffered writes. Chunk files are then not in the page cache: tier uploads and a restore on the
-            same node read them from the disk. False: through the page cache, as ``torch.save`` and DCP write (a restore
-            on the same node right after a save then reads memory instead of the disk).
+            through reused, page-aligned 8 MiB buffers (one per writing thread): a save allocates no
+            page-cache memory for its bytes, evicts none of the job's cached data (its dataset, say) and
+            leaves no dirty pages for the kernel to write back. The ``durability`` above still applies.
+            Filesystems without direct I/O get buffered writes. Chunk files are then not in the page cache:
+            tier uploads and a restore on the same node read them from the disk. False: through the page
+            cache, as ``torch.save`` and DCP write (a restore on the same node right after a save then reads
+            memory instead of the disk).
         chunk_size_bytes: largest chunk, in bytes (default 64 MiB).
         save_on_preemption: on SIGTERM, save at the next ``maybe_save`` and exit cleanly.
         async_save: persist in a background thread; the caller blocks only for the copy into staging buffers

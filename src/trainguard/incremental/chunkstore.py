@@ -82,9 +82,9 @@ class ChunkStore:
         durability: ``"auto"`` (default) or ``"batched"``: new chunks become visible under ``chunks/``
             only in :meth:`sync`, made durable by one ``syncfs(2)`` (``"auto"``: only when the node holds
             no more dirty data than the size of the save's own chunks, else an fsync per chunk file);
-            ``"per_file"``: each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes other processes'
-            dirty data on the same filesystem. See :class:`~trainguard.storage.local.LocalStorage`. Used
-            when ``root`` is a directory.
+            ``"per_file"``: each chunk fsynced and renamed into place by ``put``. ``syncfs`` also flushes
+            other processes' dirty data on the same filesystem. See
+            :class:`~trainguard.storage.local.LocalStorage`. Used when ``root`` is a directory.
         direct_io: write chunk files of at least 1 MiB around the page cache (``O_DIRECT``; default True).
             See :class:`~trainguard.storage.local.LocalStorage`. Used when ``root`` is a directory.
 

@@ -105,8 +105,8 @@ def _fail_write(e: OSError, tmp: Path, path: str | os.PathLike[str]) -> NoReturn
 
 
 DIRECT_IO_MIN_BYTES = 1 << 20
-"""Objects of at least this many bytes are staged with direct I/O when :class:`LocalStorage`'s ``direct_io`` is
-on (a smaller write would wait for the device on its own, where the page cache batches it with others)."""
+"""Objects of at least this many bytes are staged with direct I/O when :class:`LocalStorage`'s ``direct_io``
+is on (a smaller write would wait for the device on its own, where the page cache batches it with others)."""
 
 DIRECT_IO_ALIGN = 4096
 """Alignment of a direct write's memory address, length and file offset (bytes): the largest logical block
@@ -160,13 +160,13 @@ if hasattr(os, "register_at_fork"):
 
 
 def _write_direct(fd: int, buffers: list[Any]) -> None:
-    """Write ``buffers`` in order to ``fd``, a new file with ``O_DIRECT`` set, through an aligned bounce buffer
-    (``_BOUNCE``; the copy releases the GIL), in ``DIRECT_IO_BLOCK_BYTES`` calls.
+    """Write ``buffers`` in order to ``fd``, a new file with ``O_DIRECT`` set, through an aligned bounce
+    buffer (``_BOUNCE``; the copy releases the GIL), in ``DIRECT_IO_BLOCK_BYTES`` calls.
 
     The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
-    data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, or one wanting
-    a larger alignment) clears ``O_DIRECT`` on ``fd`` and the same bytes go through the page cache, from
-    there to the end of the file. Durability still needs an fsync (or ``syncfs``): it flushes the file's
+    data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, or one
+    wanting a larger alignment) clears ``O_DIRECT`` on ``fd`` and the same bytes go through the page cache,
+    from there to the end of the file (without the padding). Durability still needs an fsync (or ``syncfs``): it flushes the file's
     metadata and the device's write cache.
     """
     import numpy as np
