@@ -20,30 +20,26 @@ SCRIPT = REPO / "benchmarks" / "bench_direct_io.py"
 @pytest.mark.timeout(300)
 def test_a_tiny_run_measures_every_method_in_both_conditions(tmp_path):
     args = ["--size-gib", "0.01", "--repeat", "1", "--settle-s", "0", "--dir", str(tmp_path)]
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=run_env(),
-        cwd=REPO,
-    )
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *args, *extra],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            env=run_env(),
+            cwd=REPO,
+        )
+
+    p = run("--json")
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     assert len(res["seconds"]) == 12 and all(len(v) == 1 and v[0] > 0 for v in res["seconds"].values())
-    assert len(res["targets"]) == 4 and all(
-        t["target"].startswith(("settled:", "direct_io")) for t in res["targets"]
-    )
+    assert len(res["targets"]) == 4
+    assert all(t["target"].startswith(("settled:", "direct_io")) for t in res["targets"])
     assert all(isinstance(t["pass"], bool) for t in res["targets"])
     assert list(tmp_path.iterdir()) == [], "scratch files were left behind"
-    table = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=run_env(),
-        cwd=REPO,
-    )
+    table = run()
     assert table.returncode == 0, table.stderr[-3000:]
     assert (
         "TARGETS (trainguard)" in table.stdout

@@ -160,13 +160,16 @@ else:
 """
 
 
-def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Path) -> None:
-    def limit() -> None:  # a real failing write: EFBIG past 1 MiB
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+def run_limited(code: str, args: list[str], limit_bytes: int) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code *args`` with a file size limit (``RLIMIT_FSIZE``; SIGXFSZ ignored, so a write past
+    it fails with EFBIG): a real failing write, without patching trainguard."""
 
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
+
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         preexec_fn=limit,
@@ -174,6 +177,10 @@ def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Pat
         timeout=120,
         check=False,
     )
+
+
+def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Path) -> None:
+    p = run_limited(CHILD, [str(tmp_path)], 1 << 20)  # EFBIG past 1 MiB
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["stage", str(errno.EFBIG)]
     assert [q for q in tmp_path.rglob("*") if q.is_file()] == []
@@ -243,19 +250,6 @@ def test_a_file_that_fits_its_size_limit_exactly_is_written_also_when_the_paddin
     tmp_path: Path,
 ) -> None:
     n = 3 * (1 << 20) + 100  # the padded last block would pass the limit: the kernel cuts that write short
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.RLIM_INFINITY))
-
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD_EXACT, str(tmp_path), str(n)],
-        capture_output=True,
-        text=True,
-        preexec_fn=limit,
-        env=run_env(),
-        timeout=120,
-        check=False,
-    )
+    p = run_limited(CHILD_EXACT, [str(tmp_path), str(n)], n)
     assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-2000:]
     assert (tmp_path / "f").read_bytes() == b"z" * n
