@@ -114,7 +114,8 @@ size of common disks, so it satisfies 512-byte devices too. A filesystem or devi
 the write with EINVAL, and the file is finished through the page cache."""
 
 DIRECT_IO_BLOCK_BYTES = 8 << 20
-"""Size of each writing thread's aligned bounce buffer (bytes), and so of each direct ``write`` call."""
+"""Size of each pooled, page-aligned bounce buffer (bytes; one per direct write in progress), and so of each
+direct ``write`` call."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every write is buffered
 _BOUNCE_KEPT = 16
@@ -166,8 +167,8 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
     The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
     data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, or one
     wanting a larger alignment) clears ``O_DIRECT`` on ``fd`` and the same bytes go through the page cache,
-    from there to the end of the file (without the padding). Durability still needs an fsync (or ``syncfs``): it flushes the file's
-    metadata and the device's write cache.
+    from there to the end of the file (without the padding). Durability still needs an fsync (or
+    ``syncfs``): it flushes the file's metadata and the device's write cache.
     """
     import numpy as np
 
@@ -241,8 +242,8 @@ def write_file(
 
     Args:
         direct: write around the page cache (``O_DIRECT``, see :func:`_write_direct`); the file is written
-            through the page cache where the platform or the filesystem has no direct I/O (the open or a
-            write refused with EINVAL).
+            through the page cache where the platform or the filesystem has no direct I/O (``O_DIRECT``
+            refused with EINVAL when set after the open, or a write refused with EINVAL).
     """
     if not isinstance(buffers, list):
         buffers = [memoryview(buffers)]
@@ -470,7 +471,7 @@ class LocalStorage:
             fsynced and renamed into place by :meth:`stage`, its directories fsynced by
             :meth:`commit_staged`.
         direct_io: :meth:`stage` writes objects of at least ``DIRECT_IO_MIN_BYTES`` around the page cache
-            (``O_DIRECT``, through a reused aligned buffer per writing thread; see :func:`write_file`), so a
+            (``O_DIRECT``, through pooled, page-aligned 8 MiB buffers; see :func:`write_file`), so a
             save neither allocates page-cache memory for its bytes nor evicts the job's cached data, and no
             dirty pages wait for writeback. The durability above is unchanged. Where the filesystem has no
             direct I/O the file is written through the page cache. False: every write goes through the
