@@ -110,6 +110,20 @@ def raw_direct(buffers: list[memoryview], path: Path) -> None:
         os.close(dfd)
 
 
+def takes_o_direct(directory: Path) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (an overlay or FUSE mount may refuse)."""
+    probe = directory / ".o_direct_probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    finally:
+        if probe.exists():
+            probe.unlink()
+    os.close(fd)
+    return True
+
+
 def save_tg(sd: dict[str, torch.Tensor], path: Path, direct_io: bool) -> None:
     with trainguard.CheckpointManager(path, async_save=False, direct_io=direct_io) as mgr:
         mgr.save(1, {"model": sd})
@@ -213,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.dir or default_scratch_parent(REPO)
     scratch = Path(tempfile.mkdtemp(prefix="tg-direct-", dir=parent))
     try:
+        if not takes_o_direct(scratch):
+            print(
+                f"bench_direct_io: the filesystem of {scratch} refuses O_DIRECT; nothing to measure",
+                file=sys.stderr,
+            )
+            return 0
         res = run(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -35,6 +35,22 @@ B = DIRECT_IO_BLOCK_BYTES
 SIZES = [0, 1, DIRECT_IO_ALIGN - 1, DIRECT_IO_ALIGN, DIRECT_IO_ALIGN + 1, B - 1, B, B + 1, 2 * B + 12345]
 
 
+@pytest.fixture
+def direct_fs(tmp_path: Path) -> Path:
+    """``tmp_path``, when its filesystem takes ``O_DIRECT`` (tests that check it was set skip otherwise: an
+    overlay or FUSE mount may refuse it, and the fall-back has its own tests)."""
+    probe = tmp_path / ".probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        ok = local_mod._set_direct(fd)
+    finally:
+        os.close(fd)
+        probe.unlink()
+    if not ok:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    return tmp_path
+
+
 def _flags_while_writing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the file status flags of every descriptor ``local``'s ``os.write`` is called with (from
     /proc/self/fdinfo, as the kernel holds them at that moment)."""
@@ -60,8 +76,9 @@ def test_a_direct_write_holds_exactly_the_bytes_given(tmp_path: Path, size: int)
 
 
 def test_a_direct_write_sets_o_direct_on_every_write_and_takes_any_buffer_format(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = direct_fs
     t = torch.randn(3 * B // 4 + 5)  # float32: a memoryview of format "f"
     seen = _flags_while_writing(monkeypatch)
     write_file(tmp_path / "f", memoryview(t.numpy()), direct=True)
@@ -91,8 +108,9 @@ def test_without_direct_io_on_the_filesystem_the_file_is_written_through_the_pag
 
 
 def test_a_write_refused_with_einval_is_done_again_through_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = direct_fs
     real = os.write
     calls: list[int] = []
 
@@ -188,8 +206,9 @@ def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Pat
 
 @pytest.mark.parametrize("direct_io", [True, False])
 def test_a_manager_saves_and_restores_bit_exact_with_direct_io_on_and_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool
 ) -> None:
+    tmp_path = direct_fs
     seen = _flags_while_writing(monkeypatch)
     torch.manual_seed(0)
     state = {
