@@ -25,9 +25,11 @@ def open_storage(
     """The storage of a manager's ``root`` argument.
 
     Raises:
-        ConfigError: a URL (object stores are not run roots yet), an unknown ``durability``, or a storage
-            without a local directory.
+        ConfigError: a URL (object stores are not run roots yet), an unknown ``durability``, a ``direct_io``
+            that is not a bool, or a storage without a local directory.
     """
+    if not isinstance(direct_io, bool):  # checked for a Storage root too: "no" must not pass silently
+        raise ConfigError(f"direct_io must be True or False, got {direct_io!r}")
     if isinstance(root, str) and "://" in root:
         raise ConfigError(f"{root!r}: only local directories are supported as run roots so far")
     if isinstance(root, (str, os.PathLike)):

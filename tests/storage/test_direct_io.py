@@ -272,3 +272,14 @@ def test_a_file_that_fits_its_size_limit_exactly_is_written_also_when_the_paddin
     p = run_limited(CHILD_EXACT, [str(tmp_path), str(n)], n)
     assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-2000:]
     assert (tmp_path / "f").read_bytes() == b"z" * n
+
+
+@pytest.mark.parametrize("bad", ["no", "yes", 1, None])
+def test_a_direct_io_that_is_not_a_bool_is_refused_not_guessed(tmp_path: Path, bad: Any) -> None:
+    from trainguard.errors import ConfigError
+
+    with pytest.raises(ValueError, match="direct_io must be True or False"):
+        LocalStorage(tmp_path, direct_io=bad)
+    with pytest.raises(ConfigError, match="direct_io must be True or False"):
+        trainguard.CheckpointManager(tmp_path / "root", direct_io=bad)
+    assert not (tmp_path / "root").exists()  # refused before anything was created

@@ -89,7 +89,7 @@ class ChunkStore:
             See :class:`~trainguard.storage.local.LocalStorage`. Used when ``root`` is a directory.
 
     Raises:
-        ValueError: an unknown ``durability``.
+        ValueError: an unknown ``durability``, or a ``direct_io`` that is not a bool.
 
     Thread-safe: ``put`` may run from many threads at once.
     """

@@ -484,7 +484,7 @@ class LocalStorage:
             rank's files are about a ``node_writers``-th of it.
 
     Raises:
-        ValueError: an unknown ``durability``.
+        ValueError: an unknown ``durability``, or a ``direct_io`` that is not a bool.
 
     Files are opened without following a symlink and without blocking (:mod:`trainguard.storage.safeio`).
     """
@@ -499,10 +499,12 @@ class LocalStorage:
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
+        if not isinstance(direct_io, bool):  # "no" from a config file must not mean yes
+            raise ValueError(f"direct_io must be True or False, got {direct_io!r}")
         self.root = Path(root)
         self.fsync = fsync
         self.durability = durability
-        self.direct_io = bool(direct_io)
+        self.direct_io = direct_io
         self.node_writers = 1
 
     def __repr__(self) -> str:
