@@ -61,6 +61,7 @@ from _common import (
 from bench_save_load import byte_views, make_state, save_dcp, save_torch
 
 import trainguard
+from trainguard.storage.local import direct_io_supported
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 8 << 20
@@ -108,20 +109,6 @@ def raw_direct(buffers: list[memoryview], path: Path) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-
-
-def takes_o_direct(directory: Path) -> bool:
-    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (an overlay or FUSE mount may refuse)."""
-    probe = directory / ".o_direct_probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    finally:
-        if probe.exists():
-            probe.unlink()
-    os.close(fd)
-    return True
 
 
 def save_tg(sd: dict[str, torch.Tensor], path: Path, direct_io: bool) -> None:
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.dir or default_scratch_parent(REPO)
     scratch = Path(tempfile.mkdtemp(prefix="tg-direct-", dir=parent))
     try:
-        if not takes_o_direct(scratch):
+        if not direct_io_supported(scratch):
             print(
                 f"bench_direct_io: the filesystem of {scratch} refuses O_DIRECT; nothing to measure",
                 file=sys.stderr,

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +32,27 @@ def run_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def run_with_file_size_limit(
+    code: str, args: list[str], limit_bytes: int
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code *args`` with a file size limit (``RLIMIT_FSIZE``; SIGXFSZ ignored, so a write past
+    it fails with EFBIG): a real failing write, without patching trainguard."""
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
+
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        env=run_env(),
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.fixture

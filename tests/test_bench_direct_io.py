@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from trainguard.storage.local import direct_io_supported
+
 from .conftest import REPO, run_env
 
 SCRIPT = REPO / "benchmarks" / "bench_direct_io.py"
@@ -19,12 +21,7 @@ SCRIPT = REPO / "benchmarks" / "bench_direct_io.py"
 @pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
 @pytest.mark.timeout(300)
 def test_a_tiny_run_measures_every_method_in_both_conditions(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from bench_direct_io import takes_o_direct  # noqa: PLC0415 - the script's own probe
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    if not takes_o_direct(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     args = ["--size-gib", "0.01", "--repeat", "1", "--settle-s", "0", "--dir", str(tmp_path)]
 

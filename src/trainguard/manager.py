@@ -85,7 +85,7 @@ class CheckpointManager:
             ``syncfs`` also flushes other processes' dirty data on that filesystem, and the save waits for it:
             ``"auto"`` avoids it beside other writers (benchmarks/RESULTS.md, bench_syncfs).
         direct_io: write chunk files of at least 1 MiB around the page cache (``O_DIRECT``, default True),
-            through reused, page-aligned 8 MiB buffers (one per writing thread): a save allocates no
+            through pooled, page-aligned 8 MiB buffers (one per write in progress): a save allocates no
             page-cache memory for its bytes, evicts none of the job's cached data (its dataset, say) and
             leaves no dirty pages for the kernel to write back. The ``durability`` above still applies.
             Filesystems without direct I/O get buffered writes. Chunk files are then not in the page cache:

@@ -12,10 +12,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import resource
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +19,17 @@ import pytest
 import torch
 
 import trainguard
-from tests.conftest import run_env
+from tests.conftest import run_with_file_size_limit
 from trainguard.integrity.verify import verify
 from trainguard.storage import LocalStorage
 from trainguard.storage import local as local_mod
-from trainguard.storage.local import DIRECT_IO_ALIGN, DIRECT_IO_BLOCK_BYTES, DIRECT_IO_MIN_BYTES, write_file
+from trainguard.storage.local import (
+    DIRECT_IO_ALIGN,
+    DIRECT_IO_BLOCK_BYTES,
+    DIRECT_IO_MIN_BYTES,
+    direct_io_supported,
+    write_file,
+)
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
 
@@ -39,14 +41,7 @@ SIZES = [0, 1, DIRECT_IO_ALIGN - 1, DIRECT_IO_ALIGN, DIRECT_IO_ALIGN + 1, B - 1,
 def direct_fs(tmp_path: Path) -> Path:
     """``tmp_path``, when its filesystem takes ``O_DIRECT`` (tests that check it was set skip otherwise: an
     overlay or FUSE mount may refuse it, and the fall-back has its own tests)."""
-    probe = tmp_path / ".probe"
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        ok = local_mod._set_direct(fd)
-    finally:
-        os.close(fd)
-        probe.unlink()
-    if not ok:
+    if not direct_io_supported(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     return tmp_path
 
@@ -178,27 +173,8 @@ else:
 """
 
 
-def run_limited(code: str, args: list[str], limit_bytes: int) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c code *args`` with a file size limit (``RLIMIT_FSIZE``; SIGXFSZ ignored, so a write past
-    it fails with EFBIG): a real failing write, without patching trainguard."""
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
-
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        preexec_fn=limit,
-        env=run_env(),
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_direct_write_that_fails_half_way_leaves_no_partial_file(tmp_path: Path) -> None:
-    p = run_limited(CHILD, [str(tmp_path)], 1 << 20)  # EFBIG past 1 MiB
+    p = run_with_file_size_limit(CHILD, [str(tmp_path)], 1 << 20)  # EFBIG past 1 MiB
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["stage", str(errno.EFBIG)]
     assert [q for q in tmp_path.rglob("*") if q.is_file()] == []
@@ -269,7 +245,7 @@ def test_a_file_that_fits_its_size_limit_exactly_is_written_also_when_the_paddin
     tmp_path: Path,
 ) -> None:
     n = 3 * (1 << 20) + 100  # the padded last block would pass the limit: the kernel cuts that write short
-    p = run_limited(CHILD_EXACT, [str(tmp_path), str(n)], n)
+    p = run_with_file_size_limit(CHILD_EXACT, [str(tmp_path), str(n)], n)
     assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-2000:]
     assert (tmp_path / "f").read_bytes() == b"z" * n
 

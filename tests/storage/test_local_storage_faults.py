@@ -10,15 +10,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import math
-import resource
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_env
+from tests.conftest import run_with_file_size_limit
 from trainguard.errors import StorageFullError, TransientStorageError
 from trainguard.storage import Fault, FaultyStorage, LocalStorage
 from trainguard.storage import local as local_mod
@@ -47,20 +43,7 @@ for call in ("publish", "write_new", "stage"):
 
 def test_a_write_that_fails_half_way_leaves_no_partial_object_and_the_old_one_intact(tmp_path: Path) -> None:
     (tmp_path / "old").write_bytes(b"committed")
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
-
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        preexec_fn=limit,
-        env=run_env(),
-        timeout=120,
-        check=False,
-    )
+    p = run_with_file_size_limit(CHILD, [str(tmp_path)], 64 << 10)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [
         "publish",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Entry, ObjectInfo, Staged, Storage
-from .local import raise_classified
+from .local import nbytes_of, raise_classified
 
 OPS = ("write", "flush", "read", "stat", "list", "delete", "move")
 """Operations a fault can target: ``write`` (write_new, stage, publish), ``flush`` (commit_staged, barrier),
@@ -119,12 +119,6 @@ class Fault:
         return self.times is None or self.seen < self.nth + self.times
 
 
-def _nbytes(data: Any) -> int:
-    """Bytes in ``data`` (bytes, a memoryview or a list of them)."""
-    parts = data if isinstance(data, list) else [data]
-    return sum(memoryview(p).nbytes for p in parts)
-
-
 class FaultyStorage:
     """A :class:`~trainguard.storage.base.Storage` that forwards to ``inner`` and injects :class:`Fault`\\ s.
 
@@ -180,7 +174,7 @@ class FaultyStorage:
 
     def _apply(self, op: str, key: str, data: Any = None, staging: str | None = None) -> Fault | None:
         """Call, stall and raise as the fault of this call says; return it (for truncation and bit flips)."""
-        f = self._fault(op, key, _nbytes(data) if data is not None else 0, staging)
+        f = self._fault(op, key, nbytes_of(data) if data is not None else 0, staging)
         if f is None:
             return None
         if f.call is not None:

@@ -188,7 +188,7 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
             except OSError as e:
                 if e.errno != errno.EINVAL or not direct:
                     raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                _set_direct(fd, on=False)
                 direct = False
 
     try:
@@ -215,24 +215,37 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
         _BOUNCE.release(bounce)
 
 
-def _nbytes(data: Any) -> int:
-    """Bytes in ``data`` (a buffer, or a list of buffers, as :func:`write_file` takes)."""
-    if isinstance(data, list):
-        return sum(memoryview(b).nbytes for b in data)
-    return memoryview(data).nbytes
+def nbytes_of(data: Any) -> int:
+    """Bytes in ``data`` (a buffer, or a list of buffers, as :func:`write_file` and ``Storage.stage`` take)."""
+    parts = data if isinstance(data, list) else [data]
+    return sum(memoryview(p).nbytes for p in parts)
 
 
-def _set_direct(fd: int) -> bool:
-    """Turn on ``O_DIRECT`` for ``fd``; False where the platform has none or the filesystem refuses it."""
+def _set_direct(fd: int, on: bool = True) -> bool:
+    """Turn ``O_DIRECT`` on (or off) for ``fd``; False where the platform has none or the filesystem refuses
+    it (EINVAL)."""
     if not _O_DIRECT:
         return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         return False
     return True
+
+
+def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
+    """Whether files in ``directory`` take ``O_DIRECT`` (an overlay or FUSE mount may refuse it); probed with a
+    temporary file, removed again."""
+    probe = Path(directory) / f".direct-io-probe-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        return _set_direct(fd)
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def write_file(
@@ -559,7 +572,7 @@ class LocalStorage:
         )
         tmp = self.path(tmp_key)
         batched = self.durability != "per_file"  # "auto" stages as "batched" does and decides at the flush
-        direct = self.direct_io and _nbytes(data) >= DIRECT_IO_MIN_BYTES
+        direct = self.direct_io and nbytes_of(data) >= DIRECT_IO_MIN_BYTES
         try:
             # the module's write_file: one seam for fault tests
             write_file(tmp, data, fsync=self.fsync and not batched, **({"direct": True} if direct else {}))
