@@ -28,10 +28,14 @@ checkpointing or not): the difference is the import cost of trainguard itself, i
 
 Cache conditions: ``cold`` drops the page cache (``echo 3 > /proc/sys/vm/drop_caches`` after ``sync``) once the
 save has committed, then re-warms the Python and torch files by running the import probe, so the relaunch finds
-its libraries cached and the checkpoint on disk; the floor's read also follows a drop. ``warm`` leaves the
-checkpoint in the page cache (it was just written) for both. A third read, into freshly allocated memory (what
-a new process has to do: every page is faulted in on first touch), is reported beside the floor to explain the
-load phase; the floor itself is the reused-buffer read, as defined in the issue.
+its libraries cached and the checkpoint on disk; the floor's read also follows a drop. ``warm`` drops
+nothing: the relaunch follows the save on the same node. The job saves with ``direct_io`` (the default), which
+writes the chunk files around the page cache, so in ``warm`` the supervisor's prefetch reads them from the disk
+while the job starts (the relaunched job itself then reads no bytes from the disk: the ``relaunch disk MB`` column),
+whereas the floor's read finds them in the page cache (they are read once before it is timed). A third read,
+into freshly allocated memory (what a new process has to do: every page is faulted in on first touch), is
+reported beside the floor to explain the load phase; the floor itself is the reused-buffer read, as defined in
+the issue.
 
 Prefetch: the supervisor has the newest checkpoint read into the page cache while the relaunch starts
 (``SupervisorConfig.prefetch``, on by default), so in the ``cold`` condition the restore mostly reads memory
