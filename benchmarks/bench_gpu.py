@@ -17,15 +17,26 @@ What it measures, side by side in one run:
 3. **Pinned memory**: the staging buffers' host bytes, and how many of them are pinned (all on CUDA, none on
    CPU), against the state's bytes (at most ``staging_buffers`` = 2 sets).
 4. **Bit-exact save and restore of CUDA tensors**: a model, its AdamW state, ``tg.RNGState()`` (CUDA RNG
-   included) and loose tensors of several dtypes (a non-contiguous view among them) saved synchronously and
-   asynchronously, then restored into perturbed live objects: every tensor equal bit for bit and still on
-   the device, and the next random draw on the device equal to the one taken right after the save.
+   included) and loose tensors of several dtypes (a non-contiguous view among them, restored into a
+   non-contiguous destination) saved synchronously and asynchronously, then restored into perturbed live
+   objects: every tensor equal bit for bit and still on the device, and the next random draw on the device
+   equal to the one taken right after the save; the synchronous save counts the device tensors' bytes
+   (``SaveResult.logical_bytes``).
 5. **Async overhead on a GPU training loop**: an MLP trained on the device; segments of ``--every`` steps,
    each saving at its first step with one method and waiting for the save at its end (so a persist longer
    than the interval is charged to it); methods ``none``, ``trainguard async`` and ``dcp.async_save`` (with
    a reused ``DefaultStager``: pinned, non-blocking), rotated per round, first round a warm-up; overhead =
    median over rounds of ``segment(method) / segment(none) - 1``. Targets: trainguard < 1% and not above
-   ``dcp.async_save``'s overhead in the same run.
+   ``dcp.async_save``'s overhead in the same run. ``dcp.async_save`` gets a reused ``DefaultStager`` where torch
+   has one, else no stager (the report says which).
+6. **A DTensor's async save** on a one-rank mesh of the device (in the loop's process group): the device
+   memory allocated must not grow by the DTensor's bytes while the save persists (its staged shard stays in
+   the pinned host buffer), and the restore is bit-exact.
+
+The figures so far are written to ``--json`` after each phase; a phase that raises is reported as an error
+(exit code 1) and the next one runs. ``--require-cuda`` exits 3 instead of printing SKIP
+(for a device run, where a SKIP would mean the wrong interpreter). On a multi-GPU node ``--device cuda:N``
+makes device N the current one.
 
 Every target prints as ``PASS``/``MISS`` with its ratio. ``--device cpu`` runs every measurement with CPU
 tensors (no pinning, no stream): it checks the script's logic and the bit-exactness on CPU, its ratios say
@@ -178,9 +189,10 @@ def train_step(model: Any, opt: Any, x: Any) -> None:
     opt.step()
 
 
-def bit_exact(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
+def bit_exact(sizes: Sizes, device: Any, root: Path) -> tuple[dict[str, bool], bool]:
     """Save and restore a model, AdamW, RNGState and loose tensors on ``device`` synchronously and
-    asynchronously; return which checks held."""
+    asynchronously; return which checks held, and whether the synchronous save counted the device tensors'
+    bytes (``SaveResult.logical_bytes``)."""
     import torch
 
     import trainguard as tg
@@ -201,10 +213,11 @@ def bit_exact(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
         "view": base.t()[2:5],  # a non-contiguous view
     }
     checks: dict[str, bool] = {}
+    counted = False
     for mode, async_save in (("sync", False), ("async", True)):
         state = {"model": model, "optim": opt, "rng": tg.RNGState(), "loose": loose}
         with tg.CheckpointManager(root / mode, async_save=async_save) as mgr:
-            mgr.save(1, state).wait()
+            saved = mgr.save(1, state).wait()
             want_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
             want_optim = [
                 {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -214,6 +227,7 @@ def bit_exact(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
             for _ in range(2):
                 train_step(model, opt, x)  # moves weights, optimizer state and the device RNG
             live_loose = {k: torch.zeros_like(v) for k, v in loose.items()}
+            live_loose["view"] = torch.zeros(6, 10, device=device).t()[2:5]  # a non-contiguous destination
             live = {"model": model, "optim": opt, "rng": tg.RNGState(), "loose": live_loose}
             assert mgr.restore(1, live) == 1
             draw = torch.randn(16, device=device)
@@ -233,7 +247,47 @@ def bit_exact(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
             torch.equal(live_loose[k], v) and live_loose[k].device == v.device for k, v in loose.items()
         )
         checks[f"{mode}: {device.type} RNG"] = torch.equal(draw, want_draw)
-    return checks
+        if mode == "sync":  # a synchronous save reads the device tensors themselves: their bytes count
+            model_bytes = sum(v.numel() * v.element_size() for v in want_model.values())
+            counted = saved.logical_bytes >= model_bytes
+    return checks, counted
+
+
+# -- 6. a DTensor on the device ------------------------------------------------------------------------------------
+def dtensor_async(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
+    """An async save of a DTensor on a one-rank mesh of ``device`` (a process group must exist): the device
+    memory allocated must not grow by its bytes while the save persists, and the restore is bit-exact."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import trainguard as tg
+
+    mesh = DeviceMesh(device.type, [0])
+    n = sizes.width * sizes.width * 16  # 64 MiB of fp32 at the full size
+    local = torch.randn(n, device=device)
+    src = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    nbytes_ = n * 4
+    cuda = device.type == "cuda"
+    with tg.CheckpointManager(root, async_save=True) as mgr:
+        mgr.save(1, {"w": src}).wait()  # the first save allocates the buffers
+        with torch.no_grad():
+            local.add_(1.0)
+        sync(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        pending = mgr.save(2, {"w": src})
+        during = torch.cuda.memory_allocated(device) if cuda else 0
+        pending.wait()
+        want = local.clone()
+        with torch.no_grad():
+            local.zero_()
+        live = {"w": DTensor.from_local(torch.zeros_like(local), mesh, [Replicate()], run_check=False)}
+        assert mgr.restore(2, live) == 2
+    got = live["w"].to_local()
+    out: dict[str, Any] = {"dtensor_bytes": nbytes_, "device_growth_bytes": during - before}
+    out["no_device_copy"] = during - before < nbytes_ // 2
+    out["exact"] = torch.equal(got, want) and got.device == want.device
+    return out
 
 
 # -- 5. the training loop ---------------------------------------------------------------------------------------
@@ -256,11 +310,19 @@ class Loop:
         self.mgr = tg.CheckpointManager(root / "tg", async_save=True, keep=2)
         self.dcp_root = root / "dcp"
         self.stager = self._dcp_stager()
+        self.stager_name = (
+            type(self.stager).__name__
+            if self.stager is not None
+            else "none (this torch has no DefaultStager)"
+        )
         self.dcp_future: Any = None
         self.step = 0
 
     def _dcp_stager(self) -> Any:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # an older torch: async_save takes no stager
+            return None
 
         cuda = self.device.type == "cuda"
         # a CPU-only build cannot pin: NOTES.md (DefaultStager's defaults fail there)
@@ -285,7 +347,7 @@ class Loop:
                 fut = dcp.async_save(
                     {"model": self.model.state_dict(), "optim": self.opt.state_dict()},
                     storage_writer=dcp.FileSystemWriter(str(d)),
-                    async_stager=self.stager,
+                    **({"async_stager": self.stager} if self.stager is not None else {}),
                 )
             return getattr(fut, "upload_completion", fut)
         return None
@@ -311,7 +373,7 @@ class Loop:
         return seconds
 
     def close(self) -> None:
-        self.mgr.close()
+        self.mgr.close()  # a second call does nothing
 
 
 def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
@@ -320,6 +382,7 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{root / 'pg'}")
     loop = Loop(sizes, device, root)
+    dtensor: dict[str, Any] = {}
     try:
         per_round: list[dict[str, float]] = []
         for r in range(sizes.rounds + 1):  # round 0 is a warm-up
@@ -327,10 +390,16 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
             seg = {m: loop.segment(m) for m in order}
             if r:
                 per_round.append(seg)
+        loop.close()
+        log("DTensor async save on a one-rank mesh ...")
+        try:
+            dtensor = dtensor_async(sizes, device, root / "dtensor")
+        except Exception as e:  # noqa: BLE001 - reported, the loop's figures are kept
+            dtensor = {"error": f"{type(e).__name__}: {e}"}
     finally:
         loop.close()
         dist.destroy_process_group()
-    out: dict[str, Any] = {"segments_s": per_round}
+    out: dict[str, Any] = {"segments_s": per_round, "dtensor": dtensor, "dcp_stager": loop.stager_name}
     for m in METHODS[1:]:
         out[m] = statistics.median(s[m] / s["none"] - 1 for s in per_round)
     out["step_s"] = statistics.median(s["none"] for s in per_round) / sizes.every
@@ -342,34 +411,65 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def run(device_name: str, sizes: Sizes, scratch: Path) -> dict[str, Any]:
+def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = None) -> dict[str, Any]:
+    """Every phase in turn; the figures so far are written to ``json_path`` after each one, and a phase that
+    raises is recorded in ``errors`` (the later phases still run)."""
     import torch
 
     device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the current device: where DCP's stager and the default streams sync
     t_start = time.perf_counter()
-    res: dict[str, Any] = {"device": device_name, "sizes": vars(sizes)}
+    res: dict[str, Any] = {"device": device_name, "sizes": vars(sizes), "errors": {}}
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
-    state = layer_state(sizes, device)
-    res["state_bytes"] = n = nbytes(state)
-    log(f"state {n / 1e9:.3f} GB on {device_name}; copy floor ...")
-    res["copy_s"] = copy_floor(state, device)
-    log("async save stall and pinned buffers ...")
-    res.update(stall_and_pinning(state, sizes, device, scratch / "stall"))
-    del state
-    log("bit-exact save and restore ...")
-    res["exact"] = bit_exact(sizes, device, scratch / "exact")
-    log("training loop with each method ...")
-    res["loop"] = loop_overheads(sizes, device, scratch / "loop")
-    res["total_s"] = time.perf_counter() - t_start
+        res["torch"] = torch.__version__
+
+    def phase(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported; the next phase runs
+            res["errors"][name] = f"{type(e).__name__}: {e}"
+            log(f"{name} failed: {res['errors'][name]}")
+        res["total_s"] = time.perf_counter() - t_start
+        if json_path:
+            import json
+
+            Path(json_path).write_text(json.dumps(res, indent=2, default=str) + "\n")
+
+    def stall() -> None:
+        state = layer_state(sizes, device)
+        res["state_bytes"] = n = nbytes(state)
+        log(f"state {n / 1e9:.3f} GB on {device_name}; copy floor ...")
+        res["copy_s"] = copy_floor(state, device)
+        log("async save stall and pinned buffers ...")
+        res.update(stall_and_pinning(state, sizes, device, scratch / "stall"))
+
+    def exact() -> None:
+        log("bit-exact save and restore ...")
+        res["exact"], res["counts_device_bytes"] = bit_exact(sizes, device, scratch / "exact")
+
+    def loop() -> None:
+        log("training loop with each method ...")
+        res["loop"] = loop_overheads(sizes, device, scratch / "loop")
+        dt = res["loop"].get("dtensor", {})
+        if "exact" in dt:
+            res.setdefault("exact", {})["DTensor async save (one-rank mesh)"] = dt["exact"]
+
+    phase("stall", stall)
+    phase("exact", exact)
+    phase("loop", loop)
     return res
 
 
 def report(res: dict[str, Any]) -> list[str]:
+    lines = [f"ERROR in phase {name}: {err}" for name, err in res.get("errors", {}).items()]
+    if "stall_s" not in res or "exact" not in res or "tg_async" not in res.get("loop", {}):
+        return [*lines, "incomplete run: see the errors above; figures so far in --json"]
     gb = res["state_bytes"] / 1e9
     stall_x = res["stall_s"] / res["copy_s"]
-    cuda = res["device"] == "cuda"
-    lines = [
+    cuda = res["device"].startswith("cuda")
+    lines += [
         f"# device {res['device']}{' (' + res['gpu'] + ')' if 'gpu' in res else ''}; state {gb:.3f} GB; "
         f"total {res['total_s']:.1f} s",
         f"device-to-host copy floor   {res['copy_s'] / gb:8.4f} s/GB  ({gb / res['copy_s']:.2f} GB/s)",
@@ -383,6 +483,9 @@ def report(res: dict[str, Any]) -> list[str]:
     )
     for m in METHODS[1:]:
         lines.append(f"  {LABELS[m]:<26} overhead {loop[m]:+.2%}")
+    lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")
+    if "error" in loop.get("dtensor", {}):
+        lines.append(f"ERROR in the DTensor phase: {loop['dtensor']['error']}")
     lines.append("")
     lines.append(
         f"{verdict(stall_x <= TARGET_STALL_X)} blocking stall <= {TARGET_STALL_X}x the copy floor: {stall_x:.2f}x"
@@ -402,6 +505,17 @@ def report(res: dict[str, Any]) -> list[str]:
         f"{verdict(tg_o <= dcp_o)} trainguard async overhead <= dcp.async_save's in the same run: "
         f"{tg_o:+.2%} vs {dcp_o:+.2%}"
     )
+    lines.append(
+        f"{verdict(res['counts_device_bytes'])} a synchronous save counts the device tensors' bytes "
+        "(SaveResult.logical_bytes)"
+    )
+    d = loop.get("dtensor", {})
+    if "no_device_copy" in d:
+        lines.append(
+            f"{verdict(d['no_device_copy'])} a DTensor's async save keeps no device copy of its shard while it "
+            f"persists: device memory grew {d['device_growth_bytes'] / 1e6:.1f} MB for a "
+            f"{d['dtensor_bytes'] / 1e6:.1f} MB DTensor"
+        )
     for name, ok in res["exact"].items():
         lines.append(f"{verdict(ok)} bit-exact restore, {name}")
     return lines
@@ -415,6 +529,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: seconds on a CPU (the test runs this)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp folder, removed after)")
+    ap.add_argument(
+        "--require-cuda",
+        action="store_true",
+        help="exit 3 instead of printing SKIP when CUDA is missing (a device run: SKIP there means the wrong python)",
+    )
     return ap.parse_args(argv)
 
 
@@ -432,6 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
+        if a.require_cuda:
+            print(
+                f"ERROR: --require-cuda, but torch {torch.__version__} at {sys.executable} sees no CUDA device "
+                "(torch.cuda.is_available() is False): run on the GPU machine, with the python whose torch is a "
+                "CUDA build",
+                file=sys.stderr,
+            )
+            return 3
         print(
             f"SKIP: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False); "
             "run on a GPU machine, or with --device cpu --tiny to check the logic"
@@ -442,12 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = TINY if a.tiny else FULL
     with scratch_dir(a.scratch) as scratch:
-        res = run(a.device, sizes, scratch)
+        res = run(a.device, sizes, scratch, a.json)
     print("\n".join(report(res)))
-    if a.json:
-        import json
-
-        Path(a.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    if res["errors"]:
+        return 1
     return 0 if all(res["exact"].values()) else 1
 
 

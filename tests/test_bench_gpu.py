@@ -41,9 +41,19 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
         "trainguard async overhead <= dcp.async_save's in the same run",
     ], verdicts
     exact = [ln for ln in verdicts if "bit-exact restore" in ln]
-    assert len(exact) == 8 and all(ln.startswith("PASS") for ln in exact), exact
+    assert len(exact) == 9 and all(ln.startswith("PASS") for ln in exact), exact
+    assert exact[-1] == "PASS bit-exact restore, DTensor async save (one-rank mesh)", exact
     assert verdicts[1].startswith("PASS"), verdicts[1]  # on CPU nothing is pinned, at most 2 sets
+    assert (
+        verdicts[4] == "PASS a synchronous save counts the device tensors' bytes (SaveResult.logical_bytes)"
+    )
+    assert verdicts[5].startswith("PASS a DTensor's async save keeps no device copy of its shard"), verdicts[
+        5
+    ]
+    assert "dcp.async_save's stager: DefaultStager" in p.stdout
     res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["counts_device_bytes"] is True
+    assert res["loop"]["dtensor"]["exact"] is True and res["loop"]["dtensor"]["device_growth_bytes"] == 0
     assert res["device"] == "cpu" and res["pinned_bytes"] == 0
     assert 0 < res["state_bytes"] <= res["staging_bytes"] <= 2 * res["state_bytes"]
     assert len(res["stalls_s"]) == 2 and res["copy_s"] > 0
@@ -60,6 +70,39 @@ def test_without_cuda_the_default_run_skips_with_exit_0():
     assert "PASS" not in p.stdout and "MISS" not in p.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_require_cuda_makes_a_missing_device_an_error():
+    """On the device machine a SKIP would mean the wrong python (one without the CUDA build of torch)."""
+    p = bench("--require-cuda", timeout=120)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "sees no CUDA device" in p.stderr and "SKIP" not in p.stdout
+
+
+def test_a_failing_phase_is_reported_and_the_later_ones_still_run(tmp_path, monkeypatch):
+    """A first GPU run must not lose what it measured to one phase that raises."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+
+    def broken(*args, **kw):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(mod, "bit_exact", broken)
+    monkeypatch.setattr(mod, "loop_overheads", lambda *a, **k: {"tg_async": 0.0})
+    out = tmp_path / "res.json"
+    res = mod.run("cpu", mod.TINY, tmp_path / "scratch", str(out))
+    assert res["errors"] == {"exact": "RuntimeError: planted failure"}
+    assert "stall_s" in res and res["loop"] == {"tg_async": 0.0}  # the phases before and after it ran
+    assert json.loads(out.read_text())["errors"] == res["errors"]  # written as the run went
+    lines = mod.report(res)
+    assert lines[0] == "ERROR in phase exact: RuntimeError: planted failure"
+    assert lines[-1].startswith("incomplete run")
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,5 +111,7 @@ def test_on_cuda_the_full_run_restores_bit_exactly_and_pins_its_staging_buffers(
     p = bench("--json", str(out), timeout=540)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())
+    assert res["errors"] == {}, res["errors"]
     assert all(res["exact"].values()), res["exact"]
     assert res["pinned_bytes"] == res["staging_bytes"] > 0
+    assert res["counts_device_bytes"] and res["loop"]["dtensor"]["no_device_copy"]

@@ -22,7 +22,7 @@ from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
-from .incremental.auto import Decision, state_sample
+from .incremental.auto import SAMPLE_BYTES, SAMPLE_TENSORS, Decision, state_sample
 from .incremental.delta import SaveEncoder
 from .results import SaveResult
 from .retention.apply import apply_retention, referenced_chunks, space_hint
@@ -237,14 +237,28 @@ def persist(
 
 
 def local_tensors(flat: Mapping[str, Any]) -> list[torch.Tensor]:
-    """This rank's plain CPU tensors of a flattened state (a DTensor's local shard)."""
+    """This rank's plain tensors of a flattened state (a DTensor's local shard), on any device but ``meta``:
+    a synchronous save of CUDA tensors counts their bytes too."""
     out = []
     for t in flat.values():
         to_local = getattr(t, "to_local", None)
         t = to_local() if callable(to_local) else t
-        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.device.type == "cpu":
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.device.type != "meta":
             out.append(t)
     return out
+
+
+def sample_bytes(t: torch.Tensor, limit: int) -> memoryview:
+    """At least the first ``limit`` bytes of ``t`` (whole elements) in host memory, for the codec sample: a
+    view of a CPU tensor's bytes, or a copy of only that much of a device tensor (empty for a non-contiguous
+    one, which a slice would have to copy whole on its device first)."""
+    from .distributed.writer import tensor_bytes
+
+    if t.device.type == "cpu":
+        return tensor_bytes(t)
+    if not t.is_contiguous():
+        return memoryview(b"")
+    return tensor_bytes(t.detach().reshape(-1)[: -(-limit // t.element_size())])
 
 
 def logical_bytes(flat: Mapping[str, Any]) -> int:
@@ -270,16 +284,18 @@ def begin_encoding(
     Returns:
         ``(decision, encoder, sample)``: ``sample`` is None unless deferred.
     """
-    from .distributed.writer import tensor_bytes  # DCP is imported lazily (the save path only)
-
     assert ctx.compression is not None and ctx.incremental is not None  # set by the manager
     tensors = local_tensors(flat)
     chooser = ctx.compression
     sample = None
     if chooser.needs_sample():
-        sample = state_sample(
-            [(tensor_bytes(t), t.element_size()) for t in tensors if t.numel() * t.element_size() >= 4096]
-        )
+        # the largest tensors first, as state_sample takes them; of a device tensor only the bytes sampled
+        big = sorted(
+            (t for t in tensors if t.numel() * t.element_size() >= 4096),
+            key=lambda t: -t.numel() * t.element_size(),
+        )[:SAMPLE_TENSORS]
+        per = max(SAMPLE_BYTES // max(len(big), 1), 4096)
+        sample = state_sample([(sample_bytes(t, per), t.element_size()) for t in big])
     later = sample if defer_sample and chooser.sample_can_wait() else None
     if later is not None:
         sample = None

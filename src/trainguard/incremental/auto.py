@@ -37,6 +37,8 @@ ALPHA = 0.5
 WINDOW = 5
 EXPLORE = 16
 SAMPLE_BYTES = 4 << 20
+SAMPLE_TENSORS = 8
+"""The codec sample takes ``SAMPLE_BYTES`` in all from this many of the largest tensors (:func:`state_sample`)."""
 MIN_MEASURED_BYTES = 1 << 20  # a smaller save measures latency, not bandwidth
 AUTO_MIN_BYTES = 64 << 20
 """``compression="auto"`` leaves a save of fewer tensor bytes than this (64 MiB) uncompressed: its durable time
@@ -201,7 +203,8 @@ class CompressionChooser:
 def state_sample(
     views: list[tuple[memoryview, int]], limit: int = SAMPLE_BYTES
 ) -> list[tuple[memoryview, int]]:
-    """Up to ``limit`` bytes spread over the largest tensors (the codec's speed and ratio on this state)."""
-    big = sorted(views, key=lambda v: -len(v[0]))[:8]
+    """Up to ``limit`` bytes spread over the ``SAMPLE_TENSORS`` largest tensors (the codec's speed and ratio
+    on this state)."""
+    big = sorted(views, key=lambda v: -len(v[0]))[:SAMPLE_TENSORS]
     per = max(limit // max(len(big), 1), 4096)
     return [(v[:per], s) for v, s in big if len(v)]

@@ -7,7 +7,13 @@ Invariants:
   caller's thread.
 - Buffers are allocated once per (fqn, shape, dtype) and reused by later saves (first-touch page faults cost
   5-10x a memcpy into reused memory: NOTES.md). Entries that disappear from the state are released.
-- On CUDA, buffers are pinned and copies are non-blocking on the current stream, then synchronized once.
+- On CUDA, buffers are pinned and copies are non-blocking, each on the current stream of its source tensor's
+  device (where ``copy_`` runs it), then every such stream is synchronized once: a tensor on a device other
+  than the current one (``model.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device``) is waited for
+  too.
+- A staged DTensor keeps its staged local tensor in host memory: it is rebuilt from the buffer and the source's
+  spec (``DTensor.from_local`` would move the buffer back to the mesh's device, a second device copy of
+  every shard held while the save persists).
 - At most ``num_sets`` buffer sets exist; host memory used is ``num_sets`` x the state's tensor bytes at most
   and is reported by :attr:`Stager.nbytes`.
 
@@ -33,46 +39,62 @@ class BufferSet:
     def __init__(self, index: int) -> None:
         self.index = index
         self.buffers: dict[str, torch.Tensor] = {}
+        self._pinned: dict[str, bool] = {}  # fqn -> whether its buffer was allocated pinned
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def _buffer(self, fqn: str, src: torch.Tensor) -> torch.Tensor:
+        """The buffer for ``fqn``: reused while shape, dtype and pinning (pinned for a CUDA source) match;
+        a tensor that moved between host and device gets a new one."""
+        pin = src.device.type == "cuda" and torch.cuda.is_available()
         buf = self.buffers.get(fqn)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            pin = src.device.type == "cuda" and torch.cuda.is_available()
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or self._pinned.get(fqn) != pin:
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
             self.buffers[fqn] = buf
+            self._pinned[fqn] = pin
         return buf
 
     def stage(self, flat: dict[str, Any]) -> dict[str, Any]:
         """Copy ``flat`` into this set's buffers and return the staged flat dict (same keys)."""
         out: dict[str, Any] = {}
-        cuda = False
+        devices: set[torch.device] = set()  # CUDA devices with copies in flight
         for fqn, v in flat.items():
             if is_dtensor(v):
                 local = v.to_local()
-                buf = self._buffer(fqn, local)
-                cuda |= local.device.type == "cuda"
-                buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
-                out[fqn] = dtensor_type().from_local(
-                    buf, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
-                )
+                buf = self._copy(fqn, local, devices)
+                # the source's spec as it is (mesh, placements, global shape and stride), the buffer as the local
+                # tensor: ``from_local`` would copy a host buffer back to a CUDA mesh's device
+                out[fqn] = dtensor_type()(buf, v._spec, requires_grad=False)  # noqa: SLF001 - no public way
             elif isinstance(v, torch.Tensor):
-                buf = self._buffer(fqn, v)
-                cuda |= v.device.type == "cuda"
-                buf.copy_(v.detach(), non_blocking=v.device.type == "cuda")
-                out[fqn] = buf
+                out[fqn] = self._copy(fqn, v, devices)
             else:
                 out[fqn] = EncodedValue(
                     encode_value(v, fqn)
                 )  # a snapshot, and unsafe values fail here, early
         for stale in set(self.buffers) - set(flat):
             del self.buffers[stale]
-        if cuda:
-            torch.cuda.current_stream().synchronize()
+            self._pinned.pop(stale, None)
+        synchronize(devices)
         return out
+
+    def _copy(self, fqn: str, src: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
+        """Copy ``src`` into its buffer (non-blocking from a CUDA device, whose device joins ``devices``)."""
+        buf = self._buffer(fqn, src)
+        cuda = src.device.type == "cuda"
+        if cuda:
+            devices.add(src.device)
+        buf.copy_(src.detach(), non_blocking=cuda)
+        return buf
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    """Wait for the non-blocking copies from each CUDA device of ``devices``: a device-to-host ``copy_`` runs
+    on the current stream of its source's device (not of the current device), so each of those streams is
+    synchronized."""
+    for d in sorted(devices, key=str):
+        torch.cuda.current_stream(d).synchronize()
 
 
 class Stager:
