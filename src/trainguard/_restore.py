@@ -437,6 +437,7 @@ def load(
                 finish_local(template, reader, rest)
             finally:
                 reader.clear()
+            refuse_invalid_bools(template, step)
             known = reader.scanned()
         else:
             import torch.distributed.checkpoint as dcp
@@ -452,6 +453,11 @@ def load(
             with quiet_dcp():
                 dcp.load(
                     template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
+                )
+            bools = invalid_bools(template)
+            if ctx.dist.any(bool(bools)):  # every rank refuses the step together
+                refuse_invalid_bools(
+                    template, step, bools or None, where="on another rank" if not bools else ""
                 )
             known = reader.scanned_covering(local_numels(template))
     except BaseException as e:
@@ -481,6 +487,38 @@ def load(
         touched.update(template)
     record_resume(ctx, m)
     ctx.last_restore.bytes = reader.bytes_read
+
+
+def invalid_bools(template: MutableMapping[str, Any]) -> list[str]:
+    """Names of the bool tensors of ``template`` (a DTensor's local shard) holding a byte other than 0 or 1.
+
+    torch writes a bool as one byte, 0 or 1; any other byte means the manifest's dtype does not describe the
+    chunk's bytes (a forged or mistaken manifest whose CRC32C still matches), and such a tensor is undefined
+    behaviour in torch's kernels (the oracle of tests/faults/test_manifest_fuzz.py: ``copy_`` makes it 1)."""
+    bad = []
+    for fqn, v in template.items():
+        to_local = getattr(v, "to_local", None)
+        t = to_local() if callable(to_local) else v
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.numel():
+            if bool((t.detach().contiguous().view(torch.uint8) > 1).any()):
+                bad.append(fqn)
+    return bad
+
+
+def refuse_invalid_bools(
+    template: MutableMapping[str, Any], step: int, bad: list[str] | None = None, where: str = ""
+) -> None:
+    """Raise CorruptCheckpointError when a bool tensor of ``template`` holds a byte other than 0 or 1
+    (:func:`invalid_bools`; ``bad``: already found; ``where``: "on another rank" when this rank found none)."""
+    bad = invalid_bools(template) if bad is None else bad
+    if not bad and not where:
+        return
+    names = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+    raise CorruptCheckpointError(
+        f"step {step}: bool tensor(s) {names or where} hold bytes other than 0 and 1: the manifest's dtype does "
+        "not describe its chunks (a forged or mistaken manifest); not loaded as bools",
+        step=step,
+    )
 
 
 def scan_finite(ctx: RootContext) -> bool:
