@@ -61,3 +61,60 @@ def test_real_bool_tensors_restore_bit_exactly(tmp_path):
         assert mgr.restore(1, live) == 1
     assert torch.equal(live["m"]["mask"], mask) and bool(live["m"]["one"])
     assert torch.equal(live["m"]["mask"].view(torch.uint8), mask.view(torch.uint8))
+
+
+TWO_RANKS = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, sys.argv[3])
+from faultlib import read_manifest_json, write_manifest
+import trainguard as tg
+from trainguard.errors import CorruptCheckpointError
+
+def body(rank, root, pg):
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + pg)
+    # only rank 1's float bytes are not 0/1 once retyped: rank 0 must refuse with it
+    state = {"m": {"flags": torch.randn(4096) if rank == 1 else torch.zeros(4096)}}
+    with tg.CheckpointManager(root) as mgr:
+        r = mgr.save(1, state)
+        getattr(r, "wait", lambda: None)()
+    dist.barrier()
+    if rank == 0:
+        b = read_manifest_json(root, 1)
+        for k, e in b["entries"].items():
+            e["dtype"] = "bool"
+            e["shape"][-1] *= 4
+            for sh in e["shards"]:
+                sh["sizes"][-1] *= 4
+        write_manifest(root, 1, b)
+    dist.barrier()
+    try:
+        with tg.CheckpointManager(root) as mgr:
+            mgr.restore(1, {"m": {}})
+        print(rank, "loaded", flush=True)
+    except CorruptCheckpointError as e:
+        print(rank, "refused", "on another rank" in str(e), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def test_under_torch_distributed_every_rank_refuses_together(tmp_path):
+    """Only rank 1's shard holds bytes other than 0 and 1: rank 0 refuses too (a rank that went on alone
+    would wait forever in the job's next collective), and the step is marked corrupt."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    root = tmp_path / "root"
+    r = subprocess.run(
+        [sys.executable, str(script), str(root), str(tmp_path / "pg"), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(r.stdout.split("\n")[:2]) == ["0 refused True", "1 refused False"], r.stdout
+    assert (root / "step-000000001" / "corrupt.json").exists()
