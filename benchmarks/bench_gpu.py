@@ -425,6 +425,12 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
         res["gpu"] = torch.cuda.get_device_name(device)
         res["torch"] = torch.__version__
 
+    def write_json() -> None:
+        if json_path:
+            import json
+
+            Path(json_path).write_text(json.dumps(res, indent=2, default=str) + "\n")
+
     def phase(name: str, fn: Any) -> None:
         try:
             fn()
@@ -432,10 +438,14 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
             res["errors"][name] = f"{type(e).__name__}: {e}"
             log(f"{name} failed: {res['errors'][name]}")
         res["total_s"] = time.perf_counter() - t_start
-        if json_path:
-            import json
+        try:
+            write_json()
+        except (
+            OSError
+        ) as e:  # checked before the first phase; a disk that filled up since must not lose the run
+            log(f"--json {json_path}: {e}")
 
-            Path(json_path).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    write_json()  # an unwritable --json fails here, before any device time is spent
 
     def stall() -> None:
         state = layer_state(sizes, device)
@@ -568,6 +578,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--device must be cuda, cuda:N or cpu, got {a.device!r}", file=sys.stderr)
         return 2
     sizes = TINY if a.tiny else FULL
+    if a.json:
+        try:
+            Path(a.json).write_text("{}\n")
+        except OSError as e:
+            print(
+                f"--json {a.json}: cannot write it ({e.strerror or e}); give a writable file path",
+                file=sys.stderr,
+            )
+            return 2
     with scratch_dir(a.scratch) as scratch:
         res = run(a.device, sizes, scratch, a.json)
     print("\n".join(report(res)))

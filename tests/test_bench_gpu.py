@@ -78,6 +78,12 @@ def test_require_cuda_makes_a_missing_device_an_error():
     assert "sees no CUDA device" in p.stderr and "SKIP" not in p.stdout
 
 
+def test_an_unwritable_json_path_fails_before_anything_is_measured(tmp_path):
+    p = bench("--device", "cpu", "--tiny", "--json", str(tmp_path / "missing" / "res.json"), timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "cannot write it" in p.stderr and "Traceback" not in p.stderr and "PASS" not in p.stdout
+
+
 def test_a_failing_phase_is_reported_and_the_later_ones_still_run(tmp_path, monkeypatch):
     """A first GPU run must not lose what it measured to one phase that raises."""
     import importlib.util

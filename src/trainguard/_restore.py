@@ -49,6 +49,7 @@ from .format import Manifest, step_dir_name
 from .lineage import head_manifest, record_resume, run_info
 from .results import RestoreTimings
 from .state.dtypes import check_shard_bytes
+from .state.values import bool_bytes_valid
 from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
@@ -499,9 +500,8 @@ def invalid_bools(template: MutableMapping[str, Any]) -> list[str]:
     for fqn, v in template.items():
         to_local = getattr(v, "to_local", None)
         t = to_local() if callable(to_local) else v
-        if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.numel():
-            if bool((t.detach().contiguous().view(torch.uint8) > 1).any()):
-                bad.append(fqn)
+        if isinstance(t, torch.Tensor) and not bool_bytes_valid(t):
+            bad.append(fqn)
     return bad
 
 

@@ -13,6 +13,7 @@ from faultlib import assert_state_is, commit_save, make_state, read_manifest_jso
 
 import trainguard as tg
 from trainguard.errors import CorruptCheckpointError
+from trainguard.integrity.verify import verify
 
 
 def retyped_as_bool(root: Path, step: int, fqn: str) -> None:
@@ -118,3 +119,55 @@ def test_under_torch_distributed_every_rank_refuses_together(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(r.stdout.split("\n")[:2]) == ["0 refused True", "1 refused False"], r.stdout
     assert (root / "step-000000001" / "corrupt.json").exists()
+
+
+def test_verify_reports_the_forged_step_only_and_keeps_its_corrupt_marker(root):
+    """``trainguard verify`` reads what restore refuses as refused: step 2 is reported (its chunk, shared with
+    the intact step 1, is not blamed), and the marker a restore wrote stays."""
+    report = verify(root, record=False)
+    assert not report.ok
+    assert [(c["step"], c["tensors"]) for c in report.corrupt] == [(2, ["model.frozen"])], report.corrupt
+    assert "bytes other than 0 and 1" in report.corrupt[0]["problem"]
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest({"model": {}, "optim": {}, "trainer": {}, "epoch": -1}) == 1
+    marker = root / "step-000000002" / "corrupt.json"
+    assert marker.exists()
+    assert not verify(root).ok  # recording: the marker is kept, step 1 stays valid
+    assert marker.exists() and not (root / "step-000000001" / "corrupt.json").exists()
+
+
+@pytest.mark.parametrize("verify_before_load", [True, False])
+def test_a_bool_tensor_inside_a_stored_value_is_refused_too(tmp_path, verify_before_load):
+    """A torch-codec value decodes with ``torch.load(weights_only=True)``, which returns a bool tensor with any
+    bytes: decoding refuses one nested in dicts and lists, at restore and in verify."""
+    import io
+
+    import crc32c
+    import xxhash
+
+    root = tmp_path / "root"
+    with tg.CheckpointManager(root) as mgr:
+        commit_save(mgr, 1, {"a": torch.zeros(3), "v": torch.float32})
+    evil = torch.tensor([2, 0, 255, 1], dtype=torch.uint8).view(torch.bool)
+    buf = io.BytesIO()
+    torch.save({"k": [{"deep": (evil,)}]}, buf)
+    data = buf.getvalue()
+    h = xxhash.xxh3_128_hexdigest(data)
+    rel = f"chunks/{h[:2]}/{h}"
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(data)
+    body = read_manifest_json(root, 1)
+    body["chunks"][h] = {"path": rel, "length": len(data), "crc32c": crc32c.crc32c(data), "codec": "raw"}
+    e = body["entries"]["v"]
+    e.pop("value", None)
+    e["codec"] = "torch"
+    e["segments"] = [[h, 0, len(data)]]
+    write_manifest(root, 1, body)
+    state = {"a": torch.ones(3), "v": None}
+    with tg.CheckpointManager(root, read_only=True, verify_before_load=verify_before_load) as mgr:
+        with pytest.raises(
+            CorruptCheckpointError, match="a bool tensor in it holds bytes other than 0 and 1"
+        ):
+            mgr.restore(1, state)
+    report = verify(root, record=False)
+    assert not report.ok and report.corrupt[0]["tensors"] == ["v"], report.corrupt

@@ -117,6 +117,7 @@ def verify(
                     {"step": s, "chunk": rec.path, "tensors": owners.get(h, []), "problem": results[h]}
                 )
         _check_values(store, m, s, report, results)
+        _check_bools(store, m, s, report, results)
         _check_dtypes(m, s, report)
     vanished = {c["step"] for c in report.corrupt if not is_committed(root, c["step"])}
     if vanished:  # deleted by a writer while being checked: its chunks went with it
@@ -221,6 +222,51 @@ def _check_values(
             )
 
 
+def _check_bools(
+    store: ChunkStore, m: Manifest, step: int, report: VerifyReport, chunk_ok: dict[str, str | None]
+) -> None:
+    """Every bool tensor's bytes must be 0 or 1, as restore requires (a manifest calling another dtype's
+    chunk ``bool`` passes every CRC32C)."""
+    import numpy as np
+
+    cache: dict[str, bytearray] = {}
+    for fqn, e in m.entries.items():
+        if isinstance(e, ValueEntry) or e.dtype != "bool":
+            continue
+        segs = [seg for sh in e.shards for seg in sh.segments]
+        if any(chunk_ok.get(seg.chunk) is not None for seg in segs):
+            continue  # its chunk is already reported
+        try:
+            bad = any(
+                len(b) and int(np.frombuffer(b, dtype=np.uint8).max()) > 1
+                for b in (segment_bytes(store, m, seg, cache) for seg in segs)
+            )
+        except CorruptCheckpointError as err:
+            bad, problem = True, str(err)
+        else:
+            problem = f"bool tensor {fqn} holds bytes other than 0 and 1: the manifest's dtype does not describe its chunks"
+        if bad:
+            report.ok = False
+            report.corrupt.append(
+                # a manifest-level problem (as a dtype's): the chunk itself may be intact and shared with steps
+                # that read it correctly
+                {"step": step, "chunk": None, "tensors": [fqn], "problem": problem}
+            )
+
+
+def segment_bytes(store: ChunkStore, m: Manifest, seg: Any, cache: dict[str, bytearray]) -> memoryview:
+    """The bytes of one segment (decoded where its chunk is encoded), its chunk read once per ``cache``."""
+    if seg.chunk not in cache:
+        rec = m.chunks[seg.chunk]
+        if rec.encoded:
+            from ..incremental.delta import read_decoded
+
+            cache[seg.chunk] = bytearray(read_decoded(store, m.chunks, rec, step=m.step))
+        else:
+            cache[seg.chunk] = store.read(rec, step=m.step)
+    return memoryview(cache[seg.chunk])[seg.offset : seg.offset + seg.length]
+
+
 def read_value(
     store: ChunkStore, m: Manifest, e: ValueEntry, *, cache: dict[str, bytearray] | None = None
 ) -> Any:
@@ -245,14 +291,6 @@ def read_value(
         return e.value
     cache = {} if cache is None else cache
     data = bytearray()
-    for seg in e.segments:
-        if seg.chunk not in cache:
-            rec = m.chunks[seg.chunk]
-            if rec.encoded:  # packed values of a compressed save
-                from ..incremental.delta import read_decoded
-
-                cache[seg.chunk] = bytearray(read_decoded(store, m.chunks, rec, step=m.step))
-            else:
-                cache[seg.chunk] = store.read(rec, step=m.step)
-        data += cache[seg.chunk][seg.offset : seg.offset + seg.length]
+    for seg in e.segments:  # packed values of a compressed save are decoded
+        data += segment_bytes(store, m, seg, cache)
     return decode_value((TAG_JSON if e.codec == "json" else TAG_TORCH) + bytes(data), e.fqn)

@@ -181,13 +181,44 @@ def decode_value(payload: bytes, fqn: str) -> Any:
     if tag == TAG_TORCH:
         _check_torch_archive(body, fqn)
         try:
-            return torch.load(io.BytesIO(bytes(body)), weights_only=True)
+            value = torch.load(io.BytesIO(bytes(body)), weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise UnsafeCheckpointError(
                 f"value {fqn!r}: payload refused by torch.load(weights_only=True): "
                 f"{plain_text(str(e)).splitlines()[0][:200]}"
             ) from None
+        if not all(bool_bytes_valid(t) for t in _tensors_in(value)):
+            raise CorruptCheckpointError(
+                f"value {fqn!r}: a bool tensor in it holds bytes other than 0 and 1 (torch's kernels assume 0 "
+                "or 1): not a value torch.save wrote"
+            )
+        return value
     raise CorruptCheckpointError(f"value {fqn!r}: unknown payload tag {tag!r}")
+
+
+def bool_bytes_valid(t: torch.Tensor) -> bool:
+    """False for a bool tensor holding a byte other than 0 or 1 (what no torch operation writes; a forged or
+    mistaken manifest or payload); True for any other tensor. One reduction, no temporary of the tensor's
+    size (a contiguous tensor)."""
+    if t.dtype != torch.bool or t.numel() == 0:
+        return True
+    return int(t.detach().contiguous().view(torch.uint8).max()) <= 1
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a decoded value (dicts, lists, tuples and sets, any depth; iterative)."""
+    out: list[torch.Tensor] = []
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            todo.extend(v)
+    return out
 
 
 def _check_torch_archive(body: bytes, fqn: str) -> None:
