@@ -440,12 +440,8 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
         res["total_s"] = time.perf_counter() - t_start
         try:
             write_json()
-        except (
-            OSError
-        ) as e:  # checked before the first phase; a disk that filled up since must not lose the run
+        except OSError as e:  # main checks the path first; a disk full since must not lose the run
             log(f"--json {json_path}: {e}")
-
-    write_json()  # an unwritable --json fails here, before any device time is spent
 
     def stall() -> None:
         state = layer_state(sizes, device)

@@ -438,7 +438,7 @@ def load(
                 finish_local(template, reader, rest)
             finally:
                 reader.clear()
-            refuse_invalid_bools(template, step)
+            refuse_invalid_bools(ctx, template, step)
             known = reader.scanned()
         else:
             import torch.distributed.checkpoint as dcp
@@ -455,11 +455,7 @@ def load(
                 dcp.load(
                     template, storage_reader=reader, planner=TrainguardLoadPlanner(), **ctx.dist.dcp_kwargs()
                 )
-            bools = invalid_bools(template)
-            if ctx.dist.any(bool(bools)):  # every rank refuses the step together
-                refuse_invalid_bools(
-                    template, step, bools or None, where="on another rank" if not bools else ""
-                )
+            refuse_invalid_bools(ctx, template, step)
             known = reader.scanned_covering(local_numels(template))
     except BaseException as e:
         err = unwrap(e, step, prefer=CorruptCheckpointError)
@@ -505,17 +501,15 @@ def invalid_bools(template: MutableMapping[str, Any]) -> list[str]:
     return bad
 
 
-def refuse_invalid_bools(
-    template: MutableMapping[str, Any], step: int, bad: list[str] | None = None, where: str = ""
-) -> None:
+def refuse_invalid_bools(ctx: RootContext, template: MutableMapping[str, Any], step: int) -> None:
     """Raise CorruptCheckpointError when a bool tensor of ``template`` holds a byte other than 0 or 1
-    (:func:`invalid_bools`; ``bad``: already found; ``where``: "on another rank" when this rank found none)."""
-    bad = invalid_bools(template) if bad is None else bad
-    if not bad and not where:
+    (:func:`invalid_bools`), on every rank when any rank found one (collective under torch.distributed)."""
+    bad = invalid_bools(template)
+    if not ctx.dist.any(bool(bad)):
         return
-    names = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+    names = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "") if bad else "on another rank"
     raise CorruptCheckpointError(
-        f"step {step}: bool tensor(s) {names or where} hold bytes other than 0 and 1: the manifest's dtype does "
+        f"step {step}: bool tensor(s) {names} hold bytes other than 0 and 1: the manifest's dtype does "
         "not describe its chunks (a forged or mistaken manifest); not loaded as bools",
         step=step,
     )

@@ -227,7 +227,9 @@ def _check_bools(
 ) -> None:
     """Every bool tensor's bytes must be 0 or 1, as restore requires (a manifest calling another dtype's
     chunk ``bool`` passes every CRC32C)."""
-    import numpy as np
+    import torch
+
+    from ..state.values import bool_bytes_valid
 
     cache: dict[str, bytearray] = {}
     for fqn, e in m.entries.items():
@@ -238,7 +240,7 @@ def _check_bools(
             continue  # its chunk is already reported
         try:
             bad = any(
-                len(b) and int(np.frombuffer(b, dtype=np.uint8).max()) > 1
+                len(b) and not bool_bytes_valid(torch.frombuffer(b, dtype=torch.bool))
                 for b in (segment_bytes(store, m, seg, cache) for seg in segs)
             )
         except CorruptCheckpointError as err:
