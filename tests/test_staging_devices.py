@@ -74,7 +74,7 @@ def test_a_buffer_is_reallocated_when_its_tensor_moves_to_a_cuda_device(monkeypa
 
 DTENSOR_SCRIPT = textwrap.dedent(
     """
-    import sys, torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -101,6 +101,8 @@ DTENSOR_SCRIPT = textwrap.dedent(
         assert torch.equal(local, torch.arange(12.0).reshape(4, 3)), local
         print(device_type, "ok")
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization beside gloo's threads (tests/distributed/worker.py)
     """
 )
 
