@@ -196,3 +196,99 @@ def test_the_codec_librarys_import_does_not_move_the_jobs_random_stream(tmp_path
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_single_process_save_imports_no_dcp_sync_or_async_and_restores_bit_exact(tmp_path):
+    """One process with plain tensors saves through trainguard's own chunk writer
+    (``trainguard.distributed.chunkwrite.save_local``): neither the first synchronous nor the first async save
+    imports DCP (0.3-0.6 s once per process, in an async save's persist thread holding the GIL). A tensor
+    subclass still goes through DCP's planner (below)."""
+    root = tmp_path / "run"
+    out = run_fresh(
+        f"""
+        import json, sys, torch
+        import trainguard as tg
+        torch.manual_seed(0)
+        state = {{"model": {{"w": torch.randn(300, 700), "b": torch.randn(7).half(), "mask": torch.rand(99) > 0.5,
+                  "big": torch.randn(1 << 19)}}, "cfg": {{"lr": 0.1}}, "rng": tg.RNGState(), "step": 3}}
+        want = {{k: v.clone() for k, v in state["model"].items()}}
+        with tg.CheckpointManager({str(root)!r}, async_save=False, compression="off") as mgr:
+            mgr.save(1, state)
+        after_sync = {heavy_loaded()}
+        with tg.CheckpointManager({str(root)!r}, async_save=True, compression="off") as mgr:
+            mgr.save(2, state).wait()
+        after_async = {heavy_loaded()}
+        live = {{"model": {{k: torch.zeros_like(v) for k, v in want.items()}}, "cfg": {{}},
+                 "rng": tg.RNGState(), "step": 0}}
+        with tg.CheckpointManager({str(root)!r}, read_only=True) as mgr:
+            step = mgr.restore_latest(live)
+        same = all(torch.equal(live["model"][k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
+        print(json.dumps({{"sync": after_sync, "async": after_async, "step": step, "same": same,
+                          "cfg": live["cfg"], "n": live["step"]}}))
+        """
+    )
+    assert out == {"sync": [], "async": [], "step": 2, "same": True, "cfg": {"lr": 0.1}, "n": 3}
+
+
+def test_the_save_without_dcp_writes_the_manifest_dcps_planner_wrote(tmp_path, monkeypatch):
+    """Same items, same packing order, same chunks: the manifest of the DCP-free save equals, field for field
+    (but its time and run identity), the one the save through DCP's planner writes, so both deduplicate
+    against each other's chunks."""
+    import trainguard._persist as persist
+
+    torch.manual_seed(0)
+    state = {
+        "model": {
+            "w": torch.randn(300, 700),
+            "half": torch.randn(5).half(),
+            "view": torch.randn(6, 4).t(),  # non-contiguous
+            "zeros": torch.zeros(500_000),  # identical pieces
+            "scalar": torch.tensor(2.5),
+            "empty": torch.empty(0, 3),
+            "mask": torch.rand(99) > 0.5,
+            "big": torch.randn(3 << 20),  # three pieces at chunk_size_bytes=4 MiB
+        },
+        "cfg": {"lr": 0.1, "betas": (0.9, 0.99), "long": list(range(10_000))},  # one inline, one chunked
+        "obj": {"x": (1, 2)},
+        "rng": tg.RNGState(),
+        "step": 5,
+    }
+
+    def manifest(root, through_dcp: bool) -> dict:
+        with monkeypatch.context() as m:
+            if through_dcp:
+                m.setattr(persist, "plain_state", lambda flat: False)
+            with tg.CheckpointManager(root, async_save=False, chunk_size_bytes=4 << 20) as mgr:
+                mgr.save(1, state)
+        body = json.loads((root / "step-000000001" / "manifest.json").read_text())
+        for k in ("t", "time", "crc32c", "run"):
+            body.pop(k)
+        return body
+
+    ours, dcps = manifest(tmp_path / "a", False), manifest(tmp_path / "b", True)
+    assert len(ours["chunks"]) >= 5 and len(ours["entries"]["model.big"]["shards"][0]["segments"]) == 3
+    assert ours == dcps
+
+
+SUBCLASS = """
+import json, sys, torch
+import trainguard as tg
+
+class Tagged(torch.Tensor):  # a tensor subclass (torchao-style): saved through DCP's planner, as before
+    pass
+
+w = torch.arange(12.0).reshape(3, 4).as_subclass(Tagged)
+with tg.CheckpointManager(sys.argv[1], async_save=False) as mgr:
+    mgr.save(1, {"w": w, "v": torch.ones(2)})
+dcp = "torch.distributed.checkpoint" in sys.modules
+live = {"w": torch.zeros(3, 4), "v": torch.zeros(2)}
+with tg.CheckpointManager(sys.argv[1], read_only=True) as mgr:
+    mgr.restore(1, live)
+print(json.dumps({"dcp": dcp, "same": torch.equal(live["w"], torch.arange(12.0).reshape(3, 4))
+                  and torch.equal(live["v"], torch.ones(2))}))
+"""
+
+
+def test_a_tensor_subclass_is_saved_through_dcps_planner_and_restores(tmp_path):
+    out = run_fresh(SUBCLASS.replace("sys.argv[1]", repr(str(tmp_path / "run"))))
+    assert out == {"dcp": True, "same": True}

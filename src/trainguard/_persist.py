@@ -18,6 +18,7 @@ import torch
 from ._text import exception_text, naming_step
 from ._writers import WriterThreads
 from .commit import publish
+from .distributed.chunkwrite import ChunkWriter, ItemResult, Layout, plain_state, save_local, tensor_bytes
 from .distributed.manifest import build_manifest
 from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
 from .format import Manifest
@@ -29,11 +30,7 @@ from .retention.apply import apply_retention, referenced_chunks, space_hint
 from .validation.probe import PROBE_FILE, encode
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.storage import WriteResult
-
     from ._context import RootContext
-    from .distributed import TrainguardWriter
 
 log = logging.getLogger("trainguard")
 
@@ -55,7 +52,9 @@ def persist(
 ) -> SaveResult:
     """Write chunks, commit, apply retention (in the caller's thread or the background worker).
 
-    Imports DCP on the first save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
+    One process with plain tensors saves without DCP (:func:`~trainguard.distributed.chunkwrite.save_local`);
+    under torch.distributed (or with DTensors) ``dcp.save`` drives the same writer and imports DCP on the first
+    save (not at ``import trainguard``: see :mod:`trainguard._lazy`).
 
     ``cancel`` set (the save was abandoned after a stall) makes the commit raise instead of publishing.
 
@@ -82,7 +81,7 @@ def persist(
     ctx.store.last_progress = time.monotonic()
     manifest_box: list[Manifest] = []
 
-    def commit(md: Metadata, results: list[list[WriteResult]], all_paths: dict[str, Any]) -> None:
+    def commit(layout: Layout, results: list[list[ItemResult]], all_paths: dict[str, Any]) -> None:
         if cancel is not None and cancel.is_set():
             raise SaveError(
                 f"the save of step {step} was abandoned (no progress); not committing it", step=step
@@ -92,16 +91,12 @@ def persist(
             validation.scan_before_commit(step, flat, scan.known if scan is not None else None)
         if sample and ctx.compression is not None:  # the first save's event shows the codec it measured
             decision.inputs.update(codec_Bps=ctx.compression.codec_Bps, ratio=ctx.compression.ratio)
-        m = build_manifest(step, md, results, all_paths, top, metrics, metadata, run=ctx.run)
+        m = build_manifest(step, layout, results, all_paths, top, metrics, metadata, run=ctx.run)
         extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
         publish(ctx.storage, m, fsync=ctx.fsync, extra=extra)
         manifest_box.append(m)
 
-    import torch.distributed.checkpoint as dcp
-
-    from .distributed import TrainguardSavePlanner, TrainguardWriter
-    from .distributed.local import save_local
-
+    local = not ctx.dist.enabled and plain_state(flat)
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
     # a background persist leaves training a core until someone waits for it; its writer threads also encode
     # (compression="auto" models the threads of a save that nobody waits for)
@@ -116,7 +111,7 @@ def persist(
     decision, encoder, sample = begin_encoding(ctx, flat, defer_sample=overlap, threads=threads)
     validation = ctx.validation
     scan = validation.save_scan() if overlap and validation is not None else None
-    writer = TrainguardWriter(
+    writer = (ChunkWriter if local else dcp_writer())(
         ctx.store,
         staging,
         commit,
@@ -131,10 +126,10 @@ def persist(
         (lambda: ctx.compression.measure_sample(sample)) if sample else None  # type: ignore[union-attr]
     )
     try:
-        if ctx.dist.enabled:  # with a process group: no "single process" warning to silence (quiet_dcp)
-            dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
-        else:  # the same planner and writer calls, without dcp.save's logging of every entry
-            save_local(flat, writer, TrainguardSavePlanner())
+        if local:  # one process, plain tensors: no DCP
+            save_local(flat, writer)
+        else:
+            save_dcp(ctx, flat, writer)
     except BaseException as e:
         err = unwrap(e, step)
         # rejected by the scan before the commit (its event is logged)
@@ -236,6 +231,28 @@ def persist(
     return result
 
 
+def dcp_writer() -> type[ChunkWriter]:
+    """DCP's ``StorageWriter`` over the chunk writer (imports DCP)."""
+    from .distributed.writer import TrainguardWriter
+
+    return TrainguardWriter
+
+
+def save_dcp(ctx: RootContext, flat: dict[str, Any], writer: ChunkWriter) -> None:
+    """Save through DCP's planner: ``dcp.save`` with a process group (its collectives plan the shards and
+    dedup replicated tensors across ranks), else the planner and writer calls it makes in one process
+    (:func:`~trainguard.distributed.local.save_planned`, a state with DTensors under ``collective=False``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .distributed import TrainguardSavePlanner
+    from .distributed.local import save_planned
+
+    if ctx.dist.enabled:  # with a process group: no "single process" warning to silence (quiet_dcp)
+        dcp.save(flat, storage_writer=writer, planner=TrainguardSavePlanner(), **ctx.dist.dcp_kwargs())
+    else:  # the same planner and writer calls, without dcp.save's logging of every entry
+        save_planned(flat, writer, TrainguardSavePlanner())  # type: ignore[arg-type]
+
+
 def local_tensors(flat: Mapping[str, Any]) -> list[torch.Tensor]:
     """This rank's plain tensors of a flattened state (a DTensor's local shard), on any device but ``meta``:
     a synchronous save of CUDA tensors counts their bytes too."""
@@ -252,8 +269,6 @@ def sample_bytes(t: torch.Tensor, limit: int) -> memoryview:
     """At least the first ``limit`` bytes of ``t`` (whole elements) in host memory, for the codec sample: a
     view of a CPU tensor's bytes, or a copy of only that much of a device tensor (empty for a non-contiguous
     one, which a slice would have to copy whole on its device first)."""
-    from .distributed.writer import tensor_bytes
-
     if t.device.type == "cpu":
         return tensor_bytes(t)
     if not t.is_contiguous():
@@ -349,7 +364,7 @@ class Beside:
 
 
 def end_encoding(
-    ctx: RootContext, decision: Decision, encoder: SaveEncoder | None, writer: TrainguardWriter
+    ctx: RootContext, decision: Decision, encoder: SaveEncoder | None, writer: ChunkWriter
 ) -> None:
     """After a committed save: its pieces become the next save's delta bases; its measurements feed auto."""
     assert ctx.compression is not None and ctx.incremental is not None  # set by the manager
@@ -367,7 +382,7 @@ def end_encoding(
     )
 
 
-def discard_new_chunks(ctx: RootContext, writer: TrainguardWriter) -> None:
+def discard_new_chunks(ctx: RootContext, writer: ChunkWriter) -> None:
     """After a failed save: delete the chunks it wrote that no committed manifest references.
 
     One process: this save's new chunks. Under torch.distributed, rank 0 (the lock holder) collects every

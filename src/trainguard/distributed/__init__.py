@@ -5,7 +5,9 @@ Call sequence (torch ``distributed/checkpoint/storage.py``), every rank unless n
 Save: ``TrainguardSavePlanner.set_up_planner`` -> ``TrainguardWriter.set_up_storage_writer`` ->
 ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``write_data`` (each rank writes and fsyncs
 its own chunks) -> (coordinator, only after every rank's ``write_data`` succeeded) ``finish``, which publishes
-the manifest: the commit. In one process :func:`trainguard.distributed.local.save_local` makes these calls in
+the manifest: the commit. One process with plain tensors saves without DCP
+(:func:`trainguard.distributed.chunkwrite.save_local`: the same items, chunks and manifest); one holding DTensors
+without trainguard's collectives has :func:`trainguard.distributed.local.save_planned` make these calls in
 this order itself instead of ``dcp.save`` (whose logging of every entry costs more than the planning).
 
 Load: ``TrainguardReader.read_metadata`` (from our JSON manifest, never DCP's pickled ``.metadata``) ->

@@ -1,4 +1,7 @@
-"""One process's save through trainguard's planner and writer, without ``dcp.save``'s per-entry logging.
+"""One process's save through DCP's planner and trainguard's writer, without ``dcp.save``'s per-entry logging:
+for a state holding DTensors in a process that does not take part in trainguard's collectives
+(``collective=False``). A state of plain tensors saves without DCP at all
+(:func:`trainguard.distributed.chunkwrite.save_local`).
 
 ``dcp.save`` in one process (``no_dist``) wraps the ``state_dict()`` call of every top-level entry of the state
 dict in ``_dcp_method_logger``: per entry and per save it draws a ``uuid4``, reads the clock and builds two
@@ -8,7 +11,7 @@ entry per tensor, so that cost grows with the tensor count: 1,200 tensors (a 150
 ~40% of a small save's time there, Python code that holds the GIL in an async save's persist thread
 (benchmarks/RESULTS.md, "dcp.save's per-entry logging").
 
-:func:`save_local` drives the same extension points in the order ``_save_state_dict`` calls them with
+:func:`save_planned` drives the same extension points in the order ``_save_state_dict`` calls them with
 ``no_dist=True`` (torch ``distributed/checkpoint/storage.py`` documents the sequence); every rank of a
 torch.distributed job still goes through ``dcp.save``, whose collectives it needs.
 """
@@ -22,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
 
-def save_local(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner) -> Metadata:
+def save_planned(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner) -> Metadata:
     """Save ``state_dict`` in this process alone, as ``dcp.save(state_dict, storage_writer=writer,
     planner=planner, no_dist=True)`` does, without its logging wrappers.
 

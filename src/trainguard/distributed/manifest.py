@@ -1,5 +1,6 @@
-"""The DCP glue of the manifest, both directions: :func:`build_manifest` joins DCP's global ``Metadata`` and
-every rank's ``WriteResult`` into our :class:`~trainguard.format.Manifest` (at the commit), and
+"""The manifest from a save, and DCP's view of it: :func:`build_manifest` joins the save's layout and every
+rank's write results into our :class:`~trainguard.format.Manifest` (at the commit; :func:`layout_from_metadata`
+turns DCP's global ``Metadata`` into that layout for a save through ``dcp.save``), and
 :func:`manifest_to_metadata` rebuilds DCP's ``Metadata`` from it (at a load through DCP; a single-process load
 reads the manifest directly, :mod:`trainguard.distributed.chunkread`). DCP is imported inside the functions
 (never at ``import trainguard``, see :mod:`trainguard._lazy`).
@@ -24,27 +25,51 @@ from ..format import (
 from ..format.run import RunInfo
 from ..state.dtypes import dtype_from_name, dtype_name
 from ..state.per_rank import strip_rank
+from .chunkwrite import ItemResult, Layout, TensorLayout
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.storage import WriteResult
+
+
+def layout_from_metadata(md: Metadata) -> Layout:
+    """Every saved tensor's layout (dtype, global shape, shards) from DCP's global ``Metadata``; None for a
+    value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    layout: Layout = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            layout[fqn] = TensorLayout(
+                dtype_name(smd.properties.dtype),
+                tuple(smd.size),
+                tuple((tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks),
+            )
+        else:
+            layout[fqn] = None
+    return layout
 
 
 def build_manifest(
     step: int,
-    md: Metadata,
-    results: list[list[WriteResult]],
+    layout: Layout,
+    results: list[list[ItemResult]],
     paths: Mapping[str, Any],
     top: dict[str, dict[str, Any]],
     metrics: Mapping[str, Any] | None,
     metadata: Mapping[str, Any] | None,
     run: RunInfo | None = None,
 ) -> Manifest:
-    """Join DCP's global metadata (what exists: dtypes, shapes, shard offsets) with every rank's write results
+    """Join the save's layout (what exists: dtypes, shapes, shard offsets) with every rank's write results
     (where the bytes are) into our manifest. A path starting with ``("r", rank)`` marks a per-rank entry
-    (:mod:`trainguard.state.per_rank`)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    (:mod:`trainguard.state.per_rank`).
 
+    Args:
+        step: the step saved.
+        layout: fqn -> tensor layout, or None for a value (``layout_from_metadata`` for a save through DCP).
+        results: every rank's item results (:class:`~trainguard.distributed.chunkwrite.ChunkWriter`).
+        paths: fqn -> nested path of every entry.
+        top, metrics, metadata, run: the manifest's fields of those names.
+    """
     by_index: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     chunks: dict[str, ChunkRecord] = {}
     new: set[str] = set()  # chunks this save wrote (not deduplicated): its new_bytes
@@ -52,7 +77,7 @@ def build_manifest(
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
-            by_index[(wr.index.fqn, tuple(wr.index.offset or ()))] = sd
+            by_index[(wr.spec.fqn, wr.spec.offset)] = sd
             if "split" in sd:
                 split_sizes.add(sd["split"])
             for h, info in sd.get("chunks", {}).items():
@@ -70,18 +95,16 @@ def build_manifest(
                 if info.get("new"):
                     new.add(h)
     entries: dict[str, TensorEntry | ValueEntry] = {}
-    for fqn, smd in md.state_dict_metadata.items():
+    for fqn, tl in layout.items():
         path, rank = strip_rank(tuple(tuple(p) for p in paths[fqn]))
-        if isinstance(smd, TensorStorageMetadata):
+        if tl is not None:
             shards = []
-            for c in smd.chunks:
-                sd = by_index[(fqn, tuple(c.offsets))]
+            for offsets, sizes in tl.shards:
+                sd = by_index[(fqn, offsets)]
                 segs = tuple(Segment(h, o, n) for h, o, n in sd["segments"])
-                shards.append(ShardRecord(tuple(c.offsets), tuple(c.sizes), segs))
-            entries[fqn] = TensorEntry(
-                fqn, path, dtype_name(smd.properties.dtype), tuple(smd.size), tuple(shards), rank
-            )
-        elif isinstance(smd, BytesStorageMetadata):
+                shards.append(ShardRecord(offsets, sizes, segs))
+            entries[fqn] = TensorEntry(fqn, path, tl.dtype, tl.size, tuple(shards), rank)
+        else:
             sd = by_index[(fqn, ())]
             if "value" in sd:
                 entries[fqn] = ValueEntry(fqn, path, "json", sd["value"], None, rank)

@@ -95,7 +95,7 @@ def job_rank() -> tuple[int, int]:
 def digest(x: Any, fqn: str) -> str | None:
     """128-bit digest of a leaf (dtype, shape and bytes of a tensor; the stored encoding of a value), or None
     for a sharded (DTensor) leaf."""
-    from ..distributed.writer import tensor_bytes
+    from ..distributed.chunkwrite import tensor_bytes
 
     if isinstance(x, torch.Tensor):
         if hasattr(x, "placements"):
