@@ -445,7 +445,8 @@ def load(
 
             from .distributed import TrainguardLoadPlanner, TrainguardReader
 
-            reader = TrainguardReader(ctx.store, m, scan_finite=scan_finite(ctx))
+            # bools are checked after the load, on every rank together (refuse_invalid_bools)
+            reader = TrainguardReader(ctx.store, m, scan_finite=scan_finite(ctx), check_bools=False)
             writing = (
                 True  # DCP reads each rank's shards in place: no verify pass (it would read every shard)
             )

@@ -177,3 +177,29 @@ def test_a_bool_tensor_inside_a_stored_value_is_refused_too(tmp_path, verify_bef
             mgr.restore(1, state)
     report = verify(root, record=False)
     assert not report.ok and report.corrupt[0]["tensors"] == ["v"], report.corrupt
+
+
+def test_export_and_a_plain_dcp_load_refuse_the_forged_bools_too(root, tmp_path):
+    """Outside a restore, the DCP reader (``trainguard export``, ``tg.dcp_reader`` with a user's own
+    ``dcp.load``) checks a bool tensor's bytes as it reads it: the export writes no file, the load raises (its
+    target, read in place, is as undefined as after any failed ``dcp.load``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard._persist import unwrap
+    from trainguard.interop.export import export
+
+    out = tmp_path / "model.pt"
+    with pytest.raises(
+        CorruptCheckpointError, match="bool tensor model.frozen holds bytes other than 0 and 1"
+    ):
+        export(root, out, format="torch", step=2)
+    assert not out.exists() and not list(tmp_path.glob("model.pt*"))
+    export(root, out, format="torch", step=1)  # the intact step exports
+    assert torch.equal(torch.load(out, weights_only=True)["frozen"], make_state(1)["model"]["frozen"])
+
+    shape = read_manifest_json(root, 2)["entries"]["model.frozen"]["shape"]
+    target = {"model.frozen": torch.zeros(shape, dtype=torch.bool)}
+    with pytest.raises(BaseException) as e:  # DCP's CheckpointException (a BaseException) around ours
+        dcp.load(target, storage_reader=tg.dcp_reader(root, 2))
+    inner = unwrap(e.value, 2, prefer=CorruptCheckpointError)
+    assert isinstance(inner, CorruptCheckpointError) and "holds bytes other than 0 and 1" in str(inner)

@@ -16,8 +16,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..errors import CorruptCheckpointError
 from ..format import Manifest
 from ..incremental.chunkstore import ChunkStore
+from ..state.values import bool_bytes_valid
 from .chunkread import ShardReader
 from .manifest import manifest_to_metadata
 
@@ -28,16 +30,26 @@ class TrainguardReader(ShardReader, StorageReader):
     Args:
         store: the run's chunk store.
         manifest: the parsed, validated manifest of the checkpoint.
+        check_bools: refuse a bool tensor holding a byte other than 0 or 1 as it is read
+            (:func:`checked_bools`); False for a caller that checks the loaded state itself (a restore checks
+            on every rank together, so that all of them fall back).
 
     Attributes:
         bytes_read: bytes read from chunks by this rank.
     """
 
     def __init__(
-        self, store: ChunkStore, manifest: Manifest, *, threads: int = 4, scan_finite: bool = False
+        self,
+        store: ChunkStore,
+        manifest: Manifest,
+        *,
+        threads: int = 4,
+        scan_finite: bool = False,
+        check_bools: bool = True,
     ) -> None:
         StorageReader.__init__(self)
         ShardReader.__init__(self, store, manifest, threads=threads, scan_finite=scan_finite)
+        self.check_bools = check_bools
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -84,13 +96,16 @@ class TrainguardReader(ShardReader, StorageReader):
                 for item, maybe in rest:
                     self._read_item(item, maybe, planner, deferred)
             for item, done in deferred:
-                planner.commit_tensor(item, done)
+                planner.commit_tensor(item, self._checked(item, done))
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP collects it per rank
             fut.set_exception(e)  # type: ignore[arg-type]
         finally:
             self.clear()
         return fut
+
+    def _checked(self, item: ReadItem, dest: torch.Tensor) -> torch.Tensor:
+        return checked_bools(item, dest, self.manifest.step) if self.check_bools else dest
 
     def _read_item(
         self,
@@ -107,7 +122,25 @@ class TrainguardReader(ShardReader, StorageReader):
         if self.read_tensor(*_region(item), dest):
             deferred.append((item, dest))
         else:
-            planner.commit_tensor(item, dest)
+            planner.commit_tensor(item, self._checked(item, dest))
+
+
+def checked_bools(item: ReadItem, dest: torch.Tensor, step: int) -> torch.Tensor:
+    """``dest``, once its bytes are known to be 0 or 1 if it is a bool tensor (a bool chunk's bytes are copied
+    as they are stored: a forged or mistaken manifest could call a float chunk bool).
+
+    Raises:
+        CorruptCheckpointError: a byte other than 0 or 1, naming the tensor; what DCP's ``load`` (an export,
+            a user's own ``dcp.load`` with this reader) raises instead of handing such a tensor over.
+    """
+    if not bool_bytes_valid(dest):
+        fqn = item.storage_index.fqn
+        raise CorruptCheckpointError(
+            f"step {step}: bool tensor {fqn} holds bytes other than 0 and 1: the manifest's dtype does not "
+            "describe its chunks (a forged or mistaken manifest); not loaded as bools",
+            step=step,
+        )
+    return dest
 
 
 def _region(item: ReadItem) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
