@@ -552,10 +552,18 @@ def scratch_dir(parent: str | None) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def valid_device(device: str) -> bool:
+    """Whether ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (N a non-negative integer)."""
+    return device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     import torch
 
+    if not valid_device(a.device):
+        print(f"--device must be cuda, cuda:N or cpu, got {a.device!r}", file=sys.stderr)
+        return 2
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         if a.require_cuda:
             print(
@@ -570,8 +578,12 @@ def main(argv: list[str] | None = None) -> int:
             "run on a GPU machine, or with --device cpu --tiny to check the logic"
         )
         return 0
-    if a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
-        print(f"--device must be cuda, cuda:N or cpu, got {a.device!r}", file=sys.stderr)
+    if a.device.startswith("cuda:") and int(a.device[5:]) >= torch.cuda.device_count():
+        print(
+            f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}",
+            file=sys.stderr,
+        )
         return 2
     sizes = TINY if a.tiny else FULL
     if a.json:

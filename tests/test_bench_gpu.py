@@ -78,6 +78,13 @@ def test_require_cuda_makes_a_missing_device_an_error():
     assert "sees no CUDA device" in p.stderr and "SKIP" not in p.stdout
 
 
+@pytest.mark.parametrize("device", ["cudax", "cuda:", "cuda:-1", "gpu"])
+def test_a_malformed_device_is_an_error_even_without_cuda(device):
+    p = bench("--device", device, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--device must be cuda, cuda:N or cpu" in p.stderr and "SKIP" not in p.stdout
+
+
 def test_an_unwritable_json_path_fails_before_anything_is_measured(tmp_path):
     p = bench("--device", "cpu", "--tiny", "--json", str(tmp_path / "missing" / "res.json"), timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
