@@ -295,7 +295,7 @@ def plain_state(flat: Mapping[str, Any]) -> bool:
     return all(type(v) in plain for v in flat.values() if isinstance(v, torch.Tensor))
 
 
-def save_local(flat: Mapping[str, Any], writer: ChunkWriter) -> Layout:
+def save_local(flat: Mapping[str, Any], writer: ChunkWriter) -> None:
     """Save ``flat`` in this process alone: every tensor whole, every other value encoded, in ``flat``'s
     order, then ``writer.commit``. The same items, chunks and manifest as DCP's default planner makes in one
     process (``create_default_local_save_plan``: one write item per tensor at offset 0, a ``BYTE_IO`` item per
@@ -306,9 +306,6 @@ def save_local(flat: Mapping[str, Any], writer: ChunkWriter) -> Layout:
             already replaced every ``Stateful`` by its ``state_dict()``); an
             :class:`~trainguard.state.values.EncodedValue` is stored as its payload.
         writer: this save's chunk writer.
-
-    Returns:
-        The layout handed to ``commit``.
 
     Raises:
         Whatever encoding a value, writing or committing raises.
@@ -329,4 +326,3 @@ def save_local(flat: Mapping[str, Any], writer: ChunkWriter) -> Layout:
 
     results = writer.write(items())
     writer.commit(layout, [results], dict(writer.paths))
-    return layout
