@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainguard as tg
+from trainguard.integrity.verify import verify
 
 CASES: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
     "sparse": (lambda: {"w": torch.eye(3).to_sparse()}, tg.ConfigError, "to_dense()"),
@@ -90,3 +91,30 @@ def test_a_numpy_integer_step_is_accepted_as_an_int(tmp_path):
         w = torch.zeros(2)
         assert mgr.restore(np.int64(6), {"w": w}) == 6 and type(mgr.restore(np.int64(6), {"w": w})) is int
         assert torch.equal(w, torch.ones(2))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_negative_and_large_int_keys_round_trip(tmp_path, async_save):
+    """A dict keyed by negative or large ints (up to the signed 64-bit bounds) saves and restores exactly.
+
+    Before, a manifest path refused int keys outside ``[0, 2**40]``, so such a checkpoint saved fine and then
+    was read as corrupt, every time."""
+    keys = [-1, -(2**63), 2**40 + 1, 2**63 - 1, 0]
+    state = {"m": {k: torch.full((3,), float(i)) for i, k in enumerate(keys)}}
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, state).wait()
+    assert verify(tmp_path).ok
+    live = {"m": {k: torch.zeros(3) for k in reversed(keys)}}  # matched by key, not by position
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(live) == 1
+    assert sorted(live["m"]) == sorted(keys)
+    for i, k in enumerate(keys):
+        assert torch.equal(live["m"][k], torch.full((3,), float(i))), k
+
+
+@pytest.mark.parametrize("key", [2**63, -(2**63) - 1, 10**30])
+def test_an_int_key_beyond_64_bits_is_refused_at_save(tmp_path, key):
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+        with pytest.raises(tg.ConfigError, match="signed 64-bit range"):
+            mgr.save(2, {"m": {key: torch.ones(2)}})
+        assert [i.step for i in mgr.checkpoints()] == [1]

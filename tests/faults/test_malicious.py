@@ -252,6 +252,29 @@ def test_a_chunk_hash_with_a_trailing_newline_is_refused(root):
     assert isinstance(_parse(sign(body)), UnsafeCheckpointError)
 
 
+@pytest.mark.parametrize(
+    ("tag", "key", "ok"),
+    [
+        ("i", -1, True),  # a dict's int key may be negative (flatten writes any signed 64-bit key)
+        ("i", -(2**63), True),
+        ("i", 2**63, False),
+        ("i", -(2**63) - 1, False),
+        ("l", -1, False),  # a list index may not
+        ("t", 2**40 + 1, False),
+        ("i", 1.5, False),
+        ("i", True, False),
+    ],
+)
+def test_a_path_key_is_checked_against_its_tag(root, tag, key, ok):
+    body = read_manifest_json(root, 2)
+    body["entries"]["model.big"]["path"] = [["s", "model"], [tag, key]]
+    err = _parse(sign(body))
+    if ok:
+        assert err is None
+    else:
+        assert isinstance(err, CorruptCheckpointError) and "path" in str(err), err
+
+
 @pytest.mark.parametrize("what", ["chunk-directory", "chunk-file", "file-in-moved-chunks"])
 def test_a_symlink_in_chunks_escaping_the_root_is_refused(root, tmp_path, what):
     body = read_manifest_json(root, 2)

@@ -367,7 +367,9 @@ def _path(x: Any, what: str) -> tuple[Any, ...]:
         tag, v = el
         if tag == "s" and not isinstance(v, str):
             raise _bad(f"{what}: path key must be a string")
-        if tag != "s":
+        if tag == "i":  # a dict's int key: any signed 64-bit value (flatten refuses others at save)
+            _int(v, f"{what} path int key", -(1 << 63), (1 << 63) - 1)
+        elif tag != "s":  # a list or tuple index
             _int(v, f"{what} path index", 0, 1 << 40)
         out.append((tag, v))
     return tuple(out)

@@ -18,6 +18,9 @@ from ..errors import ConfigError, CorruptCheckpointError
 
 PathT = tuple[tuple[str, Any], ...]
 
+INT_KEY_MIN, INT_KEY_MAX = -(1 << 63), (1 << 63) - 1
+"""The int keys a manifest path holds (a signed 64-bit integer, as JSON readers outside Python keep them)."""
+
 
 def has_tensor(x: Any, depth: int = 0) -> bool:
     if isinstance(x, torch.Tensor):
@@ -42,7 +45,8 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]
         ``(flat, paths)``: ``flat[fqn]`` is a tensor or a value; ``paths[fqn]`` its path.
 
     Raises:
-        ConfigError: a key that is neither str nor int inside a container holding tensors, or two leaves
+        ConfigError: a key that is neither str nor int inside a container holding tensors, an int key outside
+            the signed 64-bit range, or two leaves
             whose FQNs collide (e.g. keys ``"a.b"`` and ``"a" -> "b"``).
     """
     flat: dict[str, Any] = {}
@@ -69,6 +73,11 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]
                     raise ConfigError(
                         f"state key {k!r} under {fqn_of(path)!r} is a {type(k).__name__}; only str and int keys are "
                         "supported in containers that hold tensors"
+                    )
+                if isinstance(k, int) and not INT_KEY_MIN <= k <= INT_KEY_MAX:
+                    raise ConfigError(
+                        f"state key {k} under {fqn_of(path)!r} is outside the signed 64-bit range "
+                        "[-2**63, 2**63 - 1] a manifest path holds; use a smaller int or a str key"
                     )
                 visit(v, (*path, ("s" if isinstance(k, str) else "i", k)))
         else:
