@@ -49,7 +49,7 @@ from .format import Manifest, step_dir_name
 from .lineage import head_manifest, record_resume, run_info
 from .results import RestoreTimings
 from .state.dtypes import check_shard_bytes
-from .state.values import bool_bytes_valid
+from .state.values import bool_bytes_valid, invalid_bools_problem
 from .validation.suspect import suspect_reason
 
 if TYPE_CHECKING:
@@ -508,12 +508,7 @@ def refuse_invalid_bools(ctx: RootContext, template: MutableMapping[str, Any], s
     bad = invalid_bools(template)
     if not ctx.dist.any(bool(bad)):
         return
-    names = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "") if bad else "on another rank"
-    raise CorruptCheckpointError(
-        f"step {step}: bool tensor(s) {names} hold bytes other than 0 and 1: the manifest's dtype does "
-        "not describe its chunks (a forged or mistaken manifest); not loaded as bools",
-        step=step,
-    )
+    raise CorruptCheckpointError(f"step {step}: {invalid_bools_problem(bad)}", step=step)
 
 
 def scan_finite(ctx: RootContext) -> bool:

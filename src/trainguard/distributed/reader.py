@@ -19,7 +19,7 @@ from torch.futures import Future
 from ..errors import CorruptCheckpointError
 from ..format import Manifest
 from ..incremental.chunkstore import ChunkStore
-from ..state.values import bool_bytes_valid
+from ..state.values import bool_bytes_valid, invalid_bools_problem
 from .chunkread import ShardReader
 from .manifest import manifest_to_metadata
 
@@ -134,12 +134,8 @@ def checked_bools(item: ReadItem, dest: torch.Tensor, step: int) -> torch.Tensor
             a user's own ``dcp.load`` with this reader) raises instead of handing such a tensor over.
     """
     if not bool_bytes_valid(dest):
-        fqn = item.storage_index.fqn
-        raise CorruptCheckpointError(
-            f"step {step}: bool tensor {fqn} holds bytes other than 0 and 1: the manifest's dtype does not "
-            "describe its chunks (a forged or mistaken manifest); not loaded as bools",
-            step=step,
-        )
+        problem = invalid_bools_problem([item.storage_index.fqn])
+        raise CorruptCheckpointError(f"step {step}: {problem}", step=step)
     return dest
 
 

@@ -229,7 +229,7 @@ def _check_bools(
     chunk ``bool`` passes every CRC32C)."""
     import torch
 
-    from ..state.values import bool_bytes_valid
+    from ..state.values import bool_bytes_valid, invalid_bools_problem
 
     cache: dict[str, bytearray] = {}
     for fqn, e in m.entries.items():
@@ -246,7 +246,7 @@ def _check_bools(
         except CorruptCheckpointError as err:
             bad, problem = True, str(err)
         else:
-            problem = f"bool tensor {fqn} holds bytes other than 0 and 1: the manifest's dtype does not describe its chunks"
+            problem = invalid_bools_problem([fqn])
         if bad:
             report.ok = False
             report.corrupt.append(

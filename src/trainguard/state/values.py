@@ -205,6 +205,21 @@ def bool_bytes_valid(t: torch.Tensor) -> bool:
     return int(t.detach().contiguous().view(torch.uint8).max()) <= 1
 
 
+def invalid_bools_problem(names: list[str]) -> str:
+    """The message for bool tensors whose stored bytes are not all 0 or 1 (:func:`bool_bytes_valid`), naming
+    up to 8 of them (``[]``: found on another rank), as restore, verify and the DCP reader report it."""
+    if not names:
+        return "a bool tensor on another rank holds bytes other than 0 and 1" + _BOOL_CAUSE
+    shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+    verb = "tensor {} holds" if len(names) == 1 else "tensors {} hold"
+    return f"bool {verb.format(shown)} bytes other than 0 and 1" + _BOOL_CAUSE
+
+
+_BOOL_CAUSE = (
+    ": the manifest's dtype does not describe its chunks (a forged or mistaken manifest); not loaded as bools"
+)
+
+
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors inside a decoded value (dicts, lists, tuples and sets, any depth; iterative)."""
     out: list[torch.Tensor] = []
