@@ -200,8 +200,19 @@ def test_export_and_a_plain_dcp_load_refuse_the_forged_bools_too(root, tmp_path)
     assert torch.equal(torch.load(out, weights_only=True)["frozen"], make_state(1)["model"]["frozen"])
 
     shape = read_manifest_json(root, 2)["entries"]["model.frozen"]["shape"]
-    target = {"model.frozen": torch.zeros(shape, dtype=torch.bool)}
-    with pytest.raises(BaseException) as e:  # DCP's CheckpointException (a BaseException) around ours
-        dcp.load(target, storage_reader=tg.dcp_reader(root, 2))
-    inner = unwrap(e.value, 2, prefer=CorruptCheckpointError)
-    assert isinstance(inner, CorruptCheckpointError) and "holds bytes other than 0 and 1" in str(inner)
+    # a bool target, and targets DCP converts into: each forged byte would become 0 or 1, undetectable after
+    for dtype in (torch.bool, torch.float32, torch.uint8, torch.int64):
+        target = {"model.frozen": torch.zeros(shape, dtype=dtype)}
+        with pytest.raises(BaseException) as e:  # DCP's CheckpointException (a BaseException) around ours
+            dcp.load(target, storage_reader=tg.dcp_reader(root, 2))
+        inner = unwrap(e.value, 2, prefer=CorruptCheckpointError)
+        assert isinstance(inner, CorruptCheckpointError), (dtype, e.value)
+        assert "holds bytes other than 0 and 1" in str(inner), (dtype, inner)
+    # real bools convert as DCP converts them
+    real = tmp_path / "real"
+    mask = torch.arange(10) % 3 == 0
+    with tg.CheckpointManager(real, async_save=False) as mgr:
+        mgr.save(1, {"mask": mask})
+    target = {"mask": torch.full((10,), 7.0)}
+    dcp.load(target, storage_reader=tg.dcp_reader(real, 1))
+    assert torch.equal(target["mask"], mask.float())

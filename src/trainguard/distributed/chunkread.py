@@ -26,7 +26,7 @@ from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, V
 from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import read_decoded
 from ..state.dtypes import dtype_from_name
-from ..state.values import TAG_JSON, TAG_TORCH, decode_value
+from ..state.values import TAG_JSON, TAG_TORCH, bool_bytes_valid, decode_value, invalid_bools_problem
 from ..validation.finite import byte_view, count_nonfinite_buffer
 
 
@@ -144,6 +144,11 @@ class ShardReader:
         ).reshape(shard.sizes)
         for dim, (o, n) in enumerate(zip(storage_offsets, lengths, strict=False)):
             src = src.narrow(dim, o, n)
+        if dtype == torch.bool and dest.dtype != torch.bool and not bool_bytes_valid(src):
+            # converted, the forged bytes would become 0/1 and pass any check of ``dest`` (a user's dcp.load
+            # into a float or uint8 tensor); a restore never converts (its destinations have the saved dtype)
+            problem = invalid_bools_problem([fqn])
+            raise CorruptCheckpointError(f"step {self.manifest.step}: {problem}", step=self.manifest.step)
         dest.copy_(src)
         return False
 
