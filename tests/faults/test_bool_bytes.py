@@ -216,3 +216,54 @@ def test_export_and_a_plain_dcp_load_refuse_the_forged_bools_too(root, tmp_path)
     target = {"mask": torch.full((10,), 7.0)}
     dcp.load(target, storage_reader=tg.dcp_reader(real, 1))
     assert torch.equal(target["mask"], mask.float())
+
+
+def _forged_column_shards(root: Path, split: bool) -> None:
+    """Step 2 declares a float32 tensor's chunk as bool ``m.flags`` of shape (4, 32), in two column shards
+    (as a ``Shard(1)`` save at 2 ranks writes them) or one; step 1 holds a real ``m.flags``."""
+    with tg.CheckpointManager(root, async_save=False, compression="off") as mgr:
+        mgr.save(1, {"m": {"flags": torch.zeros(4, 32, dtype=torch.bool)}})
+        mgr.save(2, {"m": {"f": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))}})
+    body = read_manifest_json(root, 2)
+    e = body["entries"].pop("m.f")
+    e.update(dtype="bool", shape=[4, 32], path=[["s", "m"], ["s", "flags"]])
+    h, off, n = e["shards"][0]["segments"][0]
+    if split:
+        e["shards"] = [
+            {"offsets": [0, 0], "sizes": [4, 16], "segments": [[h, off, n // 2]]},
+            {"offsets": [0, 16], "sizes": [4, 16], "segments": [[h, off + n // 2, n // 2]]},
+        ]
+    else:
+        e["shards"][0]["sizes"] = [4, 32]
+    body["entries"]["m.flags"] = e
+    write_manifest(root, 2, body)
+
+
+@pytest.mark.parametrize(
+    ("split", "live"),
+    [
+        (True, lambda: torch.zeros(4, 32, dtype=torch.bool)),  # each shard is a strided part of the tensor
+        (False, lambda: torch.zeros(32, 4, dtype=torch.bool).t()),  # a non-contiguous live tensor
+    ],
+    ids=["column-shards", "non-contiguous-destination"],
+)
+def test_forged_bools_read_through_a_copy_are_refused(tmp_path, split, live):
+    """A read that is not a byte copy into the destination goes through ``copy_``, which turns each nonzero
+    byte into 1 (into a bool tensor too): checking the destination afterwards would find nothing, so the saved
+    bytes are checked before the copy. Before, restore, restore_latest, export and dcp.load took such bools."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard._persist import unwrap
+
+    root = tmp_path / "root"
+    _forged_column_shards(root, split)
+    state = {"m": {"flags": live()}}
+    with pytest.raises(CorruptCheckpointError, match="bool tensor m.flags holds bytes other than 0 and 1"):
+        tg.CheckpointManager(root, read_only=True).restore(2, state)
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest({"m": {"flags": live()}}) == 1  # falls back to the intact step
+    assert (root / "step-000000002" / "corrupt.json").exists()
+    target = {"m.flags": live()}
+    with pytest.raises(BaseException) as e:
+        dcp.load(target, storage_reader=tg.dcp_reader(root, 2))
+    assert isinstance(unwrap(e.value, 2, prefer=CorruptCheckpointError), CorruptCheckpointError)

@@ -144,9 +144,10 @@ class ShardReader:
         ).reshape(shard.sizes)
         for dim, (o, n) in enumerate(zip(storage_offsets, lengths, strict=False)):
             src = src.narrow(dim, o, n)
-        if dtype == torch.bool and dest.dtype != torch.bool and not bool_bytes_valid(src):
-            # converted, the forged bytes would become 0/1 and pass any check of ``dest`` (a user's dcp.load
-            # into a float or uint8 tensor); a restore never converts (its destinations have the saved dtype)
+        if dtype == torch.bool and not bool_bytes_valid(src):
+            # ``copy_`` turns every nonzero byte into 1 (into a bool destination too), so forged bytes would pass
+            # any later check of ``dest``: a resharded or column-sharded load, a strided destination, a user's
+            # dcp.load into a float or uint8 tensor. Raised on this rank; DCP's load gathers it on every rank
             problem = invalid_bools_problem([fqn])
             raise CorruptCheckpointError(f"step {self.manifest.step}: {problem}", step=self.manifest.step)
         dest.copy_(src)
