@@ -267,3 +267,19 @@ def test_forged_bools_read_through_a_copy_are_refused(tmp_path, split, live):
     with pytest.raises(BaseException) as e:
         dcp.load(target, storage_reader=tg.dcp_reader(root, 2))
     assert isinstance(unwrap(e.value, 2, prefer=CorruptCheckpointError), CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_live_bool_tensor_with_other_bytes_is_stored_as_torch_copies_it(tmp_path, async_save):
+    """A uint8 tensor viewed as bool holds bytes other than 0 and 1. A synchronous save stored them as they were,
+    and then every restore refused the step as corrupt (an async save's staging copy turned them into 0/1).
+    Both modes now store what ``clone`` gives, every nonzero byte as 1, and the checkpoint verifies and
+    restores."""
+    live = torch.tensor([2, 0, 1, 255, 0, 7], dtype=torch.uint8).view(torch.bool)
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, {"mask": live, "w": torch.ones(2)}).wait()
+    assert verify(tmp_path, record=False).ok
+    out = {"mask": torch.zeros(6, dtype=torch.bool), "w": torch.zeros(2)}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(out) == 1
+    assert out["mask"].view(torch.uint8).tolist() == [1, 0, 1, 1, 0, 1]
+    assert live.view(torch.uint8).tolist() == [2, 0, 1, 255, 0, 7]  # the live tensor is not touched

@@ -30,7 +30,7 @@ from .._writers import WriterThreads
 from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.dtypes import dtype_name
-from ..state.values import TAG_JSON, EncodedValue, encode_value
+from ..state.values import TAG_JSON, EncodedValue, bool_bytes_valid, encode_value
 from ..validation.finite import SaveScan, byte_view
 from .options import WriterOptions
 
@@ -83,10 +83,16 @@ CommitFn = Callable[[Layout, list[list[ItemResult]], dict[str, Any]], None]
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of ``t`` in C order (a contiguous CPU copy only when needed: views store only their elements; a
-    conjugate or negative view is materialized, so its stored elements are its values)."""
+    conjugate or negative view is materialized, so its stored elements are its values).
+
+    A bool tensor holding bytes other than 0 and 1 (a ``uint8`` tensor viewed as bool) is stored as torch's
+    ``copy_`` and ``clone`` give it, every nonzero byte as 1: what an async save's staging copy stores, and
+    what a restore accepts (it refuses other bytes in a bool tensor)."""
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if not bool_bytes_valid(t):
+        t = t.view(torch.uint8) != 0
     return memoryview(byte_view(t).numpy())  # type: ignore[arg-type]
 
 
