@@ -144,10 +144,18 @@ def test_verify_reports_the_forged_step_only_and_keeps_its_corrupt_marker(root):
     assert marker.exists() and not (root / "step-000000001" / "corrupt.json").exists()
 
 
+def _tensor_holding(evil: torch.Tensor) -> torch.Tensor:
+    holder = torch.zeros(2)
+    holder.mask = evil  # type: ignore[attr-defined]  # a Python attribute: torch.load restores it
+    return holder
+
+
+@pytest.mark.parametrize("where", ["nested", "attribute"])
 @pytest.mark.parametrize("verify_before_load", [True, False])
-def test_a_bool_tensor_inside_a_stored_value_is_refused_too(tmp_path, verify_before_load):
+def test_a_bool_tensor_inside_a_stored_value_is_refused_too(tmp_path, verify_before_load, where):
     """A torch-codec value decodes with ``torch.load(weights_only=True)``, which returns a bool tensor with any
-    bytes: decoding refuses one nested in dicts and lists, at restore and in verify."""
+    bytes: decoding refuses one nested in dicts and lists, or held as a tensor's Python attribute (which the
+    check did not look at before), at restore and in verify."""
     import io
 
     import crc32c
@@ -158,7 +166,7 @@ def test_a_bool_tensor_inside_a_stored_value_is_refused_too(tmp_path, verify_bef
         commit_save(mgr, 1, {"a": torch.zeros(3), "v": torch.float32})
     evil = torch.tensor([2, 0, 255, 1], dtype=torch.uint8).view(torch.bool)
     buf = io.BytesIO()
-    torch.save({"k": [{"deep": (evil,)}]}, buf)
+    torch.save({"k": [{"deep": (evil,)}]} if where == "nested" else {"k": _tensor_holding(evil)}, buf)
     data = buf.getvalue()
     h = xxhash.xxh3_128_hexdigest(data)
     rel = f"chunks/{h[:2]}/{h}"
@@ -283,3 +291,19 @@ def test_a_live_bool_tensor_with_other_bytes_is_stored_as_torch_copies_it(tmp_pa
     assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(out) == 1
     assert out["mask"].view(torch.uint8).tolist() == [1, 0, 1, 1, 0, 1]
     assert live.view(torch.uint8).tolist() == [2, 0, 1, 255, 0, 7]  # the live tensor is not touched
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_value_holding_a_bool_tensor_with_other_bytes_is_refused_at_save(tmp_path, async_save):
+    """Such a value would be stored as its bytes are and refused by every restore: the save refuses it, naming
+    the entry and the fix, and leaves the earlier checkpoints as they were."""
+    evil = torch.tensor([2, 0, 255, 1], dtype=torch.uint8).view(torch.bool)
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, {"w": torch.ones(2), "v": {"ok"}}).wait()
+        for bad in ({evil}, {_tensor_holding(evil)}):  # a set is a value: it is stored whole
+            with pytest.raises(
+                tg.ConfigError, match=r"'v' holds a bool tensor with bytes other than 0 and 1"
+            ):
+                mgr.save(2, {"w": torch.ones(2), "v": bad}).wait()
+        mgr.save(3, {"w": torch.ones(2), "v": {evil.clone()}}).wait()  # the fix the message names
+        assert [i.step for i in mgr.checkpoints()] == [1, 3]

@@ -100,9 +100,15 @@ def encode_value(value: Any, fqn: str) -> bytes:
         buf = io.BytesIO()
         torch.save(value, buf)
         data = buf.getvalue()
-        torch.load(io.BytesIO(data), weights_only=True)
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means the value would need unsafe pickle
         raise unsupported_value(value, fqn, e) from None
+    if not all(bool_bytes_valid(t) for t in _tensors_in(loaded)):  # a restore would refuse it: refused now
+        raise ConfigError(
+            f"state entry {fqn!r} holds a bool tensor with bytes other than 0 and 1 (a uint8 tensor viewed as "
+            "bool?), which a restore refuses as corrupt; store t.clone() of it (every nonzero byte becomes 1) "
+            "or the uint8 tensor itself"
+        )
     return TAG_TORCH + data
 
 
@@ -221,11 +227,16 @@ _BOOL_CAUSE = (
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors inside a decoded value (dicts, lists, tuples and sets, any depth; iterative)."""
+    """The tensors inside a decoded value (dicts, lists, tuples, sets, slices, and the Python attributes that
+    ``torch.load(weights_only=True)`` restores on a tensor or other object; any depth, each object once)."""
     out: list[torch.Tensor] = []
     todo = [value]
+    seen: set[int] = set()
     while todo:
         v = todo.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, dict):
@@ -233,6 +244,11 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
             todo.extend(v.values())
         elif isinstance(v, (list, tuple, set, frozenset)):
             todo.extend(v)
+        elif isinstance(v, slice):
+            todo.extend((v.start, v.stop, v.step))
+        attrs = getattr(v, "__dict__", None)  # a tensor's ``t.mask = ...``, restored with it
+        if isinstance(attrs, dict):
+            todo.extend(attrs.values())
     return out
 
 
