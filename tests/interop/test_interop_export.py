@@ -269,3 +269,19 @@ def test_cli_export_json_and_exit_codes(run, tmp_path):
     assert r.exit_code == 2 and "no unit" in r.output
     r = CliRunner().invoke(cli, ["export", str(run["root"]), str(tmp_path / "m.pt"), "--format", "torch"])
     assert r.exit_code == 0 and re.search(r"exported step 7 \(model: \d+ tensors", r.output), r.output
+
+
+def test_dcp_export_of_keys_dcp_would_join_into_one_name_is_a_config_error(tmp_path):
+    """DCP flattens nested dicts by joining keys with '.': an int key 5 and a str key '5' (legitimate in a
+    stored value) collide. The export raised DCP's CheckpointException (the CLI: a traceback); it is now a
+    ConfigError naming the key and the format that keeps them, and leaves no output."""
+    root = tmp_path / "r"
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"model": {"w": torch.ones(2)}, "v": {5: "int", "5": "str"}})
+    with pytest.raises(ConfigError, match=r"become 'v\.5'.*--format torch"):
+        export(root, tmp_path / "o", format="dcp", all_state=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    r = CliRunner().invoke(cli, ["export", str(root), str(tmp_path / "o2"), "--all", "--format", "dcp"])
+    assert r.exit_code == 2 and "become 'v.5'" in r.output and "Traceback" not in r.output, r.output
+    export(root, tmp_path / "o.pt", format="torch", all_state=True)
+    assert torch.load(tmp_path / "o.pt", weights_only=True)["v"] == {5: "int", "5": "str"}

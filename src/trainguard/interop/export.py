@@ -207,10 +207,21 @@ def _safetensors_sharded(
 def _save_dcp(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from .._persist import quiet_dcp
+    from .._persist import quiet_dcp, unwrap
 
-    with quiet_dcp():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    try:
+        with quiet_dcp():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        inner = unwrap(e)
+        text = str(inner)
+        if isinstance(inner, ValueError) and "duplicated flatten key" in text:
+            key = text.rsplit("duplicated flatten key", 1)[1].strip()
+            raise ConfigError(
+                f"DCP joins nested keys with '.', and two keys of this state become {key!r} (e.g. an int key "
+                "5 beside a str key '5'); export it with --format torch, which keeps the nested keys as they are"
+            ) from None
+        raise
 
 
 def _tmp_name(out: Path) -> Path:
