@@ -267,12 +267,33 @@ def test_a_chunk_hash_with_a_trailing_newline_is_refused(root):
 )
 def test_a_path_key_is_checked_against_its_tag(root, tag, key, ok):
     body = read_manifest_json(root, 2)
-    body["entries"]["model.big"]["path"] = [["s", "model"], [tag, key]]
+    entry = body["entries"].pop("model.big")
+    entry["path"] = [["s", "model"], [tag, key]]
+    body["entries"][f"model.{key}"] = entry  # the name a save gives that path
     err = _parse(sign(body))
     if ok:
         assert err is None
     else:
         assert isinstance(err, CorruptCheckpointError) and "path" in str(err), err
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("model.big", [["s", "model"], ["s", "other"]]),  # a restore matched by name, rebuilt by path
+        ("model.big", [["s", "model"], ["i", -1]]),
+        ("-1", [["i", -1]]),  # a top-level key is a string: restore({}) left such an entry out silently
+        ("model.big@rank0", [["s", "model"], ["s", "big"]]),  # a per-rank name without "rank"
+    ],
+)
+def test_an_entry_whose_name_does_not_match_its_path_is_refused(root, name, path):
+    body = read_manifest_json(root, 2)
+    entry = body["entries"].pop("model.big")
+    entry["path"] = path
+    body["entries"][name] = entry
+    err = _parse(sign(body))
+    assert isinstance(err, CorruptCheckpointError), err
+    assert "does not match its path" in str(err) or "top-level state key" in str(err), err
 
 
 @pytest.mark.parametrize("what", ["chunk-directory", "chunk-file", "file-in-moved-chunks"])

@@ -34,6 +34,11 @@ def has_tensor(x: Any, depth: int = 0) -> bool:
     return False
 
 
+def _short_int(k: int) -> str:
+    """``k`` as text, or its size for an int too long to print (Python refuses beyond 4,300 digits)."""
+    return str(k) if k.bit_length() <= 256 else f"of {k.bit_length()} bits"
+
+
 def fqn_of(path: PathT) -> str:
     return ".".join(str(k) for _, k in path)
 
@@ -76,7 +81,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]
                     )
                 if isinstance(k, int) and not INT_KEY_MIN <= k <= INT_KEY_MAX:
                     raise ConfigError(
-                        f"state key {k} under {fqn_of(path)!r} is outside the signed 64-bit range "
+                        f"state key {_short_int(k)} under {fqn_of(path)!r} is outside the signed 64-bit range "
                         "[-2**63, 2**63 - 1] a manifest path holds; use a smaller int or a str key"
                     )
                 visit(v, (*path, ("s" if isinstance(k, str) else "i", k)))
