@@ -54,6 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -342,13 +343,26 @@ class Loop:
             import torch.distributed.checkpoint as dcp
 
             d = self.dcp_root / f"step-{self.step}"
+            state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                fut = dcp.async_save(
-                    {"model": self.model.state_dict(), "optim": self.opt.state_dict()},
-                    storage_writer=dcp.FileSystemWriter(str(d)),
-                    **({"async_stager": self.stager} if self.stager is not None else {}),
-                )
+                if self.stager is not None:
+                    try:
+                        fut = dcp.async_save(
+                            state, storage_writer=dcp.FileSystemWriter(str(d)), async_stager=self.stager
+                        )
+                        return getattr(fut, "upload_completion", fut)
+                    except Exception as e:  # noqa: BLE001 - seen on torch 2.11 + CUDA: KeyError <class 'type'>
+                        import torch
+
+                        self.stager = None
+                        self.stager_name = (
+                            f"none: DefaultStager raised {type(e).__name__}: {e} on torch {torch.__version__}, "
+                            "so dcp.async_save ran without a stager"
+                        )
+                        log(self.stager_name)
+                        shutil.rmtree(d, ignore_errors=True)
+                fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)))
             return getattr(fut, "upload_completion", fut)
         return None
 
@@ -396,6 +410,7 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
             dtensor = dtensor_async(sizes, device, root / "dtensor")
         except Exception as e:  # noqa: BLE001 - reported, the loop's figures are kept
             dtensor = {"error": f"{type(e).__name__}: {e}"}
+            log(traceback.format_exc())
     finally:
         loop.close()
         dist.destroy_process_group()
@@ -418,6 +433,8 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
 
     device = torch.device(device_name)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device (set_device needs an index since torch 2.11)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # the current device: where DCP's stager and the default streams sync
     t_start = time.perf_counter()
     res: dict[str, Any] = {"device": device_name, "sizes": vars(sizes), "errors": {}}
@@ -436,7 +453,7 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
             fn()
         except Exception as e:  # noqa: BLE001 - reported; the next phase runs
             res["errors"][name] = f"{type(e).__name__}: {e}"
-            log(f"{name} failed: {res['errors'][name]}")
+            log(f"{name} failed: {res['errors'][name]}\n{traceback.format_exc()}")
         res["total_s"] = time.perf_counter() - t_start
         try:
             write_json()

@@ -3,6 +3,7 @@ save is synchronous or asynchronous, and leaves nothing behind."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,69 @@ def test_negative_and_large_int_keys_round_trip(tmp_path, async_save):
     assert sorted(live["m"]) == sorted(keys)
     for i, k in enumerate(keys):
         assert torch.equal(live["m"][k], torch.full((3,), float(i))), k
+
+
+class Phase(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Level(int, enum.Enum):
+    LOW = 1
+    HIGH = 2
+
+
+class Tag(str):
+    def __str__(self) -> str:
+        return f"Tag<{str.__str__(self)}>"
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_enum_and_str_subclass_keys_round_trip_also_from_an_older_save(tmp_path, async_save):
+    """Keys that are ``(str, Enum)``, ``(int, Enum)`` members or a str subclass with its own ``__str__``: a
+    manifest path stores their value (as JSON writes it) and the entry's name shows that value, so a restore
+    into the live objects (Enum keys) and into an empty dict (plain keys) both take every tensor.
+
+    Before, names used ``str(key)`` ("stats.Phase.TRAIN") while paths held "train": a check that a name matches
+    its path then read every such checkpoint as corrupt. A checkpoint saved with those older names (rewritten
+    here) still restores: a manifest entry is named by its path."""
+    import json
+
+    import crc32c
+
+    from trainguard.format.manifest import _canonical
+
+    def make(v: float) -> dict[str, Any]:
+        return {
+            "stats": {Phase.TRAIN: torch.full((2,), v), Phase.EVAL: torch.full((3,), v + 1)},
+            "levels": {Level.LOW: torch.full((2,), v + 2), Level.HIGH: torch.full((2,), v + 3)},
+            "tags": {Tag("a"): torch.full((4,), v + 4)},
+        }
+
+    with tg.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, make(1.0)).wait()
+        mgr.save(2, make(10.0)).wait()
+    # step 1 as an older save wrote it: names from str(key)
+    mpath = next(tmp_path.glob("step*1/manifest.json"))
+    body = json.loads(mpath.read_bytes())
+    old = {"stats.train": "stats.Phase.TRAIN", "stats.eval": "stats.Phase.EVAL", "tags.a": "tags.Tag<a>"}
+    assert set(old) <= set(body["entries"]), sorted(body["entries"])
+    for new_name, old_name in old.items():
+        body["entries"][old_name] = body["entries"].pop(new_name)
+    body.pop("crc32c")
+    body["crc32c"] = crc32c.crc32c(_canonical(body))
+    mpath.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    assert verify(tmp_path).ok
+    for step, v in ((1, 1.0), (2, 10.0)):
+        live = make(-1.0)
+        assert tg.CheckpointManager(tmp_path, read_only=True).restore(step, live) == step
+        for key, t in make(v).items():
+            for k, x in t.items():
+                assert torch.equal(live[key][k], x), (step, key, k)
+        empty: dict[str, Any] = {"stats": {}, "levels": {}, "tags": {}}
+        tg.CheckpointManager(tmp_path, read_only=True).restore(step, empty)
+        assert torch.equal(empty["stats"]["train"], torch.full((2,), v)) and empty["levels"][2][0] == v + 3
+        assert torch.equal(empty["tags"]["a"], torch.full((4,), v + 4))
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -278,22 +278,40 @@ def test_a_path_key_is_checked_against_its_tag(root, tag, key, ok):
 
 
 @pytest.mark.parametrize(
-    ("name", "path"),
+    ("name", "path", "named"),
     [
-        ("model.big", [["s", "model"], ["s", "other"]]),  # a restore matched by name, rebuilt by path
-        ("model.big", [["s", "model"], ["i", -1]]),
-        ("-1", [["i", -1]]),  # a top-level key is a string: restore({}) left such an entry out silently
-        ("model.big@rank0", [["s", "model"], ["s", "big"]]),  # a per-rank name without "rank"
+        # a restore matches entries by name and rebuilds containers by path: the path decides the name
+        ("model.big", [["s", "model"], ["s", "other"]], "model.other"),
+        ("model.big", [["s", "model"], ["i", -1]], "model.-1"),
+        ("model.big@rank0", [["s", "model"], ["s", "big"]], "model.big"),  # a per-rank name without "rank"
+        ("stats.Phase.TRAIN", [["s", "model"], ["s", "big"]], "model.big"),  # an Enum key's old name
     ],
 )
-def test_an_entry_whose_name_does_not_match_its_path_is_refused(root, name, path):
+def test_an_entry_is_named_by_its_path(root, name, path, named):
     body = read_manifest_json(root, 2)
     entry = body["entries"].pop("model.big")
     entry["path"] = path
     body["entries"][name] = entry
+    m = manifest_from_json(sign(body), expect_step=2)
+    assert (
+        named in m.entries
+        and m.entries[named].fqn == named
+        and m.entries[named].path == tuple(tuple(el) for el in path)
+    )
+    assert name == named or name not in m.entries
+
+
+def test_a_path_starting_with_an_int_key_or_two_entries_naming_one_path_are_refused(root):
+    body = read_manifest_json(root, 2)
+    entry = body["entries"].pop("model.big")
+    body["entries"]["-1"] = {**entry, "path": [["i", -1]]}  # restore({}) left such an entry out silently
     err = _parse(sign(body))
-    assert isinstance(err, CorruptCheckpointError), err
-    assert "does not match its path" in str(err) or "top-level state key" in str(err), err
+    assert isinstance(err, CorruptCheckpointError) and "top-level state key" in str(err), err
+    body = read_manifest_json(root, 2)
+    entry = body["entries"]["model.big"]
+    body["entries"]["forged"] = dict(entry)  # a second entry at model.big's path
+    err = _parse(sign(body))
+    assert isinstance(err, CorruptCheckpointError) and "paths that name 'model.big'" in str(err), err
 
 
 @pytest.mark.parametrize("what", ["chunk-directory", "chunk-file", "file-in-moved-chunks"])

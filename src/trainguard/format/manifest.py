@@ -552,14 +552,17 @@ def _entries(
             if version < PER_RANK_FORMAT_VERSION:
                 raise _bad(f"{fqn}: a per-rank entry needs format_version {PER_RANK_FORMAT_VERSION}", step)
             erank = _int(erank, f"{fqn} rank", 0, 1 << 24)
-        # the name is the path's keys joined with '.' (+ "@rank<r>"), as a save writes it: a restore matches
-        # entries by name and rebuilds containers by path, so the two must agree; the state's top-level keys
-        # are strings
+        # the name is the path's keys joined with '.' (+ "@rank<r>"): a restore matches entries by name and
+        # rebuilds containers by path, so the name is taken from the path. A stored name that differs comes
+        # from a save before names showed a str/int subclass key by its value (an Enum key saved as
+        # "stats.Phase.TRAIN" with path key "train") or from an edited file; either way the path decides.
+        # The state's top-level keys are strings.
         if epath[0][0] != "s":
             raise _bad(f"{fqn}: a path starts with a top-level state key (tag 's')", step)
-        expected = ".".join(str(k) for _, k in epath) + ("" if erank is None else f"@rank{erank}")
-        if fqn != expected:
-            raise _bad(f"entry {fqn[:200]!r} does not match its path (which names {expected[:200]!r})", step)
+        name = ".".join(str(k) for _, k in epath) + ("" if erank is None else f"@rank{erank}")
+        if name in entries:
+            raise _bad(f"two entries have paths that name {name[:200]!r}", step)
+        fqn = name
         kind = raw.get("kind")
         if kind == "tensor":
             dtype = raw.get("dtype")

@@ -39,8 +39,23 @@ def _short_int(k: int) -> str:
     return str(k) if k.bit_length() <= 256 else f"of {k.bit_length()} bits"
 
 
+def key_text(k: Any) -> str:
+    """A path key as a name shows it: the text a manifest path stores for it.
+
+    A str or int subclass (a ``(str, Enum)`` or ``(int, Enum)`` member, whose ``str()`` is ``"Phase.TRAIN"``)
+    shows its value, as JSON writes it into the path (``"train"``, ``1``), so a name read back from a
+    manifest equals the name a live state's key gives.
+    """
+    if isinstance(k, str):
+        return str.__str__(k)
+    if isinstance(k, int):
+        return int.__repr__(k)
+    return str(k)
+
+
 def fqn_of(path: PathT) -> str:
-    return ".".join(str(k) for _, k in path)
+    """The name of a leaf at ``path``: its keys' :func:`key_text` joined with ``.`` (``model.layer.0.weight``)."""
+    return ".".join(key_text(k) for _, k in path)
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT]]:
