@@ -116,6 +116,33 @@ def test_a_failing_phase_is_reported_and_the_later_ones_still_run(tmp_path, monk
     assert lines[-1].startswith("incomplete run")
 
 
+def test_a_dcp_stager_that_raises_falls_back_to_async_save_without_one_and_says_so(tmp_path, monkeypatch):
+    """Seen on torch 2.11 + CUDA: DCP's DefaultStager raised ``KeyError: <class 'type'>``; the loop then
+    measures ``dcp.async_save`` without a stager, and the report names the fallback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_stager", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+
+    class Broken:
+        def stage(self, state_dict):
+            raise KeyError(type)
+
+        def synchronize_staging(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(mod.Loop, "_dcp_stager", lambda self: Broken())
+    res = mod.loop_overheads(mod.TINY, torch.device("cpu"), tmp_path / "loop")
+    assert res["dcp_stager"].startswith("none: DefaultStager raised KeyError: <class 'type'>"), res["dcp_stager"]
+    assert isinstance(res["dcp_async"], float) and len(res["segments_s"]) == mod.TINY.rounds
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
