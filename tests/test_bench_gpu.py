@@ -139,7 +139,9 @@ def test_a_dcp_stager_that_raises_falls_back_to_async_save_without_one_and_says_
 
     monkeypatch.setattr(mod.Loop, "_dcp_stager", lambda self: Broken())
     res = mod.loop_overheads(mod.TINY, torch.device("cpu"), tmp_path / "loop")
-    assert res["dcp_stager"].startswith("none: DefaultStager raised KeyError: <class 'type'>"), res["dcp_stager"]
+    assert res["dcp_stager"].startswith("none: DefaultStager raised KeyError: <class 'type'>"), res[
+        "dcp_stager"
+    ]
     assert isinstance(res["dcp_async"], float) and len(res["segments_s"]) == mod.TINY.rounds
 
 

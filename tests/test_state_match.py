@@ -216,6 +216,25 @@ def test_an_empty_dict_target_takes_a_saved_top_level_tensor_as_saved(tmp_path):
     assert target["w"].dtype == torch.int16 and torch.equal(target["w"], torch.arange(4, dtype=torch.int16))
 
 
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {"": torch.ones(2), "a": torch.zeros(1)},  # was: CorruptCheckpointError "a leaf and a container ..."
+        {"": torch.ones(2)},  # was: target["m"] became the tensor itself
+        {"": {"": torch.arange(3)}},
+    ],
+    ids=["empty-key-beside-another", "empty-key-alone", "nested-empty-keys"],
+)
+def test_an_empty_dict_target_takes_a_saved_empty_string_key_as_saved(tmp_path, saved):
+    """The key ``""`` inside ``m`` has the relative name ``""``, as ``m``'s own empty container has: the
+    container is filled, not replaced by that entry."""
+    save(tmp_path, {"m": saved})
+    target: dict = {"m": {}}
+    restore(tmp_path, target)
+    assert target["m"].keys() == saved.keys()
+    assert repr(target["m"]) == repr(saved)  # the same keys, tensors and values at the same places
+
+
 def test_strict_false_loads_what_matches_converting_dtypes_and_logs_the_differences(tmp_path, caplog):
     save(tmp_path, {"d": {"x": torch.tensor([2.7]), "saved_only": torch.ones(1)}})
     target = {"d": {"x": torch.zeros(1, dtype=torch.int64), "live_only": torch.zeros(1)}}

@@ -243,9 +243,13 @@ def build_template(
         live = obj.state_dict() if stateful else obj
         live_flat, live_paths = flatten({k: live})
         saved = [f for f in saved_top[k] if f not in skip]  # not other ranks' per-rank values
+        empties = [f for f, v in live_flat.items() if isinstance(v, (Mapping, list, tuple)) and len(v) == 0]
+        filled = {e for e in empties for f in saved if f.startswith(e + ".")}
+        # an empty live container that saved entries fill is no match for a saved leaf: the leaf at key ""
+        # beneath it has the same relative name (k's own container is "", and so is {"": t} inside it)
         match = match_names(
             {f: fqn_of(manifest.entries[f].path[1:]) for f in saved},
-            {f: fqn_of(p[1:]) for f, p in live_paths.items()},
+            {f: fqn_of(p[1:]) for f, p in live_paths.items() if f not in filled},
         )
         record = (
             (manifest.top_level.get(k) or {}).get("optimizer_state")
@@ -254,8 +258,6 @@ def build_template(
         )
         sections = {optim.section_name(p) for p in optim.optimizer_sections(live)} | set(record or {})
         opt_prefixes = tuple(".".join(x for x in (k, s, "state") if x) + "." for s in sections)
-        empties = [f for f, v in live_flat.items() if isinstance(v, (Mapping, list, tuple)) and len(v) == 0]
-        filled = {e for e in empties for f in saved if f.startswith(e + ".")}
         only_saved = [] if stateful else [f for f in saved if f not in match and not _beneath(f, empties)]
         used = set(match.values()) | filled
         only_live = [] if stateful else [f for f in live_flat if f not in used]

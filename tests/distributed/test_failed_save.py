@@ -48,3 +48,20 @@ def test_the_failed_step_is_listed_as_incomplete_with_its_error(failed):
 
 def test_the_next_save_commits_and_every_checkpoint_verifies(failed):
     assert failed[0]["verify_ok"] is True
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_value_refused_on_one_rank_is_refused_on_every_rank_at_once(tmp_path, async_save):
+    """Rank 1's state holds a value the save refuses (ConfigError); rank 0's does not. Before, rank 1 raised
+    alone while computing the per-rank digests and rank 0 waited in the gather until the process group's
+    timeout. Now both raise at once, rank 0 naming rank 1, and the next save commits on both."""
+    res = run_workers(
+        2, "refused_value", tmp_path, root=str(tmp_path / "root"), pg_timeout_s=60, **{"async": async_save}
+    )
+    for r in res:
+        f = r["failure"]
+        assert f is not None and f["type"] == "ConfigError", (r["rank"], f)
+        assert "bool tensor with bytes other than 0 and 1" in f["message"], f
+        assert r["seconds"] < 30, r  # not the 60 s process-group timeout
+        assert r["steps"] == [1, 3], r
+    assert "refused on rank 1" in res[0]["failure"]["message"], res[0]["failure"]

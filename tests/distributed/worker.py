@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,27 @@ def scenario_orphans(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dic
     return res
 
 
+def scenario_refused_value(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """The last rank's state holds a value the save refuses (a set holding a bool tensor whose bytes are not 0
+    and 1); the other ranks' do not. Every rank must raise, none wait in a collective for its timeout."""
+    root = Path(spec["root"])
+    mgr = tg.CheckpointManager(root, async_save=spec["async"])
+    evil = torch.tensor([2, 0, 255, 1], dtype=torch.uint8).view(torch.bool)
+    good = torch.tensor([True, False])
+    mgr.save(1, {"w": torch.ones(2), "v": {good}}).wait()
+    res: dict[str, Any] = {"failure": None}
+    t0 = time.monotonic()
+    try:
+        mgr.save(2, {"w": torch.ones(2), "v": {evil if rank == ws - 1 else good}}).wait()
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res["failure"] = {"type": type(e).__name__, "message": str(e)}
+    res["seconds"] = time.monotonic() - t0
+    mgr.save(3, {"w": torch.ones(2), "v": {good}}).wait()
+    res["steps"] = [i.step for i in mgr.checkpoints()]
+    mgr.close()
+    return res
+
+
 def scenario_bf16(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
     """FSDP2 parameters (fp32 DTensors) with bf16 moments, through ModelOptimizerState: the restored moments are
     bf16 DTensors equal to the saved ones, and both runs continue identically."""
@@ -706,6 +728,7 @@ SCENARIOS = {
     "bf16": scenario_bf16,
     "save": scenario_save,
     "orphans": scenario_orphans,
+    "refused_value": scenario_refused_value,
     "load": scenario_load,
     "fail": scenario_fail,
     "corrupt": scenario_corrupt,

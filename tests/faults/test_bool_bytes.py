@@ -307,3 +307,30 @@ def test_a_value_holding_a_bool_tensor_with_other_bytes_is_refused_at_save(tmp_p
                 mgr.save(2, {"w": torch.ones(2), "v": bad}).wait()
         mgr.save(3, {"w": torch.ones(2), "v": {evil.clone()}}).wait()  # the fix the message names
         assert [i.step for i in mgr.checkpoints()] == [1, 3]
+
+
+def test_a_strided_part_of_a_saved_shard_is_checked_on_its_own_bytes(tmp_path):
+    """A rank of a column-sharded load (``Shard(1)`` on more ranks than saved) reads a strided part of a saved
+    shard. The check copied it with ``.contiguous()``, and torch's bool copy turns every nonzero byte into 1, so
+    forged bytes passed; the saved bytes of the part are checked through a uint8 view now."""
+    from trainguard.catalog import read_manifest
+    from trainguard.distributed.chunkread import ShardReader
+    from trainguard.state.values import bool_bytes_valid
+
+    raw = torch.zeros(4, 32, dtype=torch.uint8)
+    raw[1, 9] = 7
+    assert not bool_bytes_valid(raw.view(torch.bool)[:, 8:16])  # strided
+    assert not bool_bytes_valid(raw.view(torch.bool).t())
+    assert bool_bytes_valid(raw.view(torch.bool)[:, 16:])  # the part without the byte
+
+    root = tmp_path / "root"
+    _forged_column_shards(root, split=False)
+    m = read_manifest(root, 2)
+    with tg.CheckpointManager(root, read_only=True) as mgr:
+        reader = ShardReader(mgr.store, m)
+        dest = torch.zeros(4, 8, dtype=torch.bool)
+        with pytest.raises(
+            CorruptCheckpointError, match="bool tensor m.flags holds bytes other than 0 and 1"
+        ):
+            reader.read_tensor("m.flags", (0, 0), (0, 8), (4, 8), dest)
+        assert not dest.any()  # nothing copied

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from ..errors import ConfigError, StateMismatchError
+from ..errors import ConfigError, SaveError, StateMismatchError
 from .flatten import PathT, fqn_of
 from .values import encode_value
 
@@ -118,13 +118,29 @@ def split(
         ``(("r", r), *path)``.
 
     Raises:
-        ConfigError: a per-rank name collides with a key of the state.
+        ConfigError: a per-rank name collides with a key of the state, or a leaf cannot be stored (on every
+            rank when one rank's leaf is refused, naming that rank; SaveError when its error was another).
     """
     if not dist.enabled:
         return flat, paths
     forced = {k for k, t in top.items() if t.get("per_rank")}
-    mine = {fqn: d for fqn, v in flat.items() if (d := digest(v, fqn)) is not None}
-    everyone = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(mine).encode())]
+    failure: Exception | None = None
+    try:
+        mine = {fqn: d for fqn, v in flat.items() if (d := digest(v, fqn)) is not None}
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
+        mine, failure = {}, e
+    # the digests and whether this rank failed: a rank raising alone would leave the others waiting in the
+    # next collective until its timeout
+    sent = {"digests": mine, "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+    gathered = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(sent).encode())]
+    if failure is not None:
+        raise failure
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if failed:
+        r, why = failed[0]
+        cls = ConfigError if why.startswith("ConfigError:") else SaveError
+        raise cls(f"the save was refused on rank {r}: {why[:2000]}")
+    everyone = [g["digests"] for g in gathered]
     out_flat: dict[str, Any] = {}
     out_paths: dict[str, PathT] = {}
     for fqn, v in flat.items():

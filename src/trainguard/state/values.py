@@ -204,11 +204,12 @@ def decode_value(payload: bytes, fqn: str) -> Any:
 
 def bool_bytes_valid(t: torch.Tensor) -> bool:
     """False for a bool tensor holding a byte other than 0 or 1 (what no torch operation writes; a forged or
-    mistaken manifest or payload); True for any other tensor. One reduction, no temporary of the tensor's
-    size (a contiguous tensor)."""
+    mistaken manifest or payload); True for any other tensor. One reduction over the tensor's own bytes, also
+    for a strided view (``view(torch.uint8)`` keeps the strides; ``.contiguous()`` would copy through torch's
+    bool copy, which turns every nonzero byte into 1 and hides them)."""
     if t.dtype != torch.bool or t.numel() == 0:
         return True
-    return int(t.detach().contiguous().view(torch.uint8).max()) <= 1
+    return int(t.detach().view(torch.uint8).max()) <= 1
 
 
 def invalid_bools_problem(names: list[str]) -> str:
@@ -226,6 +227,9 @@ _BOOL_CAUSE = (
 )
 
 
+_ATOMS = frozenset({int, float, str, bytes, bool, complex, type(None)})
+
+
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors inside a decoded value (dicts, lists, tuples, sets, slices, and the Python attributes that
     ``torch.load(weights_only=True)`` restores on a tensor or other object; any depth, each object once)."""
@@ -234,7 +238,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     seen: set[int] = set()
     while todo:
         v = todo.pop()
-        if id(v) in seen:
+        if type(v) in _ATOMS or id(v) in seen:  # exact types: a subclass may carry attributes
             continue
         seen.add(id(v))
         if isinstance(v, torch.Tensor):
