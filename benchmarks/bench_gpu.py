@@ -28,7 +28,12 @@ What it measures, side by side in one run:
    a reused ``DefaultStager``: pinned, non-blocking), rotated per round, first round a warm-up; overhead =
    median over rounds of ``segment(method) / segment(none) - 1``. Targets: trainguard < 1% and not above
    ``dcp.async_save``'s overhead in the same run. ``dcp.async_save`` gets a reused ``DefaultStager`` where torch
-   has one, else no stager (the report says which).
+   has one, else no stager, and none after the stager raised (torch 2.11 + CUDA: ``KeyError: <class
+   'type'>``); the report says which. ``--every`` (default 100 steps, the issue's interval) sets the segment.
+   Where the time goes, per method against the same round's ``none`` segment: seconds blocked in ``save()``,
+   the persist's seconds, and CUDA-event timings of every step: extra device time inside steps (a step whose
+   launches came late, e.g. its thread waiting for the GIL) and between steps, and the steps slowed most. A
+   persist that outlasts the interval shows as extra time at the segment's end instead.
 6. **A DTensor's async save** on a one-rank mesh of the device (in the loop's process group): the device
    memory allocated must not grow by the DTensor's bytes while the save persists (its staged shard stays in
    the pinned host buffer), and the restore is bit-exact.
@@ -82,7 +87,7 @@ class Sizes:
     rounds: int
 
 
-FULL = Sizes(layers=32, width=1024, saves=6, mlp_width=2048, mlp_layers=8, batch=8192, every=50, rounds=3)
+FULL = Sizes(layers=32, width=1024, saves=6, mlp_width=2048, mlp_layers=8, batch=8192, every=100, rounds=3)
 TINY = Sizes(layers=2, width=64, saves=3, mlp_width=64, mlp_layers=2, batch=16, every=4, rounds=2)
 
 
@@ -367,24 +372,61 @@ class Loop:
         return None
 
     def segment(self, method: str) -> float:
-        """Seconds of one segment of ``every`` steps saving with ``method`` at its first step."""
+        """Seconds of one segment of ``every`` steps saving with ``method`` at its first step; what the
+        segment was made of goes to :attr:`last` (see :meth:`_timeline`)."""
+        import torch
+
+        cuda = self.device.type == "cuda"
+        marks: list[Any] = []  # per step: (start, end) CUDA events, or host perf_counter() on CPU
         sync(self.device)
         t0 = time.perf_counter()
         pending = None
+        block_s = 0.0
+        done_at: list[float] = []
         for i in range(self.every):
             self.step += 1
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            else:
+                ev = [time.perf_counter(), 0.0]
             train_step(self.model, self.opt, self.x)
+            if cuda:
+                ev[1].record()
+            else:
+                ev[1] = time.perf_counter()
+            marks.append(ev)
             if i == 0:
+                b0 = time.perf_counter()
                 pending = self.save(method)
+                block_s = time.perf_counter() - b0
+                if method == "dcp_async" and hasattr(pending, "add_done_callback"):
+                    pending.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        persist_s = None
         if method == "tg_async":
             pending.wait()
+            persist_s = pending.persist_s
         elif method == "dcp_async":
             pending.result()
+            persist_s = (done_at[0] if done_at else time.perf_counter()) - (t0 + block_s)
         sync(self.device)
         seconds = time.perf_counter() - t0
         if method == "dcp_async":
             shutil.rmtree(self.dcp_root, ignore_errors=True)
+        self.last = {"seconds": seconds, "block_s": block_s, "persist_s": persist_s, **self._timeline(marks)}
         return seconds
+
+    def _timeline(self, marks: list[Any]) -> dict[str, Any]:
+        """Per step: the device time from the step's first launch to its last kernel's end (``step_ms``: a
+        step whose launches came late, e.g. a training thread waiting for the GIL, takes longer) and the idle
+        time before the next step (``gap_ms``)."""
+        if self.device.type == "cuda":
+            step_ms = [a.elapsed_time(b) for a, b in marks]
+            gap_ms = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
+        else:
+            step_ms = [(b - a) * 1e3 for a, b in marks]
+            gap_ms = [(marks[i + 1][0] - marks[i][1]) * 1e3 for i in range(len(marks) - 1)]
+        return {"step_ms": step_ms, "gap_ms": gap_ms}
 
     def close(self) -> None:
         self.mgr.close()  # a second call does nothing
@@ -399,11 +441,16 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
     dtensor: dict[str, Any] = {}
     try:
         per_round: list[dict[str, float]] = []
+        details: list[dict[str, Any]] = []
         for r in range(sizes.rounds + 1):  # round 0 is a warm-up
             order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-            seg = {m: loop.segment(m) for m in order}
+            seg, det = {}, {}
+            for m in order:
+                seg[m] = loop.segment(m)
+                det[m] = loop.last
             if r:
                 per_round.append(seg)
+                details.append(det)
         loop.close()
         log("DTensor async save on a one-rank mesh ...")
         try:
@@ -418,6 +465,46 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
     for m in METHODS[1:]:
         out[m] = statistics.median(s[m] / s["none"] - 1 for s in per_round)
     out["step_s"] = statistics.median(s["none"] for s in per_round) / sizes.every
+    out["where"] = where_the_time_goes(details)
+    return out
+
+
+def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per saving method, medians over rounds against the same round's ``none`` segment: seconds blocked in
+    ``save()``, the persist's seconds, the extra device time inside steps and between steps (ms), and the
+    steps slowed most (index in the segment, extra ms). Tells a persist that outlasts the interval (extra
+    time at the segment's end) from training steps slowed while it runs (extra time inside the steps)."""
+    out: dict[str, Any] = {}
+    for m in METHODS[1:]:
+        rows = []
+        for d in details:
+            base, cur = d["none"], d[m]
+            extra = [a - b for a, b in zip(cur["step_ms"], base["step_ms"], strict=True)]
+            rows.append(
+                {
+                    "block_s": cur["block_s"],
+                    "persist_s": cur["persist_s"],
+                    "extra_in_steps_ms": sum(extra),
+                    "extra_between_steps_ms": sum(cur["gap_ms"]) - sum(base["gap_ms"]),
+                    "extra_s": cur["seconds"] - base["seconds"],
+                    "slowest": sorted(range(len(extra)), key=lambda i: -extra[i])[:3],
+                    "extra_ms": extra,
+                }
+            )
+        med = {
+            k: statistics.median(r[k] for r in rows if r[k] is not None)
+            if any(r[k] is not None for r in rows)
+            else None
+            for k in ("block_s", "persist_s", "extra_in_steps_ms", "extra_between_steps_ms", "extra_s")
+        }
+        # steps slowed, summed over rounds: where in the segment the time went
+        n = len(rows[0]["extra_ms"])
+        per_step = [statistics.median(r["extra_ms"][i] for r in rows) for i in range(n)]
+        med["slowest_steps"] = [
+            [i, round(per_step[i], 1)] for i in sorted(range(n), key=lambda i: -per_step[i])[:5]
+        ]
+        med["rounds"] = [{k: v for k, v in r.items() if k != "extra_ms"} for r in rows]
+        out[m] = med
     return out
 
 
@@ -506,6 +593,15 @@ def report(res: dict[str, Any]) -> list[str]:
     )
     for m in METHODS[1:]:
         lines.append(f"  {LABELS[m]:<26} overhead {loop[m]:+.2%}")
+        w = loop.get("where", {}).get(m)
+        if w:
+            persist = "?" if w["persist_s"] is None else f"{w['persist_s']:.2f} s"
+            lines.append(
+                f"    blocked {w['block_s'] * 1e3:.1f} ms, persist {persist}; vs none: "
+                f"{w['extra_s']:+.3f} s, of it {w['extra_in_steps_ms']:+.0f} ms inside steps and "
+                f"{w['extra_between_steps_ms']:+.0f} ms between steps ({'device' if cuda else 'host'} time); "
+                "steps slowed most " + ", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"])
+            )
     lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")
     if "error" in loop.get("dtensor", {}):
         lines.append(f"ERROR in the DTensor phase: {loop['dtensor']['error']}")
@@ -551,6 +647,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda (default; SKIP without one) or cpu (logic check)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: seconds on a CPU (the test runs this)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
+    ap.add_argument(
+        "--every",
+        type=int,
+        metavar="N",
+        help="steps per segment of the training loop, one save each (default: 100; 4 with --tiny)",
+    )
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp folder, removed after)")
     ap.add_argument(
         "--require-cuda",
@@ -581,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     if not valid_device(a.device):
         print(f"--device must be cuda, cuda:N or cpu, got {a.device!r}", file=sys.stderr)
         return 2
+    if a.every is not None and a.every < 2:
+        print(f"--every must be at least 2 steps, got {a.every}", file=sys.stderr)
+        return 2
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         if a.require_cuda:
             print(
@@ -603,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     sizes = TINY if a.tiny else FULL
+    if a.every is not None:
+        sizes = dataclasses.replace(sizes, every=a.every)
     if a.json:
         try:
             Path(a.json).write_text("{}\n")

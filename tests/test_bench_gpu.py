@@ -30,7 +30,7 @@ def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(300)
 def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
     out = tmp_path / "res.json"
-    p = bench("--device", "cpu", "--tiny", "--json", str(out), "--scratch", str(tmp_path))
+    p = bench("--device", "cpu", "--tiny", "--every", "5", "--json", str(out), "--scratch", str(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     verdicts = [ln for ln in p.stdout.splitlines() if ln.startswith(("PASS ", "MISS "))]
     targets = [ln.split(" ", 1)[1].split(":")[0] for ln in verdicts]
@@ -59,6 +59,13 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
     assert len(res["stalls_s"]) == 2 and res["copy_s"] > 0
     assert set(res["loop"]) >= {"tg_async", "dcp_async", "step_s", "segments_s"}
     assert len(res["loop"]["segments_s"]) == 2  # --tiny: 2 rounds after the warm-up
+    assert res["sizes"]["every"] == 5 and "one save per 5 steps" in p.stdout
+    for m in ("tg_async", "dcp_async"):  # where the time goes: per round, the save's parts and every step
+        w = res["loop"]["where"][m]
+        assert w["block_s"] > 0 and w["persist_s"] > 0, w
+        assert len(w["rounds"]) == 2 and len(w["slowest_steps"]) == 5, w
+        assert sorted(i for i, _ in w["slowest_steps"]) == [0, 1, 2, 3, 4], w
+    assert p.stdout.count("    blocked ") == 2 and "ms inside steps and" in p.stdout, p.stdout
     assert list(tmp_path.iterdir()) == [out], "the scratch checkpoints were not removed"
 
 
@@ -83,6 +90,13 @@ def test_a_malformed_device_is_an_error_even_without_cuda(device):
     p = bench("--device", device, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--device must be cuda, cuda:N or cpu" in p.stderr and "SKIP" not in p.stdout
+
+
+@pytest.mark.parametrize("every", ["1", "0", "-3"])
+def test_a_segment_shorter_than_two_steps_is_an_error_even_without_cuda(every):
+    p = bench("--every", every, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--every must be at least 2 steps" in p.stderr and "SKIP" not in p.stdout
 
 
 def test_an_unwritable_json_path_fails_before_anything_is_measured(tmp_path):
