@@ -30,6 +30,8 @@ What it measures, side by side in one run:
    ``dcp.async_save``'s overhead in the same run. ``dcp.async_save`` gets a reused ``DefaultStager`` where torch
    has one, else no stager, and none after the stager raised (torch 2.11 + CUDA: ``KeyError: <class
    'type'>``); the report says which. ``--every`` (default 100 steps, the issue's interval) sets the segment.
+   A fourth method, ``raw write thread``, is the floor of any async save in this loop (info, no target):
+   the same pinned copy and synchronize, then one thread writes the bytes to one file and fsyncs it.
    Where the time goes, per method against the same round's ``none`` segment: seconds blocked in ``save()``,
    the persist's seconds, and CUDA-event timings of every step: extra device time inside steps (a step whose
    launches came late, e.g. its thread waiting for the GIL) and between steps, and the steps slowed most. A
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import shutil
 import statistics
 import sys
@@ -69,8 +72,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TARGET_STALL_X = 1.3  # blocking stall per GB within 1.3x of the device-to-host copy time per GB
 TARGET_OVERHEAD = 0.01  # async overhead on the training loop below 1% at one save per --every steps
-METHODS = ("none", "tg_async", "dcp_async")
-LABELS = {"none": "no checkpointing", "tg_async": "trainguard async", "dcp_async": "dcp.async_save + stager"}
+METHODS = ("none", "tg_async", "dcp_async", "raw_thread")
+LABELS = {
+    "none": "no checkpointing",
+    "tg_async": "trainguard async",
+    "dcp_async": "dcp.async_save + stager",
+    "raw_thread": "raw write thread (floor)",
+}
 
 
 @dataclass(frozen=True)
@@ -323,6 +331,8 @@ class Loop:
         )
         self.dcp_future: Any = None
         self.step = 0
+        self.raw_bufs: dict[str, Any] | None = None
+        self.raw_pool: Any = None
 
     def _dcp_stager(self) -> Any:
         try:
@@ -341,9 +351,42 @@ class Loop:
             )
         )
 
+    def _raw_save(self) -> Any:
+        """The floor of any async save: every tensor copied into reused (pinned on CUDA) host buffers with
+        non-blocking copies and one synchronize, then one background thread writes their bytes to one file
+        and fsyncs it. No format, no checksum, no commit."""
+        import concurrent.futures
+
+        import torch
+
+        flat = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        for pid, st in self.opt.state_dict()["state"].items():
+            flat.update({f"optim.{pid}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+        pin = self.device.type == "cuda"
+        if self.raw_bufs is None:
+            self.raw_bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in flat.items()}
+            self.raw_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-persist")
+        bufs = self.raw_bufs
+        for k, t in flat.items():
+            bufs[k].copy_(t, non_blocking=pin and t.device.type == "cuda")
+        sync(self.device)
+        path = self.dcp_root / f"raw-{self.step}.bin"
+
+        def persist() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                for b in bufs.values():
+                    f.write(b.reshape(-1).view(torch.uint8).numpy().data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        return self.raw_pool.submit(persist)
+
     def save(self, method: str) -> Any:
         if method == "tg_async":
             return self.mgr.save(self.step, self.state)
+        if method == "raw_thread":
+            return self._raw_save()
         if method == "dcp_async":
             import torch.distributed.checkpoint as dcp
 
@@ -400,18 +443,18 @@ class Loop:
                 b0 = time.perf_counter()
                 pending = self.save(method)
                 block_s = time.perf_counter() - b0
-                if method == "dcp_async" and hasattr(pending, "add_done_callback"):
+                if method in ("dcp_async", "raw_thread") and hasattr(pending, "add_done_callback"):
                     pending.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         persist_s = None
         if method == "tg_async":
             pending.wait()
             persist_s = pending.persist_s
-        elif method == "dcp_async":
+        elif method in ("dcp_async", "raw_thread"):
             pending.result()
             persist_s = (done_at[0] if done_at else time.perf_counter()) - (t0 + block_s)
         sync(self.device)
         seconds = time.perf_counter() - t0
-        if method == "dcp_async":
+        if method in ("dcp_async", "raw_thread"):
             shutil.rmtree(self.dcp_root, ignore_errors=True)
         self.last = {"seconds": seconds, "block_s": block_s, "persist_s": persist_s, **self._timeline(marks)}
         return seconds
@@ -430,6 +473,8 @@ class Loop:
 
     def close(self) -> None:
         self.mgr.close()  # a second call does nothing
+        if self.raw_pool is not None:
+            self.raw_pool.shutdown()
 
 
 def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
@@ -624,6 +669,11 @@ def report(res: dict[str, Any]) -> list[str]:
         f"{verdict(tg_o <= dcp_o)} trainguard async overhead <= dcp.async_save's in the same run: "
         f"{tg_o:+.2%} vs {dcp_o:+.2%}"
     )
+    if "raw_thread" in loop:
+        lines.append(
+            f"info trainguard async overhead vs a raw write thread's (the floor of any async save here): "
+            f"{tg_o:+.2%} vs {loop['raw_thread']:+.2%}"
+        )
     lines.append(
         f"{verdict(res['counts_device_bytes'])} a synchronous save counts the device tensors' bytes "
         "(SaveResult.logical_bytes)"

@@ -65,7 +65,14 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
         assert w["block_s"] > 0 and w["persist_s"] > 0, w
         assert len(w["rounds"]) == 2 and len(w["slowest_steps"]) == 5, w
         assert sorted(i for i, _ in w["slowest_steps"]) == [0, 1, 2, 3, 4], w
-    assert p.stdout.count("    blocked ") == 2 and "ms inside steps and" in p.stdout, p.stdout
+    assert p.stdout.count("    blocked ") == 3 and "ms inside steps and" in p.stdout, p.stdout
+    assert (
+        "raw write thread (floor)   overhead" in p.stdout
+        and "info trainguard async overhead vs a raw" in p.stdout
+    )
+    assert (
+        isinstance(res["loop"]["raw_thread"], float) and res["loop"]["where"]["raw_thread"]["persist_s"] > 0
+    )
     assert list(tmp_path.iterdir()) == [out], "the scratch checkpoints were not removed"
 
 
