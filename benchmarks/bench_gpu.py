@@ -424,7 +424,7 @@ class Loop:
         sync(self.device)
         t0 = time.perf_counter()
         pending = None
-        block_s = 0.0
+        block_s = b0 = 0.0
         done_at: list[float] = []
         for i in range(self.every):
             self.step += 1
@@ -451,7 +451,7 @@ class Loop:
             persist_s = pending.persist_s
         elif method in ("dcp_async", "raw_thread"):
             pending.result()
-            persist_s = (done_at[0] if done_at else time.perf_counter()) - (t0 + block_s)
+            persist_s = (done_at[0] if done_at else time.perf_counter()) - (b0 + block_s)
         sync(self.device)
         seconds = time.perf_counter() - t0
         if method in ("dcp_async", "raw_thread"):
@@ -645,7 +645,8 @@ def report(res: dict[str, Any]) -> list[str]:
                 f"    blocked {w['block_s'] * 1e3:.1f} ms, persist {persist}; vs none: "
                 f"{w['extra_s']:+.3f} s, of it {w['extra_in_steps_ms']:+.0f} ms inside steps and "
                 f"{w['extra_between_steps_ms']:+.0f} ms between steps ({'device' if cuda else 'host'} time); "
-                "steps slowed most " + ", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"])
+                "steps slowed most "
+                + (", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"] if ms > 0) or "none")
             )
     lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")
     if "error" in loop.get("dtensor", {}):
@@ -723,7 +724,9 @@ def scratch_dir(parent: str | None) -> Iterator[Path]:
 
 def valid_device(device: str) -> bool:
     """Whether ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (N a non-negative integer)."""
-    return device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+    return device in ("cpu", "cuda") or (
+        device.startswith("cuda:") and device[5:].isascii() and device[5:].isdecimal()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,6 +757,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}",
+            file=sys.stderr,
+        )
+        return 2
+    if a.scratch is not None and not Path(a.scratch).is_dir():
+        print(
+            f"--scratch {a.scratch}: not a folder; give an existing folder for the checkpoints",
             file=sys.stderr,
         )
         return 2

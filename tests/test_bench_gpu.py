@@ -92,7 +92,7 @@ def test_require_cuda_makes_a_missing_device_an_error():
     assert "sees no CUDA device" in p.stderr and "SKIP" not in p.stdout
 
 
-@pytest.mark.parametrize("device", ["cudax", "cuda:", "cuda:-1", "gpu"])
+@pytest.mark.parametrize("device", ["cudax", "cuda:", "cuda:-1", "gpu", "cuda:\u00b2"])
 def test_a_malformed_device_is_an_error_even_without_cuda(device):
     p = bench("--device", device, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
@@ -104,6 +104,18 @@ def test_a_segment_shorter_than_two_steps_is_an_error_even_without_cuda(every):
     p = bench("--every", every, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--every must be at least 2 steps" in p.stderr and "SKIP" not in p.stdout
+
+
+@pytest.mark.parametrize("what", ["missing", "a-file"])
+def test_a_scratch_path_that_is_not_a_folder_fails_before_anything_is_measured(tmp_path, what):
+    scratch = tmp_path / "x"
+    if what == "a-file":
+        scratch.write_text("")
+    out = tmp_path / "res.json"
+    p = bench("--device", "cpu", "--tiny", "--scratch", str(scratch), "--json", str(out), timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--scratch" in p.stderr and "not a folder" in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists() and "PASS" not in p.stdout
 
 
 def test_an_unwritable_json_path_fails_before_anything_is_measured(tmp_path):

@@ -175,6 +175,56 @@ def test_enum_and_str_subclass_keys_round_trip_also_from_an_older_save(tmp_path,
         assert torch.equal(empty["tags"]["a"], torch.full((4,), v + 4))
 
 
+class Role(str, enum.Enum):
+    GEN = "gen"
+    DISC = "disc"
+
+
+def _two_optimizers(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    out = {}
+    for role in Role:
+        m = torch.nn.Linear(2, 2)
+        o = torch.optim.Adam(m.parameters())
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        out[role] = o.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["this-save", "older-save"])
+def test_optimizer_state_under_enum_keys_restores_strictly(tmp_path, older):
+    """``{"opts": {Role.GEN: optimizer.state_dict(), ...}}``: the optimizer sections were recorded as
+    "Role.GEN" while the entries are named opts.gen..., so every strict restore reported the optimizer state
+    missing. Sections are named as entries are now; a record written before (rewritten here) is matched
+    through the live object's sections."""
+    import json
+
+    import crc32c
+
+    from trainguard.format.manifest import _canonical
+
+    saved = _two_optimizers(0)
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"opts": saved})
+    mpath = next(tmp_path.glob("step*1/manifest.json"))
+    body = json.loads(mpath.read_bytes())
+    record = body["top_level"]["opts"]["optimizer_state"]
+    assert sorted(record) == ["disc", "gen"], record
+    if older:
+        body["top_level"]["opts"]["optimizer_state"] = {f"Role.{k.upper()}": v for k, v in record.items()}
+        body.pop("crc32c")
+        body["crc32c"] = crc32c.crc32c(_canonical(body))
+        mpath.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    live = {"opts": _two_optimizers(1)}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore(1, live) == 1
+    for role in Role:
+        assert torch.equal(live["opts"][role]["state"][0]["exp_avg"], saved[role]["state"][0]["exp_avg"])
+    empty: dict[str, Any] = {"opts": {}}
+    tg.CheckpointManager(tmp_path, read_only=True).restore(1, empty)
+    assert torch.equal(empty["opts"]["gen"]["state"][0]["exp_avg"], saved[Role.GEN]["state"][0]["exp_avg"])
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     "key", [2**63, -(2**63) - 1, 10**30, 10**5000], ids=["2**63", "-2**63-1", "1e30", "1e5000"]

@@ -253,7 +253,7 @@ class SavePath:
             with paused_gc():  # the state's flattening and staging; the persist pauses on its own
                 self.validation.run_probe(step)
                 flat, paths, top = _statefn.collect(state)
-                flat, paths = per_rank.split(flat, paths, top, ctx.dist)
+                flat, paths = per_rank.split(flat, paths, top, ctx.dist, step)
                 staged = bufset.stage(flat)
         except BaseException as e:
             self.stager.release(bufset)
@@ -305,7 +305,7 @@ class SavePath:
         """A synchronous save: persist in the caller's thread; returns a resolved PendingSave."""
         self.validation.run_probe(step)
         flat, paths, top = _statefn.collect(state)
-        flat, paths = per_rank.split(flat, paths, top, self.ctx.dist)
+        flat, paths = per_rank.split(flat, paths, top, self.ctx.dist, step)
         handle = PendingSave(step)
         try:
             result = _persist.persist(self.ctx, step, flat, paths, top, metrics, metadata, t0, blocking=True)

@@ -256,7 +256,9 @@ def build_template(
             if isinstance(manifest.top_level.get(k), dict)
             else None
         )
-        sections = {optim.section_name(p) for p in optim.optimizer_sections(live)} | set(record or {})
+        live_sections = {optim.section_name(p) for p in optim.optimizer_sections(live)}
+        record = optim.renamed_sections(record, live)
+        sections = live_sections | set(record or {})
         opt_prefixes = tuple(".".join(x for x in (k, s, "state") if x) + "." for s in sections)
         only_saved = [] if stateful else [f for f in saved if f not in match and not _beneath(f, empties)]
         used = set(match.values()) | filled
@@ -303,7 +305,9 @@ def build_template(
                 )
             )
             shape_mismatch = shape_mismatch or bool(shapes)
-        missing = optim.missing_in_manifest(k, record, [fqn_of(manifest.entries[f].path) for f in saved])
+        missing = optim.missing_in_manifest(
+            k, record, [fqn_of(manifest.entries[f].path) for f in saved], live_sections
+        )
         if missing:
             reports.append(
                 mismatch_message(

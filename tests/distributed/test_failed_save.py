@@ -65,3 +65,27 @@ def test_a_value_refused_on_one_rank_is_refused_on_every_rank_at_once(tmp_path, 
         assert r["seconds"] < 30, r  # not the 60 s process-group timeout
         assert r["steps"] == [1, 3], r
     assert "refused on rank 1" in res[0]["failure"]["message"], res[0]["failure"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_ranks_saving_different_steps_or_a_reserved_name_are_refused_on_every_rank(tmp_path, async_save):
+    """Rank 0 saves step 1 while rank 1 saves step 2: before, both "succeeded" and step 1 held rank 1's
+    per-rank values of step 2. A key named like another rank's per-rank copy ("a@rank1" on rank 0 only): before,
+    rank 0's value was dropped silently (or, held on both ranks, one rank raised and the other hung). And a
+    PerRank object under a (str, Enum) top-level key is stored per rank, as under a str key."""
+    res = run_workers(
+        2, "split_checks", tmp_path, root=str(tmp_path / "root"), pg_timeout_s=60, **{"async": async_save}
+    )
+    for r in res:
+        assert r["steps"].startswith(
+            "ConfigError: the ranks saved different steps (rank 0 step 1, rank 1 step 2)"
+        ), r
+        assert (
+            r["reserved"].startswith("ConfigError: ")
+            and "'a@rank1' ends like the name of a per-rank entry" in r["reserved"]
+        ), r
+        assert r["steps_s"] < 30 and r["reserved_s"] < 30, r  # not the 60 s process-group timeout
+        assert r["enum_per_rank"] == "saved", r
+        assert r["entries"] == ["train.cursor@rank0", "train.cursor@rank1"], r
+        assert r["steps_listed"] == [4], r
+    assert "refused on rank 0" in res[1]["reserved"], res[1]["reserved"]

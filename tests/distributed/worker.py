@@ -28,6 +28,7 @@ asserts on them. Scenarios:
 from __future__ import annotations
 
 import datetime
+import enum
 import errno
 import hashlib
 import json
@@ -453,6 +454,38 @@ def scenario_refused_value(spec: dict[str, Any], out: Path, rank: int, ws: int) 
     return res
 
 
+class Phase(str, enum.Enum):
+    TRAIN = "train"
+
+
+def scenario_split_checks(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
+    """What every rank must refuse together before a save writes anything, and PerRank under an Enum key."""
+    root = Path(spec["root"])
+    mgr = tg.CheckpointManager(root, async_save=spec["async"])
+    res: dict[str, Any] = {}
+
+    def attempt(name: str, step: int, state: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        try:
+            mgr.save(step, state).wait()
+            res[name] = "saved"
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res[name] = f"{type(e).__name__}: {e}"
+        res[name + "_s"] = time.monotonic() - t0
+
+    attempt("steps", 1 if rank == 0 else 2, {"w": torch.ones(2)})
+    # only rank 0 holds a key named like rank 1's per-rank copy of "a" (whose values differ per rank)
+    state = {"a": torch.full((2,), float(rank))}
+    if rank == 0:
+        state["a@rank1"] = torch.ones(2)
+    attempt("reserved", 3, state)
+    attempt("enum_per_rank", 4, {Phase.TRAIN: tg.PerRank({"cursor": torch.tensor([5])})})  # equal on both
+    res["entries"] = sorted(read_manifest(root, 4).entries) if res["enum_per_rank"] == "saved" else []
+    res["steps_listed"] = [i.step for i in mgr.checkpoints()]
+    mgr.close()
+    return res
+
+
 def scenario_bf16(spec: dict[str, Any], out: Path, rank: int, ws: int) -> dict[str, Any]:
     """FSDP2 parameters (fp32 DTensors) with bf16 moments, through ModelOptimizerState: the restored moments are
     bf16 DTensors equal to the saved ones, and both runs continue identically."""
@@ -729,6 +762,7 @@ SCENARIOS = {
     "save": scenario_save,
     "orphans": scenario_orphans,
     "refused_value": scenario_refused_value,
+    "split_checks": scenario_split_checks,
     "load": scenario_load,
     "fail": scenario_fail,
     "corrupt": scenario_corrupt,

@@ -334,3 +334,27 @@ def test_a_strided_part_of_a_saved_shard_is_checked_on_its_own_bytes(tmp_path):
         ):
             reader.read_tensor("m.flags", (0, 0), (0, 8), (4, 8), dest)
         assert not dest.any()  # nothing copied
+
+
+def test_sparse_meta_and_nested_bool_tensors_are_checked_without_an_error(tmp_path):
+    """Inside a stored value (a set), a sparse, meta or nested bool tensor made the check raise torch's
+    NotImplementedError (a SaveError at save, a raw torch error at restore); their stored values are checked."""
+    from trainguard.state.values import bool_bytes_valid
+
+    bad = torch.tensor([2, 1], dtype=torch.uint8).view(torch.bool)
+    good = torch.tensor([True, True])
+    idx = torch.tensor([[0, 2]])
+    assert bool_bytes_valid(torch.sparse_coo_tensor(idx, good, (3,)))
+    assert not bool_bytes_valid(torch.sparse_coo_tensor(idx, bad, (3,)))
+    assert not bool_bytes_valid(torch.sparse_coo_tensor(idx, bad, (3,)).coalesce())
+    assert bool_bytes_valid(torch.zeros(3, dtype=torch.bool, device="meta"))
+    assert bool_bytes_valid(torch.nested.nested_tensor([good, good[:1]]))
+    assert not bool_bytes_valid(torch.nested.nested_tensor([good, bad]))
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"v": {torch.sparse_coo_tensor(idx, good, (3,))}})
+        with pytest.raises(tg.ConfigError, match="'v' holds a bool tensor with bytes other than 0 and 1"):
+            mgr.save(2, {"v": {torch.sparse_coo_tensor(idx, bad, (3,))}})
+    out: dict = {"v": None}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore_latest(out) == 1
+    (got,) = out["v"]
+    assert torch.equal(got.to_dense(), torch.tensor([True, False, True]))

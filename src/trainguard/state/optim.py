@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .flatten import key_text
+
 SectionPath = tuple[Any, ...]
 
 
@@ -49,8 +51,22 @@ def optimizer_sections(sd: Any, path: SectionPath = (), depth: int = 0) -> list[
 
 
 def section_name(path: SectionPath) -> str:
-    """The dotted name of a section path as recorded in the manifest (``""`` for the entry itself)."""
-    return ".".join(str(k) for k in path)
+    """The dotted name of a section path as recorded in the manifest (``""`` for the entry itself); keys as
+    entry names show them (:func:`trainguard.state.flatten.key_text`: an Enum key by its value)."""
+    return ".".join(key_text(k) for k in path)
+
+
+def renamed_sections(record: Any, live: Any) -> Any:
+    """``record`` (a :func:`coverage` record) with the names of ``live``'s sections as a save before
+    2026-12-04 wrote them (``str(key)``: ``"Role.GEN"`` for an Enum key) renamed to today's (``"gen"``)."""
+    if not isinstance(record, Mapping):
+        return record
+    out = dict(record)
+    for path in optimizer_sections(live):
+        old, new = ".".join(str(k) for k in path), section_name(path)
+        if old != new and old in out and new not in out:
+            out[new] = out.pop(old)
+    return out
 
 
 def get_path(sd: Any, path: SectionPath) -> Any:
@@ -68,7 +84,7 @@ def coverage(sd: Any) -> dict[str, list[dict[str, Any]]]:
         for pid, st in get_path(sd, path)["state"].items():
             if isinstance(pid, bool) or not isinstance(pid, (int, str)):
                 continue
-            keys = tuple(sorted(str(k) for k in st)) if isinstance(st, Mapping) else ()
+            keys = tuple(sorted(key_text(k) for k in st)) if isinstance(st, Mapping) else ()
             groups.setdefault(keys, []).append(pid)
         out[section_name(path)] = [{"keys": list(k), "params": v} for k, v in groups.items()]
     return out
@@ -89,12 +105,28 @@ def _expected(record: Any) -> Iterable[tuple[str, Any, str]]:
                     yield str(section), pid, str(key)
 
 
-def missing_in_manifest(entry_key: str, record: Any, saved_fqns: Iterable[str]) -> list[str]:
-    """Optimizer state recorded at save time that no saved entry holds (FQNs, sorted)."""
+def missing_in_manifest(
+    entry_key: str, record: Any, saved_fqns: Iterable[str], live_sections: Iterable[str] | None = None
+) -> list[str]:
+    """Optimizer state recorded at save time that no saved entry holds (FQNs, sorted).
+
+    ``live_sections``: the section names of the object restored into. A recorded section that is not one of
+    them and has no saved entry beneath it is left out: restored into an empty dict, no live optimizer can
+    lose its state, and a save before 2026-12-04 named a section under an Enum key ``"Role.GEN"`` while its
+    entries are ``gen.…``."""
     fqns = set(saved_fqns)
     ancestors = {f.rsplit(".", n)[0] for f in fqns for n in range(1, f.count(".") + 1)}
+    unknown: set[str] = set()
+    if live_sections is not None and isinstance(record, Mapping):
+        live = set(live_sections)
+        for section in record:
+            prefix = ".".join(p for p in (entry_key, str(section)) if p)
+            if section not in live and prefix not in fqns and prefix not in ancestors:
+                unknown.add(str(section))
     missing = []
     for section, pid, key in _expected(record):
+        if section in unknown:
+            continue
         want = ".".join(p for p in (entry_key, section, "state", str(pid), key) if p)
         if want in fqns or want in ancestors:
             continue

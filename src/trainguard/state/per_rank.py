@@ -18,6 +18,7 @@ raises StateMismatchError naming the keys. DTensor (sharded) leaves are DCP's bu
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ import torch
 import xxhash
 
 from ..errors import ConfigError, SaveError, StateMismatchError
-from .flatten import PathT, fqn_of
+from .flatten import PathT, fqn_of, key_text
 from .values import encode_value
 
 if TYPE_CHECKING:
@@ -106,8 +107,15 @@ def digest(x: Any, fqn: str) -> str | None:
     return xxhash.xxh3_128(encode_value(x, fqn)).hexdigest()
 
 
+_RANK_SUFFIX = re.compile(r"@rank\d+$")
+
+
 def split(
-    flat: dict[str, Any], paths: dict[str, PathT], top: Mapping[str, Mapping[str, Any]], dist: DistContext
+    flat: dict[str, Any],
+    paths: dict[str, PathT],
+    top: Mapping[str, Mapping[str, Any]],
+    dist: DistContext,
+    step: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, PathT]]:
     """Rename the leaves that differ between ranks (or belong to a PerRank object) to per-rank entries.
 
@@ -118,20 +126,32 @@ def split(
         ``(("r", r), *path)``.
 
     Raises:
-        ConfigError: a per-rank name collides with a key of the state, or a leaf cannot be stored (on every
-            rank when one rank's leaf is refused, naming that rank; SaveError when its error was another).
+        ConfigError: on every rank, naming the rank at fault: a state name ends in ``@rank<r>`` (the names of
+            per-rank entries), the ranks save different steps (``step``), or a leaf cannot be stored (SaveError
+            when that rank's error was another).
     """
     if not dist.enabled:
         return flat, paths
-    forced = {k for k, t in top.items() if t.get("per_rank")}
+    forced = {key_text(k) for k, t in top.items() if t.get("per_rank")}
     failure: Exception | None = None
     try:
+        reserved = [fqn for fqn in flat if _RANK_SUFFIX.search(fqn)]
+        if reserved:
+            raise ConfigError(
+                f"state entry {reserved[0][:200]!r} ends like the name of a per-rank entry (@rank<r>), which "
+                "torch.distributed saves reserve; rename that key"
+            )
         mine = {fqn: d for fqn, v in flat.items() if (d := digest(v, fqn)) is not None}
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
         mine, failure = {}, e
-    # the digests and whether this rank failed: a rank raising alone would leave the others waiting in the
-    # next collective until its timeout
-    sent = {"digests": mine, "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+    # the digests, the step and whether this rank failed: a rank raising alone would leave the others waiting
+    # in the next collective until its timeout, and ranks saving different steps would pair their collectives
+    # across steps and commit one checkpoint holding both
+    sent = {
+        "digests": mine,
+        "step": step,
+        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+    }
     gathered = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(sent).encode())]
     if failure is not None:
         raise failure
@@ -140,20 +160,24 @@ def split(
         r, why = failed[0]
         cls = ConfigError if why.startswith("ConfigError:") else SaveError
         raise cls(f"the save was refused on rank {r}: {why[:2000]}")
+    steps = [g["step"] for g in gathered]
+    if len(set(steps)) > 1:
+        shown = ", ".join(f"rank {r} step {s}" for r, s in enumerate(steps[:16]))
+        raise ConfigError(
+            f"the ranks saved different steps ({shown}); call save with the same step on every rank"
+        )
     everyone = [g["digests"] for g in gathered]
     out_flat: dict[str, Any] = {}
     out_paths: dict[str, PathT] = {}
     for fqn, v in flat.items():
         path = paths[fqn]
         per_rank = fqn in mine and (
-            str(path[0][1]) in forced or len({d[fqn] for d in everyone if fqn in d}) > 1
+            key_text(path[0][1]) in forced or len({d[fqn] for d in everyone if fqn in d}) > 1
         )
         if not per_rank:
             out_flat[fqn], out_paths[fqn] = v, path
             continue
-        name = f"{fqn}@rank{dist.rank}"
-        if name in flat:
-            raise ConfigError(f"state entry {name!r} collides with the per-rank copy of {fqn!r}; rename it")
+        name = f"{fqn}@rank{dist.rank}"  # no state name ends so: refused above
         out_flat[name], out_paths[name] = v, ((RANK_TAG, dist.rank), *path)
     return out_flat, out_paths
 

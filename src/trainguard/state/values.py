@@ -207,8 +207,13 @@ def bool_bytes_valid(t: torch.Tensor) -> bool:
     mistaken manifest or payload); True for any other tensor. One reduction over the tensor's own bytes, also
     for a strided view (``view(torch.uint8)`` keeps the strides; ``.contiguous()`` would copy through torch's
     bool copy, which turns every nonzero byte into 1 and hides them)."""
-    if t.dtype != torch.bool or t.numel() == 0:
+    if t.dtype != torch.bool or t.numel() == 0 or t.is_meta:  # a meta tensor holds no bytes
         return True
+    if t.is_nested:
+        return all(bool_bytes_valid(x) for x in t.unbind())
+    if t.layout != torch.strided:  # sparse: the stored values (COO, CSR, CSC, BSR, BSC)
+        values = t._values() if t.layout == torch.sparse_coo else t.values()
+        return bool_bytes_valid(values)
     return int(t.detach().view(torch.uint8).max()) <= 1
 
 
