@@ -531,6 +531,9 @@ def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
                     "persist_s": cur["persist_s"],
                     "extra_in_steps_ms": sum(extra),
                     "extra_between_steps_ms": sum(cur["gap_ms"]) - sum(base["gap_ms"]),
+                    "extra_rest_ms": (cur["seconds"] - base["seconds"]) * 1e3
+                    - sum(extra)
+                    - (sum(cur["gap_ms"]) - sum(base["gap_ms"])),
                     "extra_s": cur["seconds"] - base["seconds"],
                     "slowest": sorted(range(len(extra)), key=lambda i: -extra[i])[:3],
                     "extra_ms": extra,
@@ -540,7 +543,14 @@ def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
             k: statistics.median(r[k] for r in rows if r[k] is not None)
             if any(r[k] is not None for r in rows)
             else None
-            for k in ("block_s", "persist_s", "extra_in_steps_ms", "extra_between_steps_ms", "extra_s")
+            for k in (
+                "block_s",
+                "persist_s",
+                "extra_in_steps_ms",
+                "extra_between_steps_ms",
+                "extra_rest_ms",
+                "extra_s",
+            )
         }
         # steps slowed, summed over rounds: where in the segment the time went
         n = len(rows[0]["extra_ms"])
@@ -644,9 +654,10 @@ def report(res: dict[str, Any]) -> list[str]:
             lines.append(
                 f"    blocked {w['block_s'] * 1e3:.1f} ms, persist {persist}; vs none: "
                 f"{w['extra_s']:+.3f} s, of it {w['extra_in_steps_ms']:+.0f} ms inside steps and "
-                f"{w['extra_between_steps_ms']:+.0f} ms between steps ({'device' if cuda else 'host'} time); "
-                "steps slowed most "
-                + (", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"] if ms > 0) or "none")
+                f"{w['extra_between_steps_ms']:+.0f} ms between steps ({'device' if cuda else 'host'} time), "
+                f"{w['extra_rest_ms']:+.0f} ms besides (mostly the wait for the persist at the segment's end; "
+                "medians over rounds); steps slowed most "
+                + (", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"] if round(ms) > 0) or "none")
             )
     lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")
     if "error" in loop.get("dtensor", {}):
@@ -769,6 +780,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = TINY if a.tiny else FULL
     if a.every is not None:
         sizes = dataclasses.replace(sizes, every=a.every)
+    try:
+        probe = tempfile.mkdtemp(prefix="bench_gpu-probe-", dir=a.scratch)
+    except OSError as e:
+        print(f"--scratch {a.scratch}: cannot create a folder in it ({e.strerror or e})", file=sys.stderr)
+        return 2
+    os.rmdir(probe)
     if a.json:
         try:
             Path(a.json).write_text("{}\n")

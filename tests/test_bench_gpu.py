@@ -66,6 +66,7 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
         assert len(w["rounds"]) == 2 and len(w["slowest_steps"]) == 5, w
         assert sorted(i for i, _ in w["slowest_steps"]) == [0, 1, 2, 3, 4], w
     assert p.stdout.count("    blocked ") == 3 and "ms inside steps and" in p.stdout, p.stdout
+    assert p.stdout.count("ms besides (mostly the wait for the persist") == 3, p.stdout
     assert (
         "raw write thread (floor)   overhead" in p.stdout
         and "info trainguard async overhead vs a raw" in p.stdout

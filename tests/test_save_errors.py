@@ -211,8 +211,10 @@ def test_optimizer_state_under_enum_keys_restores_strictly(tmp_path, older):
     body = json.loads(mpath.read_bytes())
     record = body["top_level"]["opts"]["optimizer_state"]
     assert sorted(record) == ["disc", "gen"], record
-    if older:
+    assert body["top_level"]["opts"]["optimizer_state_names"] == "value"
+    if older:  # as a save before 2026-12-04 wrote it: sections named str(key), no optimizer_state_names
         body["top_level"]["opts"]["optimizer_state"] = {f"Role.{k.upper()}": v for k, v in record.items()}
+        del body["top_level"]["opts"]["optimizer_state_names"]
         body.pop("crc32c")
         body["crc32c"] = crc32c.crc32c(_canonical(body))
         mpath.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
@@ -223,6 +225,30 @@ def test_optimizer_state_under_enum_keys_restores_strictly(tmp_path, older):
     empty: dict[str, Any] = {"opts": {}}
     tg.CheckpointManager(tmp_path, read_only=True).restore(1, empty)
     assert torch.equal(empty["opts"]["gen"]["state"][0]["exp_avg"], saved[Role.GEN]["state"][0]["exp_avg"])
+
+
+def test_optimizer_state_removed_from_a_manifest_is_reported_into_an_empty_dict_too(tmp_path):
+    """Every entry of an optimizer section removed from a (re-signed) manifest: a strict restore into an empty
+    dict reports the recorded state missing; only a record written before sections were named as entries are
+    leaves such a section out (it cannot tell an Enum-named section from a removed one)."""
+    import json
+
+    import crc32c
+
+    from trainguard.format.manifest import _canonical
+
+    saved = _two_optimizers(0)
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"plain": {"gen": saved[Role.GEN], "w": torch.ones(1)}})
+    mpath = next(tmp_path.glob("step*1/manifest.json"))
+    body = json.loads(mpath.read_bytes())
+    for name in [n for n in body["entries"] if n.startswith("plain.gen")]:
+        del body["entries"][name]
+    body.pop("crc32c")
+    body["crc32c"] = crc32c.crc32c(_canonical(body))
+    mpath.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    with pytest.raises(tg.StateMismatchError, match="optimizer state recorded at save time but not restored"):
+        tg.CheckpointManager(tmp_path, read_only=True).restore(1, {"plain": {}})
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -251,8 +251,7 @@ class SavePath:
             return PendingSave(step, time.perf_counter() - t0, skipped=True)
         try:
             with paused_gc():  # the state's flattening and staging; the persist pauses on its own
-                self.validation.run_probe(step)
-                flat, paths, top = _statefn.collect(state)
+                flat, paths, top = self._collect(step, state)
                 flat, paths = per_rank.split(flat, paths, top, ctx.dist, step)
                 staged = bufset.stage(flat)
         except BaseException as e:
@@ -293,6 +292,20 @@ class SavePath:
         log.warning("replacing the %s checkpoint of step %d (%s)", info.status, step, info.problem)
         ctx.event("replace_corrupt", step=step, problem=info.problem)
 
+    def _collect(
+        self, step: int, state: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+        """The probe and the state's leaves (:func:`_statefn.collect`). Under torch.distributed a failure here
+        goes through the save's first collective (:func:`per_rank.exchange`), so every rank raises at this
+        step, not only this one while the others pair this save with its next."""
+        try:
+            self.validation.run_probe(step)
+            return _statefn.collect(state)
+        except Exception as e:
+            if self.ctx.dist.enabled:
+                per_rank.exchange(self.ctx.dist, step, {}, e)  # raises e here, an error naming us elsewhere
+            raise
+
     def _save_sync(
         self,
         step: int,
@@ -303,8 +316,7 @@ class SavePath:
         now0: float,
     ) -> PendingSave:
         """A synchronous save: persist in the caller's thread; returns a resolved PendingSave."""
-        self.validation.run_probe(step)
-        flat, paths, top = _statefn.collect(state)
+        flat, paths, top = self._collect(step, state)
         flat, paths = per_rank.split(flat, paths, top, self.ctx.dist, step)
         handle = PendingSave(step)
         try:

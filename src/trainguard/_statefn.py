@@ -85,6 +85,7 @@ def collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, PathT],
         cov = optim.coverage(resolved[k])
         if cov:
             top[k]["optimizer_state"] = cov
+            top[k]["optimizer_state_names"] = "value"  # sections named as entries are (key_text)
     flat, paths = flatten(resolved)
     for fqn, v in flat.items():
         if isinstance(v, torch.Tensor):
@@ -257,6 +258,8 @@ def build_template(
             else None
         )
         live_sections = {optim.section_name(p) for p in optim.optimizer_sections(live)}
+        # a record from a save before sections were named as entries are ("Role.GEN" for the entries gen.*)
+        legacy = record is not None and manifest.top_level[k].get("optimizer_state_names") != "value"
         record = optim.renamed_sections(record, live)
         sections = live_sections | set(record or {})
         opt_prefixes = tuple(".".join(x for x in (k, s, "state") if x) + "." for s in sections)
@@ -306,7 +309,7 @@ def build_template(
             )
             shape_mismatch = shape_mismatch or bool(shapes)
         missing = optim.missing_in_manifest(
-            k, record, [fqn_of(manifest.entries[f].path) for f in saved], live_sections
+            k, record, [fqn_of(manifest.entries[f].path) for f in saved], live_sections if legacy else None
         )
         if missing:
             reports.append(

@@ -69,14 +69,21 @@ def test_a_value_refused_on_one_rank_is_refused_on_every_rank_at_once(tmp_path, 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_ranks_saving_different_steps_or_a_reserved_name_are_refused_on_every_rank(tmp_path, async_save):
-    """Rank 0 saves step 1 while rank 1 saves step 2: before, both "succeeded" and step 1 held rank 1's
+    """Rank 1's state_dict() raises at step 0: both ranks raise there (before, rank 0 paired that save with
+    rank 1's next one, and every later save failed or mixed two steps). Rank 0 saves step 1 while rank 1 saves
+    step 2: before, both "succeeded" and step 1 held rank 1's
     per-rank values of step 2. A key named like another rank's per-rank copy ("a@rank1" on rank 0 only): before,
     rank 0's value was dropped silently (or, held on both ranks, one rank raised and the other hung). And a
     PerRank object under a (str, Enum) top-level key is stored per rank, as under a str key."""
     res = run_workers(
         2, "split_checks", tmp_path, root=str(tmp_path / "root"), pg_timeout_s=60, **{"async": async_save}
     )
+    assert res[1]["collect"] == "ConfigError: planted: state_dict failed on rank 1", res[1]
+    assert res[0]["collect"].startswith(
+        "ConfigError: the save was refused on rank 1: ConfigError: planted"
+    ), res[0]
     for r in res:
+        assert r["collect_s"] < 30, r
         assert r["steps"].startswith(
             "ConfigError: the ranks saved different steps (rank 0 step 1, rank 1 step 2)"
         ), r

@@ -473,6 +473,16 @@ def scenario_split_checks(spec: dict[str, Any], out: Path, rank: int, ws: int) -
             res[name] = f"{type(e).__name__}: {e}"
         res[name + "_s"] = time.monotonic() - t0
 
+    class Raises:  # rank 1's state_dict() raises: every rank must refuse this save, then go on in step
+        def state_dict(self) -> dict[str, Any]:
+            if rank == 1:
+                raise tg.ConfigError("planted: state_dict failed on rank 1")
+            return {"x": torch.ones(1)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    attempt("collect", 0, {"s": Raises()})
     attempt("steps", 1 if rank == 0 else 2, {"w": torch.ones(2)})
     # only rank 0 holds a key named like rank 1's per-rank copy of "a" (whose values differ per rank)
     state = {"a": torch.full((2,), float(rank))}

@@ -110,10 +110,11 @@ def missing_in_manifest(
 ) -> list[str]:
     """Optimizer state recorded at save time that no saved entry holds (FQNs, sorted).
 
-    ``live_sections``: the section names of the object restored into. A recorded section that is not one of
-    them and has no saved entry beneath it is left out: restored into an empty dict, no live optimizer can
-    lose its state, and a save before 2026-12-04 named a section under an Enum key ``"Role.GEN"`` while its
-    entries are ``gen.…``."""
+    ``live_sections`` (for a record written before sections were named as entries are, 2026-12-04; None
+    otherwise): the section names of the object restored into. A recorded section that is not one of them and
+    has no saved entry beneath it is left out: such a save named a section under an Enum key ``"Role.GEN"``
+    while its entries are ``gen.…``, and restored into an empty dict no live optimizer can lose its state.
+    A record of a later save is checked whole."""
     fqns = set(saved_fqns)
     ancestors = {f.rsplit(".", n)[0] for f in fqns for n in range(1, f.count(".") + 1)}
     unknown: set[str] = set()

@@ -110,6 +110,45 @@ def digest(x: Any, fqn: str) -> str | None:
 _RANK_SUFFIX = re.compile(r"@rank\d+$")
 
 
+def exchange(
+    dist: DistContext, step: int | None, digests: dict[str, str], failure: BaseException | None = None
+) -> list[dict[str, str]]:
+    """The first collective of a save: every rank's per-rank digests, its step and whether it failed so far
+    (``failure``: raised again on this rank once every rank knows). A rank raising alone would leave the others
+    waiting in the next collective until its timeout; ranks saving different steps would pair their
+    collectives across steps and commit one checkpoint holding both.
+
+    Returns:
+        Every rank's digests, index = rank.
+
+    Raises:
+        ``failure`` on its rank; on the others ConfigError (SaveError when that rank's error was not a
+        ConfigError) naming the rank; ConfigError on every rank when the steps differ.
+    """
+    sent = {
+        "digests": digests,
+        "step": step,
+        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+    }
+    gathered = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(sent).encode())]
+    if failure is not None:
+        raise failure
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if failed:
+        r, why = failed[0]
+        cls = ConfigError if why.startswith("ConfigError:") else SaveError
+        raise cls(f"the save was refused on rank {r}: {why[:2000]}")
+    steps = [g["step"] for g in gathered]
+    if len(set(steps)) > 1:
+        shown = ", ".join(f"rank {r} step {s}" for r, s in enumerate(steps[:16]))
+        raise ConfigError(
+            f"the ranks saved different steps ({shown}): call save with the same step on every rank. If they "
+            "did, an earlier save failed on some ranks only and the ranks' collectives are out of step: "
+            "restart the job"
+        )
+    return [g["digests"] for g in gathered]
+
+
 def split(
     flat: dict[str, Any],
     paths: dict[str, PathT],
@@ -144,29 +183,7 @@ def split(
         mine = {fqn: d for fqn, v in flat.items() if (d := digest(v, fqn)) is not None}
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
         mine, failure = {}, e
-    # the digests, the step and whether this rank failed: a rank raising alone would leave the others waiting
-    # in the next collective until its timeout, and ranks saving different steps would pair their collectives
-    # across steps and commit one checkpoint holding both
-    sent = {
-        "digests": mine,
-        "step": step,
-        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-    }
-    gathered = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(sent).encode())]
-    if failure is not None:
-        raise failure
-    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-    if failed:
-        r, why = failed[0]
-        cls = ConfigError if why.startswith("ConfigError:") else SaveError
-        raise cls(f"the save was refused on rank {r}: {why[:2000]}")
-    steps = [g["step"] for g in gathered]
-    if len(set(steps)) > 1:
-        shown = ", ".join(f"rank {r} step {s}" for r, s in enumerate(steps[:16]))
-        raise ConfigError(
-            f"the ranks saved different steps ({shown}); call save with the same step on every rank"
-        )
-    everyone = [g["digests"] for g in gathered]
+    everyone = exchange(dist, step, mine, failure)
     out_flat: dict[str, Any] = {}
     out_paths: dict[str, PathT] = {}
     for fqn, v in flat.items():
