@@ -515,10 +515,11 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
 
 
 def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per saving method, medians over rounds against the same round's ``none`` segment: seconds blocked in
-    ``save()``, the persist's seconds, the extra device time inside steps and between steps (ms), and the
-    steps slowed most (index in the segment, extra ms). Tells a persist that outlasts the interval (extra
-    time at the segment's end) from training steps slowed while it runs (extra time inside the steps)."""
+    """Per saving method, the round whose extra time over the same round's ``none`` segment is the median
+    (its parts add up): seconds blocked in ``save()``, the persist's seconds, the extra device time inside
+    steps, between steps and besides (ms), and the steps slowed most (index in the segment, extra ms; medians
+    over rounds). Tells a persist that outlasts the interval (extra time at the segment's end) from training
+    steps slowed while it runs (extra time inside the steps)."""
     out: dict[str, Any] = {}
     for m in METHODS[1:]:
         rows = []
@@ -539,10 +540,10 @@ def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
                     "extra_ms": extra,
                 }
             )
+        # the parts of the median round (by its extra seconds), so that they add up to its total
+        mid = sorted(rows, key=lambda r: r["extra_s"])[(len(rows) - 1) // 2]
         med = {
-            k: statistics.median(r[k] for r in rows if r[k] is not None)
-            if any(r[k] is not None for r in rows)
-            else None
+            k: mid[k]
             for k in (
                 "block_s",
                 "persist_s",
@@ -656,7 +657,7 @@ def report(res: dict[str, Any]) -> list[str]:
                 f"{w['extra_s']:+.3f} s, of it {w['extra_in_steps_ms']:+.0f} ms inside steps and "
                 f"{w['extra_between_steps_ms']:+.0f} ms between steps ({'device' if cuda else 'host'} time), "
                 f"{w['extra_rest_ms']:+.0f} ms besides (mostly the wait for the persist at the segment's end; "
-                "medians over rounds); steps slowed most "
+                "the median round); steps slowed most (median over rounds) "
                 + (", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"] if round(ms) > 0) or "none")
             )
     lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")

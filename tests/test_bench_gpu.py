@@ -64,6 +64,8 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
         w = res["loop"]["where"][m]
         assert w["block_s"] > 0 and w["persist_s"] > 0, w
         assert len(w["rounds"]) == 2 and len(w["slowest_steps"]) == 5, w
+        parts = w["extra_in_steps_ms"] + w["extra_between_steps_ms"] + w["extra_rest_ms"]
+        assert abs(parts - w["extra_s"] * 1e3) < 1e-6, w  # the parts of one round add up to its total
         assert sorted(i for i, _ in w["slowest_steps"]) == [0, 1, 2, 3, 4], w
     assert p.stdout.count("    blocked ") == 3 and "ms inside steps and" in p.stdout, p.stdout
     assert p.stdout.count("ms besides (mostly the wait for the persist") == 3, p.stdout

@@ -253,7 +253,7 @@ class SavePath:
             with paused_gc():  # the state's flattening and staging; the persist pauses on its own
                 flat, paths, top = self._collect(step, state)
                 flat, paths = per_rank.split(flat, paths, top, ctx.dist, step)
-                staged = bufset.stage(flat)
+                staged = self._stage_together(bufset, flat, step)
         except BaseException as e:
             self.stager.release(bufset)
             if isinstance(e, (TrainguardError, KeyboardInterrupt, SystemExit)):
@@ -301,10 +301,28 @@ class SavePath:
         try:
             self.validation.run_probe(step)
             return _statefn.collect(state)
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt too: the other ranks must not go on alone
             if self.ctx.dist.enabled:
                 per_rank.exchange(self.ctx.dist, step, {}, e)  # raises e here, an error naming us elsewhere
             raise
+
+    def _stage_together(self, bufset: Any, flat: dict[str, Any], step: int) -> dict[str, Any]:
+        """``bufset.stage(flat)``; under torch.distributed one all-reduce after it, so that a rank whose staging
+        failed (host memory, a pinned allocation) does not leave the others persisting this step alone,
+        their persist then waiting in its collectives until the group timeout."""
+        try:
+            staged = bufset.stage(flat)
+        except BaseException:
+            if self.ctx.dist.enabled:
+                self.ctx.dist.any(True)
+            raise
+        if self.ctx.dist.enabled and self.ctx.dist.any(False):
+            raise SaveError(
+                f"saving step {step} failed: staging failed on another rank; nothing was committed and earlier "
+                "checkpoints are intact",
+                step=step,
+            )
+        return staged
 
     def _save_sync(
         self,

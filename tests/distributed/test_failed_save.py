@@ -80,7 +80,7 @@ def test_ranks_saving_different_steps_or_a_reserved_name_are_refused_on_every_ra
     )
     assert res[1]["collect"] == "ConfigError: planted: state_dict failed on rank 1", res[1]
     assert res[0]["collect"].startswith(
-        "ConfigError: the save was refused on rank 1: ConfigError: planted"
+        "ConfigError: the save of step 0 was refused on rank 1: ConfigError: planted"
     ), res[0]
     for r in res:
         assert r["collect_s"] < 30, r
@@ -96,3 +96,11 @@ def test_ranks_saving_different_steps_or_a_reserved_name_are_refused_on_every_ra
         assert r["entries"] == ["train.cursor@rank0", "train.cursor@rank1"], r
         assert r["steps_listed"] == [4], r
     assert "refused on rank 0" in res[1]["reserved"], res[1]["reserved"]
+    if async_save:  # rank 1's staging failed: rank 0 raised at once instead of persisting step 1 alone
+        assert res[1]["staging"].startswith("SaveError: saving step 1 failed while staging: MemoryError"), (
+            res[1]
+        )
+        assert res[0]["staging"].startswith(
+            "SaveError: saving step 1 failed: staging failed on another rank"
+        ), res[0]
+        assert res[0]["staging_s"] < 30 and res[1]["staging_s"] < 30, res

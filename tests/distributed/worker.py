@@ -483,6 +483,21 @@ def scenario_split_checks(spec: dict[str, Any], out: Path, rank: int, ws: int) -
             pass
 
     attempt("collect", 0, {"s": Raises()})
+    if spec["async"]:  # rank 1's staging fails (a pinned allocation, say): rank 0 must not persist alone
+        from trainguard.staging.buffers import BufferSet
+
+        real_stage = BufferSet.stage
+
+        def failing_stage(self: Any, flat: Any) -> Any:
+            if rank == 1:
+                raise MemoryError("planted: staging failed on rank 1")
+            return real_stage(self, flat)
+
+        BufferSet.stage = failing_stage  # type: ignore[method-assign]
+        try:
+            attempt("staging", 1, {"w": torch.ones(2)})
+        finally:
+            BufferSet.stage = real_stage  # type: ignore[method-assign]
     attempt("steps", 1 if rank == 0 else 2, {"w": torch.ones(2)})
     # only rank 0 holds a key named like rank 1's per-rank copy of "a" (whose values differ per rank)
     state = {"a": torch.full((2,), float(rank))}

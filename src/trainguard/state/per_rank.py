@@ -110,6 +110,14 @@ def digest(x: Any, fqn: str) -> str | None:
 _RANK_SUFFIX = re.compile(r"@rank\d+$")
 
 
+def _error_text(e: BaseException) -> str:
+    """``"Type: message"``, also for an exception whose ``str()`` raises."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the exchange
+        return type(e).__name__
+
+
 def exchange(
     dist: DistContext, step: int | None, digests: dict[str, str], failure: BaseException | None = None
 ) -> list[dict[str, str]]:
@@ -125,19 +133,17 @@ def exchange(
         ``failure`` on its rank; on the others ConfigError (SaveError when that rank's error was not a
         ConfigError) naming the rank; ConfigError on every rank when the steps differ.
     """
-    sent = {
-        "digests": digests,
-        "step": step,
-        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-    }
+    sent = {"digests": digests, "step": step, "error": None if failure is None else _error_text(failure)}
     gathered = [json.loads(b) for b in dist.all_gather_bytes(json.dumps(sent).encode())]
     if failure is not None:
         raise failure
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
     if failed:
         r, why = failed[0]
-        cls = ConfigError if why.startswith("ConfigError:") else SaveError
-        raise cls(f"the save was refused on rank {r}: {why[:2000]}")
+        message = f"the save of step {step} was refused on rank {r}: {why[:2000]}"
+        if why.startswith("ConfigError:"):
+            raise ConfigError(message)
+        raise SaveError(message, step=step)
     steps = [g["step"] for g in gathered]
     if len(set(steps)) > 1:
         shown = ", ".join(f"rank {r} step {s}" for r, s in enumerate(steps[:16]))
