@@ -227,6 +227,18 @@ def test_optimizer_state_under_enum_keys_restores_strictly(tmp_path, older):
     assert torch.equal(empty["opts"]["gen"]["state"][0]["exp_avg"], saved[Role.GEN]["state"][0]["exp_avg"])
 
 
+@pytest.mark.parametrize("key", ["", "g"])
+def test_optimizer_state_under_an_empty_string_key_restores_strictly(tmp_path, key):
+    """``{"x": {"": adam.state_dict(), "w": t}}``: its section is named "" like the entry itself, and the check
+    looked for x.state.0.exp_avg where the entries are x..state.0.exp_avg (reported missing)."""
+    saved = _two_optimizers(0)[Role.GEN]
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"x": {key: saved, "w": torch.ones(1)}})
+    live = {"x": {key: _two_optimizers(1)[Role.GEN], "w": torch.zeros(1)}}
+    assert tg.CheckpointManager(tmp_path, read_only=True).restore(1, live) == 1
+    assert torch.equal(live["x"][key]["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
 def test_optimizer_state_removed_from_a_manifest_is_reported_into_an_empty_dict_too(tmp_path):
     """Every entry of an optimizer section removed from a (re-signed) manifest: a strict restore into an empty
     dict reports the recorded state missing; only a record written before sections were named as entries are

@@ -129,13 +129,20 @@ def missing_in_manifest(
         if section in unknown:
             continue
         want = ".".join(p for p in (entry_key, section, "state", str(pid), key) if p)
-        if want in fqns or want in ancestors:
+        # "" names the entry itself and also a child under the key "" (entries "x..state.0.exp_avg")
+        wants = [want] if section or not entry_key else [want, f"{entry_key}..state.{pid}.{key}"]
+        if any(_held(w, fqns, ancestors) for w in wants):
             continue
-        parts = want.split(".")
-        if any(".".join(parts[:i]) in fqns for i in range(1, len(parts))):
-            continue  # held inside a value leaf above it
         missing.append(want)
     return sorted(missing)
+
+
+def _held(want: str, fqns: set[str], ancestors: set[str]) -> bool:
+    """Whether the saved entries hold ``want``: as an entry, beneath one, or inside a value leaf above it."""
+    if want in fqns or want in ancestors:
+        return True
+    parts = want.split(".")
+    return any(".".join(parts[:i]) in fqns for i in range(1, len(parts)))
 
 
 def param_map_by_order(saved_groups: list[Any], optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
