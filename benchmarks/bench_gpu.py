@@ -73,6 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET_STALL_X = 1.3  # blocking stall per GB within 1.3x of the device-to-host copy time per GB
 TARGET_OVERHEAD = 0.01  # async overhead on the training loop below 1% at one save per --every steps
 METHODS = ("none", "tg_async", "dcp_async", "raw_thread")
+FUTURE_METHODS = ("dcp_async", "raw_thread")  # their save returns a future; their files go under dcp_root
 LABELS = {
     "none": "no checkpointing",
     "tg_async": "trainguard async",
@@ -443,18 +444,18 @@ class Loop:
                 b0 = time.perf_counter()
                 pending = self.save(method)
                 block_s = time.perf_counter() - b0
-                if method in ("dcp_async", "raw_thread") and hasattr(pending, "add_done_callback"):
+                if method in FUTURE_METHODS and hasattr(pending, "add_done_callback"):
                     pending.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         persist_s = None
         if method == "tg_async":
             pending.wait()
             persist_s = pending.persist_s
-        elif method in ("dcp_async", "raw_thread"):
+        elif method in FUTURE_METHODS:
             pending.result()
             persist_s = (done_at[0] if done_at else time.perf_counter()) - (b0 + block_s)
         sync(self.device)
         seconds = time.perf_counter() - t0
-        if method in ("dcp_async", "raw_thread"):
+        if method in FUTURE_METHODS:
             shutil.rmtree(self.dcp_root, ignore_errors=True)
         self.last = {"seconds": seconds, "block_s": block_s, "persist_s": persist_s, **self._timeline(marks)}
         return seconds
@@ -526,16 +527,16 @@ def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
         for d in details:
             base, cur = d["none"], d[m]
             extra = [a - b for a, b in zip(cur["step_ms"], base["step_ms"], strict=True)]
+            extra_s = cur["seconds"] - base["seconds"]
+            inside, between = sum(extra), sum(cur["gap_ms"]) - sum(base["gap_ms"])
             rows.append(
                 {
                     "block_s": cur["block_s"],
                     "persist_s": cur["persist_s"],
-                    "extra_in_steps_ms": sum(extra),
-                    "extra_between_steps_ms": sum(cur["gap_ms"]) - sum(base["gap_ms"]),
-                    "extra_rest_ms": (cur["seconds"] - base["seconds"]) * 1e3
-                    - sum(extra)
-                    - (sum(cur["gap_ms"]) - sum(base["gap_ms"])),
-                    "extra_s": cur["seconds"] - base["seconds"],
+                    "extra_in_steps_ms": inside,
+                    "extra_between_steps_ms": between,
+                    "extra_rest_ms": extra_s * 1e3 - inside - between,
+                    "extra_s": extra_s,
                     "slowest": sorted(range(len(extra)), key=lambda i: -extra[i])[:3],
                     "extra_ms": extra,
                 }

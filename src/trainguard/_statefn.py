@@ -262,9 +262,7 @@ def build_template(
         legacy = record is not None and manifest.top_level[k].get("optimizer_state_names") != "value"
         record = optim.renamed_sections(record, live)
         sections = live_sections | set(record or {})
-        opt_prefixes = tuple(".".join(x for x in (k, s, "state") if x) + "." for s in sections) + (
-            (f"{k}..state.",) if "" in sections else ()  # "" is also the section of a child under the key ""
-        )
+        opt_prefixes = tuple(p for s in sections for p in optim.state_prefixes(k, s))
         only_saved = [] if stateful else [f for f in saved if f not in match and not _beneath(f, empties)]
         used = set(match.values()) | filled
         only_live = [] if stateful else [f for f in live_flat if f not in used]

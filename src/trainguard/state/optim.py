@@ -56,6 +56,14 @@ def section_name(path: SectionPath) -> str:
     return ".".join(key_text(k) for k in path)
 
 
+def state_prefixes(entry_key: str, section: str) -> tuple[str, ...]:
+    """The name prefixes of the per-parameter state entries of ``section`` in top-level entry ``entry_key``
+    (``"opt.state."``). ``""`` names the entry itself and also a child under the key ``""``, whose entries
+    are ``"opt..state.…"``: both prefixes then."""
+    own = ".".join(x for x in (entry_key, section, "state") if x) + "."
+    return (own, f"{entry_key}..state.") if entry_key and not section else (own,)
+
+
 def renamed_sections(record: Any, live: Any) -> Any:
     """``record`` (a :func:`coverage` record) with the names of ``live``'s sections as a save before
     2026-12-04 wrote them (``str(key)``: ``"Role.GEN"`` for an Enum key) renamed to today's (``"gen"``)."""
@@ -128,12 +136,10 @@ def missing_in_manifest(
     for section, pid, key in _expected(record):
         if section in unknown:
             continue
-        want = ".".join(p for p in (entry_key, section, "state", str(pid), key) if p)
-        # "" names the entry itself and also a child under the key "" (entries "x..state.0.exp_avg")
-        wants = [want] if section or not entry_key else [want, f"{entry_key}..state.{pid}.{key}"]
+        wants = [f"{prefix}{pid}.{key}" for prefix in state_prefixes(entry_key, section)]
         if any(_held(w, fqns, ancestors) for w in wants):
             continue
-        missing.append(want)
+        missing.append(wants[0])
     return sorted(missing)
 
 
