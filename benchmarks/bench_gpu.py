@@ -5,6 +5,7 @@ Run::
     .venv/bin/python benchmarks/bench_gpu.py                  # needs CUDA; prints SKIP and exits 0 without it
     .venv/bin/python benchmarks/bench_gpu.py --json out.json  # also write every figure as JSON
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --tiny   # the same logic on CPU in seconds (a test)
+    .venv/bin/python benchmarks/bench_gpu.py --methods raw_thread,raw_process,tg_1thread   # a diagnosis
 
 What it measures, side by side in one run:
 
@@ -31,7 +32,16 @@ What it measures, side by side in one run:
    has one, else no stager, and none after the stager raised (torch 2.11 + CUDA: ``KeyError: <class
    'type'>``); the report says which. ``--every`` (default 100 steps, the issue's interval) sets the segment.
    A fourth method, ``raw write thread``, is the floor of any async save in this loop (info, no target):
-   the same pinned copy and synchronize, then one thread writes the bytes to one file and fsyncs it.
+   the same pinned copy and synchronize, then one thread writes the bytes to one file and fsyncs it. A fifth,
+   ``raw write process``, is the floor of a persist *process* (info): the same copy into one pinned
+   shared-memory file, written and fsynced by a child process started once (:class:`RawProcess`). If the
+   thread's floor costs the loop clearly more than the process's, the interpreter (the GIL) is the cost and a
+   persist process is worth building; if both cost as much, the machine is. ``--methods`` picks the methods
+   (``none`` and ``tg_async`` always run); two more exist for a diagnosis: ``tg_1thread`` (trainguard with
+   one background writer thread instead of up to 4) and ``dcp_process`` (``dcp.async_save`` with
+   ``AsyncCheckpointerType.PROCESS`` and a pinned shared-memory ``DefaultStager``). A method other than those
+   two that raises is reported and left out of the later rounds. The warm-up round's segments are a quarter
+   of ``--every`` (at least 2 steps).
    Where the time goes, per method against the same round's ``none`` segment: seconds blocked in ``save()``,
    the persist's seconds, and CUDA-event timings of every step: extra device time inside steps (a step whose
    launches came late, e.g. its thread waiting for the GIL) and between steps, and the steps slowed most. A
@@ -72,13 +82,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TARGET_STALL_X = 1.3  # blocking stall per GB within 1.3x of the device-to-host copy time per GB
 TARGET_OVERHEAD = 0.01  # async overhead on the training loop below 1% at one save per --every steps
-METHODS = ("none", "tg_async", "dcp_async", "raw_thread")
-FUTURE_METHODS = ("dcp_async", "raw_thread")  # their save returns a future; their files go under dcp_root
+METHODS = ("none", "tg_async", "dcp_async", "raw_thread", "raw_process", "tg_1thread", "dcp_process")
+DEFAULT_METHODS = METHODS[:5]  # the last two on request (--methods): a diagnosis, not a target
+REQUIRED_METHODS = ("none", "tg_async")  # the baseline and the measured library: every run has them
+# their save returns a future; their files go under dcp_root
+FUTURE_METHODS = ("dcp_async", "raw_thread", "raw_process", "dcp_process")
 LABELS = {
     "none": "no checkpointing",
     "tg_async": "trainguard async",
     "dcp_async": "dcp.async_save + stager",
     "raw_thread": "raw write thread (floor)",
+    "raw_process": "raw write process (floor)",
+    "tg_1thread": "trainguard, 1 writer thread",
+    "dcp_process": "dcp.async_save, process",
 }
 
 
@@ -94,6 +110,13 @@ class Sizes:
     batch: int
     every: int
     rounds: int
+    methods: tuple[str, ...] = DEFAULT_METHODS
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps of each method's warm-up segment (round 0: buffers allocated, a persist process started; not
+        measured): a quarter of ``every``, at least 2, which keeps the run under 5 minutes with 5 methods."""
+        return max(2, self.every // 4)
 
 
 FULL = Sizes(layers=32, width=1024, saves=6, mlp_width=2048, mlp_layers=8, batch=8192, every=100, rounds=3)
@@ -306,10 +329,103 @@ def dtensor_async(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
 
 
 # -- 5. the training loop ---------------------------------------------------------------------------------------
+RAW_CHILD = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+view = memoryview(mmap.mmap(fd, int(sys.argv[2]), prot=mmap.PROT_READ))
+for line in sys.stdin:
+    try:
+        with open(line.rstrip("\\n"), "wb") as f:
+            f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        print("ok", flush=True)
+    except OSError as e:
+        print(f"error {e}", flush=True)
+"""
+"""The raw write process: maps the parent's shared staging file read-only, then for every path on stdin writes
+the whole mapping to that file, fsyncs it and answers ``ok`` (no torch: it starts in milliseconds)."""
+
+
+class RawProcess:
+    """The floor of a persist *process*: one contiguous host buffer in a shared-memory file (pinned with
+    ``cudaHostRegister`` on CUDA, as DCP's shared-memory stager pins), every tensor copied into its slice with
+    non-blocking copies and one synchronize, then a child process started once (``RAW_CHILD``) writes the
+    buffer to one file and fsyncs it. The training process's only part in the persist is one line on a pipe
+    and a thread blocked reading the answer (no GIL held), so what it still costs the loop is the machine's
+    (memory bandwidth, the sandbox's syscalls), not the interpreter's."""
+
+    def __init__(self, flat: dict[str, Any], device: Any, folder: Path) -> None:
+        import mmap
+        import subprocess
+
+        import torch
+
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for k, t in flat.items():
+            self.offsets[k] = total
+            total += -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned slices
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else folder
+        fd, name = tempfile.mkstemp(prefix="bench_gpu-raw-", dir=shm)
+        self.path, self.size = Path(name), total
+        os.ftruncate(fd, total)
+        self.mm = mmap.mmap(fd, total)
+        os.close(fd)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.base.zero_()  # first touch outside the timed region
+        self.pinned = False
+        if device.type == "cuda":  # flag 1: cudaHostRegisterPortable, as torch.cuda._pin_memory_utils
+            rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), total, 1)
+            self.pinned = int(rc) == 0
+            if not self.pinned:  # the runtime keeps the error for the next launch check: take it off here
+                with contextlib.suppress(RuntimeError):
+                    torch.ones(1, device=device).add_(1)
+                    torch.cuda.synchronize(device)
+                log(f"raw write process: cudaHostRegister returned {int(rc)}; its buffer is not pinned")
+        self.views = {
+            k: self.base[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for (k, o), t in zip(self.offsets.items(), flat.values(), strict=True)
+        }
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", RAW_CHILD, str(self.path), str(total)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def write(self, path: Path) -> None:
+        """Ask the child to write the buffer to ``path`` and wait for its answer (runs in a waiting thread)."""
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(f"{path}\n")
+        self.child.stdin.flush()
+        answer = self.child.stdout.readline().strip()
+        if answer != "ok":
+            raise OSError(f"the raw write process answered {answer or 'nothing (it exited)'!r} for {path}")
+
+    def close(self) -> None:
+        import torch
+
+        if self.child.poll() is None:
+            assert self.child.stdin is not None
+            self.child.stdin.close()
+            self.child.wait(timeout=30)
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.pinned = False
+        self.views.clear()
+        del self.base
+        with contextlib.suppress(BufferError):  # a view still alive somewhere: the mapping goes with it
+            self.mm.close()
+        self.path.unlink(missing_ok=True)
+
+
 class Loop:
     """One model trained continuously; each method saves at its segments' first step."""
 
     def __init__(self, sizes: Sizes, device: Any, root: Path) -> None:
+        import concurrent.futures
+
         import torch
 
         import trainguard as tg
@@ -323,6 +439,13 @@ class Loop:
         for _ in range(2):
             train_step(self.model, self.opt, self.x)  # AdamW state exists from here on
         self.mgr = tg.CheckpointManager(root / "tg", async_save=True, keep=2)
+        self.mgr_1thread: Any = None
+        if "tg_1thread" in sizes.methods:
+            # the same save with one background writer thread (default: 4 on 5+ CPUs): is it the threads?
+            self.mgr_1thread = tg.CheckpointManager(root / "tg1", async_save=True, keep=2)
+            ctx = self.mgr_1thread.ctx
+            ctx.options = dataclasses.replace(ctx.options, threads=1)
+        self.root = root
         self.dcp_root = root / "dcp"
         self.stager = self._dcp_stager()
         self.stager_name = (
@@ -330,12 +453,22 @@ class Loop:
             if self.stager is not None
             else "none (this torch has no DefaultStager)"
         )
-        self.dcp_future: Any = None
+        self.process_stager: Any = None
+        self.process_stager_name = "not run"
+        if "dcp_process" in sizes.methods:
+            self.process_stager = self._dcp_stager(shared=True)
+            self.process_stager_name = (
+                type(self.process_stager).__name__ + " (shared memory)"
+                if self.process_stager is not None
+                else "none (this torch has no DefaultStager)"
+            )
         self.step = 0
         self.raw_bufs: dict[str, Any] | None = None
-        self.raw_pool: Any = None
+        self.raw_process: RawProcess | None = None
+        self.raw_process_pinned: bool | None = None
+        self.raw_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-persist")
 
-    def _dcp_stager(self) -> Any:
+    def _dcp_stager(self, shared: bool = False) -> Any:
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:  # an older torch: async_save takes no stager
@@ -346,31 +479,39 @@ class Loop:
         return DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
-                use_shared_memory=False,
+                use_shared_memory=shared,  # a persist process reads the staged tensors without a copy
                 use_async_staging=False,
                 use_non_blocking_copy=cuda,
             )
         )
 
-    def _raw_save(self) -> Any:
-        """The floor of any async save: every tensor copied into reused (pinned on CUDA) host buffers with
-        non-blocking copies and one synchronize, then one background thread writes their bytes to one file
-        and fsyncs it. No format, no checksum, no commit."""
-        import concurrent.futures
-
+    def _flat(self) -> dict[str, Any]:
+        """The loop's tensors by name: the model's state_dict and every tensor of the optimizer's state."""
         import torch
 
         flat = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         for pid, st in self.opt.state_dict()["state"].items():
             flat.update({f"optim.{pid}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+        return flat
+
+    def _stage(self, flat: dict[str, Any], bufs: dict[str, Any]) -> None:
         pin = self.device.type == "cuda"
-        if self.raw_bufs is None:
-            self.raw_bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in flat.items()}
-            self.raw_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-persist")
-        bufs = self.raw_bufs
         for k, t in flat.items():
             bufs[k].copy_(t, non_blocking=pin and t.device.type == "cuda")
         sync(self.device)
+
+    def _raw_save(self) -> Any:
+        """The floor of any async save: every tensor copied into reused (pinned on CUDA) host buffers with
+        non-blocking copies and one synchronize, then one background thread writes their bytes to one file
+        and fsyncs it. No format, no checksum, no commit."""
+        import torch
+
+        flat = self._flat()
+        pin = self.device.type == "cuda"
+        if self.raw_bufs is None:
+            self.raw_bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in flat.items()}
+        bufs = self.raw_bufs
+        self._stage(flat, bufs)
         path = self.dcp_root / f"raw-{self.step}.bin"
 
         def persist() -> None:
@@ -383,41 +524,68 @@ class Loop:
 
         return self.raw_pool.submit(persist)
 
+    def _raw_process_save(self) -> Any:
+        """:class:`RawProcess`: the same staging copy, the write in a child process."""
+        flat = self._flat()
+        if self.raw_process is None:
+            self.raw_process = RawProcess(flat, self.device, self.root)
+            self.raw_process_pinned = self.raw_process.pinned
+        self._stage(flat, self.raw_process.views)
+        path = self.dcp_root / f"rawp-{self.step}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return self.raw_pool.submit(self.raw_process.write, path)
+
+    def _dcp_save(self, process: bool) -> Any:
+        """``dcp.async_save`` with the reused stager (``process``: the shared-memory one, and DCP's persist
+        process, ``AsyncCheckpointerType.PROCESS``); without a stager once the stager raised."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        d = self.dcp_root / f"step-{self.step}"
+        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        kw: dict[str, Any] = {}
+        if process:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+        attr = "process_stager" if process else "stager"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stager = getattr(self, attr)
+            if stager is not None:
+                try:
+                    fut = dcp.async_save(
+                        state, storage_writer=dcp.FileSystemWriter(str(d)), async_stager=stager, **kw
+                    )
+                    return getattr(fut, "upload_completion", fut)
+                except Exception as e:  # noqa: BLE001 - seen on torch 2.11 + CUDA: KeyError <class 'type'>
+                    setattr(self, attr, None)
+                    name = (
+                        f"none: DefaultStager raised {type(e).__name__}: {e} on torch {torch.__version__}, "
+                        "so dcp.async_save ran without a stager"
+                    )
+                    setattr(self, attr + "_name", name)
+                    log(name)
+                    shutil.rmtree(d, ignore_errors=True)
+            fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)), **kw)
+        return getattr(fut, "upload_completion", fut)
+
     def save(self, method: str) -> Any:
         if method == "tg_async":
             return self.mgr.save(self.step, self.state)
+        if method == "tg_1thread":
+            return self.mgr_1thread.save(self.step, self.state)
         if method == "raw_thread":
             return self._raw_save()
-        if method == "dcp_async":
-            import torch.distributed.checkpoint as dcp
-
-            d = self.dcp_root / f"step-{self.step}"
-            state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if self.stager is not None:
-                    try:
-                        fut = dcp.async_save(
-                            state, storage_writer=dcp.FileSystemWriter(str(d)), async_stager=self.stager
-                        )
-                        return getattr(fut, "upload_completion", fut)
-                    except Exception as e:  # noqa: BLE001 - seen on torch 2.11 + CUDA: KeyError <class 'type'>
-                        import torch
-
-                        self.stager = None
-                        self.stager_name = (
-                            f"none: DefaultStager raised {type(e).__name__}: {e} on torch {torch.__version__}, "
-                            "so dcp.async_save ran without a stager"
-                        )
-                        log(self.stager_name)
-                        shutil.rmtree(d, ignore_errors=True)
-                fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)))
-            return getattr(fut, "upload_completion", fut)
+        if method == "raw_process":
+            return self._raw_process_save()
+        if method in ("dcp_async", "dcp_process"):
+            return self._dcp_save(process=method == "dcp_process")
         return None
 
-    def segment(self, method: str) -> float:
-        """Seconds of one segment of ``every`` steps saving with ``method`` at its first step; what the
-        segment was made of goes to :attr:`last` (see :meth:`_timeline`)."""
+    def segment(self, method: str, steps: int | None = None) -> float:
+        """Seconds of one segment of ``steps`` (default ``every``) steps saving with ``method`` at its first
+        step; what the segment was made of goes to :attr:`last` (see :meth:`_timeline`)."""
         import torch
 
         cuda = self.device.type == "cuda"
@@ -427,7 +595,7 @@ class Loop:
         pending = None
         block_s = b0 = 0.0
         done_at: list[float] = []
-        for i in range(self.every):
+        for i in range(steps or self.every):
             self.step += 1
             if cuda:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -447,7 +615,7 @@ class Loop:
                 if method in FUTURE_METHODS and hasattr(pending, "add_done_callback"):
                     pending.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         persist_s = None
-        if method == "tg_async":
+        if method in ("tg_async", "tg_1thread"):
             pending.wait()
             persist_s = pending.persist_s
         elif method in FUTURE_METHODS:
@@ -474,8 +642,20 @@ class Loop:
 
     def close(self) -> None:
         self.mgr.close()  # a second call does nothing
-        if self.raw_pool is not None:
-            self.raw_pool.shutdown()
+        if self.mgr_1thread is not None:
+            self.mgr_1thread.close()
+        self.raw_pool.shutdown()
+        if self.raw_process is not None:
+            self.raw_process.close()
+            self.raw_process = None
+        if self.process_stager_name != "not run":
+            # DCP's persist process lives as long as this process unless told to stop
+            from torch.distributed.checkpoint import _async_process_executor as ape
+
+            proc, ape._CHECKPOINT_PROCESS = getattr(ape, "_CHECKPOINT_PROCESS", None), None
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.__del__()
 
 
 def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
@@ -485,14 +665,26 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{root / 'pg'}")
     loop = Loop(sizes, device, root)
     dtensor: dict[str, Any] = {}
+    methods = list(sizes.methods)
+    failed: dict[str, str] = {}  # a method besides the required ones that raised: reported, left out after
     try:
         per_round: list[dict[str, float]] = []
         details: list[dict[str, Any]] = []
-        for r in range(sizes.rounds + 1):  # round 0 is a warm-up
-            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        for r in range(sizes.rounds + 1):  # round 0 is a warm-up, of shorter segments
+            order = methods[r % len(methods) :] + methods[: r % len(methods)]
             seg, det = {}, {}
             for m in order:
-                seg[m] = loop.segment(m)
+                try:
+                    seg[m] = loop.segment(m, None if r else sizes.warmup_steps)
+                except Exception as e:
+                    if m in REQUIRED_METHODS:
+                        raise
+                    failed[m] = f"{type(e).__name__}: {e}"
+                    log(f"{LABELS[m]} failed, left out of the later rounds:\n{traceback.format_exc()}")
+                    methods.remove(m)
+                    for d in (*per_round, *details):
+                        d.pop(m, None)
+                    continue
                 det[m] = loop.last
             if r:
                 per_round.append(seg)
@@ -508,7 +700,12 @@ def loop_overheads(sizes: Sizes, device: Any, root: Path) -> dict[str, Any]:
         loop.close()
         dist.destroy_process_group()
     out: dict[str, Any] = {"segments_s": per_round, "dtensor": dtensor, "dcp_stager": loop.stager_name}
-    for m in METHODS[1:]:
+    out["methods"], out["failed"] = [m for m in METHODS if m in methods], failed
+    if "dcp_process" in sizes.methods:
+        out["dcp_process_stager"] = loop.process_stager_name
+    if "raw_process" in sizes.methods:
+        out["raw_process_pinned"] = loop.raw_process_pinned
+    for m in out["methods"][1:]:
         out[m] = statistics.median(s[m] / s["none"] - 1 for s in per_round)
     out["step_s"] = statistics.median(s["none"] for s in per_round) / sizes.every
     out["where"] = where_the_time_goes(details)
@@ -522,7 +719,7 @@ def where_the_time_goes(details: list[dict[str, Any]]) -> dict[str, Any]:
     over rounds). Tells a persist that outlasts the interval (extra time at the segment's end) from training
     steps slowed while it runs (extra time inside the steps)."""
     out: dict[str, Any] = {}
-    for m in METHODS[1:]:
+    for m in [m for m in METHODS[1:] if m in details[0]]:
         rows = []
         for d in details:
             base, cur = d["none"], d[m]
@@ -648,8 +845,8 @@ def report(res: dict[str, Any]) -> list[str]:
     lines.append(
         f"training loop: {loop['step_s'] * 1e3:.2f} ms/step, one save per {res['sizes']['every']} steps"
     )
-    for m in METHODS[1:]:
-        lines.append(f"  {LABELS[m]:<26} overhead {loop[m]:+.2%}")
+    for m in loop.get("methods", METHODS[:4])[1:]:
+        lines.append(f"  {LABELS[m]:<27} overhead {loop[m]:+.2%}")
         w = loop.get("where", {}).get(m)
         if w:
             persist = "?" if w["persist_s"] is None else f"{w['persist_s']:.2f} s"
@@ -662,6 +859,13 @@ def report(res: dict[str, Any]) -> list[str]:
                 + (", ".join(f"#{i} {ms:+.0f} ms" for i, ms in w["slowest_steps"] if round(ms) > 0) or "none")
             )
     lines.append(f"  dcp.async_save's stager: {loop.get('dcp_stager')}")
+    if "dcp_process_stager" in loop:
+        lines.append(f"  dcp.async_save (process)'s stager: {loop['dcp_process_stager']}")
+    if "raw_process_pinned" in loop and loop["raw_process_pinned"] is not None:
+        pinned = "pinned (cudaHostRegister)" if loop["raw_process_pinned"] else "not pinned"
+        lines.append(f"  raw write process's shared buffer: {pinned}")
+    for m, err in loop.get("failed", {}).items():
+        lines.append(f"ERROR in the loop's {LABELS[m]} (left out after it): {err}")
     if "error" in loop.get("dtensor", {}):
         lines.append(f"ERROR in the DTensor phase: {loop['dtensor']['error']}")
     lines.append("")
@@ -675,18 +879,29 @@ def report(res: dict[str, Any]) -> list[str]:
         f"<= 2 sets: {res['staging_bytes'] / max(res['state_bytes'], 1):.2f}x the state, "
         f"{res['pinned_bytes'] / max(res['staging_bytes'], 1):.0%} pinned"
     )
-    tg_o, dcp_o = loop["tg_async"], loop["dcp_async"]
+    tg_o = loop["tg_async"]
     lines.append(
         f"{verdict(tg_o < TARGET_OVERHEAD)} trainguard async overhead < {TARGET_OVERHEAD:.0%}: {tg_o:+.2%}"
     )
-    lines.append(
-        f"{verdict(tg_o <= dcp_o)} trainguard async overhead <= dcp.async_save's in the same run: "
-        f"{tg_o:+.2%} vs {dcp_o:+.2%}"
-    )
+    if "dcp_async" in loop:
+        lines.append(
+            f"{verdict(tg_o <= loop['dcp_async'])} trainguard async overhead <= dcp.async_save's in the same "
+            f"run: {tg_o:+.2%} vs {loop['dcp_async']:+.2%}"
+        )
+    else:
+        lines.append(
+            "not measured: trainguard async overhead <= dcp.async_save's (dcp_async not in --methods)"
+        )
     if "raw_thread" in loop:
         lines.append(
             f"info trainguard async overhead vs a raw write thread's (the floor of any async save here): "
             f"{tg_o:+.2%} vs {loop['raw_thread']:+.2%}"
+        )
+    if "raw_thread" in loop and "raw_process" in loop:
+        lines.append(
+            "info a persist process instead of a thread, raw floors: "
+            f"{loop['raw_process']:+.2%} vs {loop['raw_thread']:+.2%} (a process is worth building when its "
+            "floor is clearly below the thread's and trainguard's overhead is near the thread's floor)"
         )
     lines.append(
         f"{verdict(res['counts_device_bytes'])} a synchronous save counts the device tensors' bytes "
@@ -718,6 +933,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="steps per segment of the training loop, one save each (default: 100; 4 with --tiny)",
     )
     ap.add_argument("--scratch", help="folder for the checkpoints (default: a temp folder, removed after)")
+    ap.add_argument(
+        "--methods",
+        metavar="M,M",
+        help=f"the training loop's saving methods, comma-separated, from {', '.join(METHODS[1:])} "
+        f"(default: {','.join(DEFAULT_METHODS[1:])}; none and tg_async are always run)",
+    )
     ap.add_argument(
         "--require-cuda",
         action="store_true",
@@ -752,6 +973,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.every is not None and a.every < 2:
         print(f"--every must be at least 2 steps, got {a.every}", file=sys.stderr)
         return 2
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    if a.methods is not None:
+        asked = {m.strip() for m in a.methods.split(",") if m.strip()}
+        unknown = sorted(asked - set(METHODS))
+        if unknown:
+            print(
+                f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS[1:])}",
+                file=sys.stderr,
+            )
+            return 2
+        methods = tuple(m for m in METHODS if m in asked or m in REQUIRED_METHODS)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         if a.require_cuda:
             print(
@@ -782,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = TINY if a.tiny else FULL
     if a.every is not None:
         sizes = dataclasses.replace(sizes, every=a.every)
+    sizes = dataclasses.replace(sizes, methods=methods)
     try:
         probe = tempfile.mkdtemp(prefix="bench_gpu-probe-", dir=a.scratch)
     except OSError as e:

@@ -67,15 +67,18 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
         parts = w["extra_in_steps_ms"] + w["extra_between_steps_ms"] + w["extra_rest_ms"]
         assert abs(parts - w["extra_s"] * 1e3) < 1e-6, w  # the parts of one round add up to its total
         assert sorted(i for i, _ in w["slowest_steps"]) == [0, 1, 2, 3, 4], w
-    assert p.stdout.count("    blocked ") == 3 and "ms inside steps and" in p.stdout, p.stdout
-    assert p.stdout.count("ms besides (mostly the wait for the persist") == 3, p.stdout
+    assert p.stdout.count("    blocked ") == 4 and "ms inside steps and" in p.stdout, p.stdout
+    assert p.stdout.count("ms besides (mostly the wait for the persist") == 4, p.stdout
     assert (
-        "raw write thread (floor)   overhead" in p.stdout
+        "raw write thread (floor)    overhead" in p.stdout
+        and "raw write process (floor)   overhead" in p.stdout
         and "info trainguard async overhead vs a raw" in p.stdout
+        and "info a persist process instead of a thread, raw floors: " in p.stdout
     )
-    assert (
-        isinstance(res["loop"]["raw_thread"], float) and res["loop"]["where"]["raw_thread"]["persist_s"] > 0
-    )
+    assert res["loop"]["methods"] == ["none", "tg_async", "dcp_async", "raw_thread", "raw_process"]
+    assert res["loop"]["failed"] == {} and res["loop"]["raw_process_pinned"] is False  # nothing pins on CPU
+    for m in ("raw_thread", "raw_process"):
+        assert isinstance(res["loop"][m], float) and res["loop"]["where"][m]["persist_s"] > 0
     assert list(tmp_path.iterdir()) == [out], "the scratch checkpoints were not removed"
 
 
@@ -179,6 +182,94 @@ def test_a_dcp_stager_that_raises_falls_back_to_async_save_without_one_and_says_
         "dcp_stager"
     ]
     assert isinstance(res["dcp_async"], float) and len(res["segments_s"]) == mod.TINY.rounds
+
+
+def load_module(name, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(300)
+def test_the_diagnosis_methods_run_on_cpu_and_write_what_they_should(tmp_path):
+    """``--methods``: trainguard with one writer thread, DCP's persist process, and the raw write process
+    (its child wrote the staged bytes: the file it was asked for holds every tensor, in order)."""
+    out = tmp_path / "res.json"
+    p = bench(
+        "--device", "cpu", "--tiny", "--every", "4", "--json", str(out), "--scratch", str(tmp_path),
+        "--methods", "raw_process, tg_1thread,dcp_process",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    loop = res["loop"]
+    assert loop["methods"] == ["none", "tg_async", "raw_process", "tg_1thread", "dcp_process"], loop
+    assert loop["failed"] == {} and res["errors"] == {}
+    assert loop["dcp_process_stager"] == "DefaultStager (shared memory)"
+    for m in ("raw_process", "tg_1thread", "dcp_process"):
+        assert isinstance(loop[m], float) and loop["where"][m]["persist_s"] > 0, (m, loop["where"][m])
+    assert res["sizes"]["methods"] == loop["methods"]
+    assert "not measured: trainguard async overhead <= dcp.async_save's" in p.stdout
+    assert "trainguard, 1 writer thread overhead" in p.stdout and "dcp.async_save, process     overhead" in (
+        p.stdout
+    )
+    assert list(tmp_path.iterdir()) == [out], "the scratch checkpoints were not removed"
+
+
+def test_the_raw_write_process_writes_the_staged_bytes(tmp_path, monkeypatch):
+    mod = load_module("bench_gpu_rawp", monkeypatch)
+    flat = {"a": torch.arange(10, dtype=torch.float32), "b": torch.tensor([[1, 2], [3, 4]], dtype=torch.int8)}
+    raw = mod.RawProcess(flat, torch.device("cpu"), tmp_path)
+    try:
+        for k, t in flat.items():
+            raw.views[k].copy_(t)
+        raw.write(tmp_path / "x.bin")
+        data = (tmp_path / "x.bin").read_bytes()
+        assert len(data) == raw.size == 64 + 64  # 64-byte aligned slices
+        assert data[:40] == flat["a"].numpy().tobytes() and data[64:68] == bytes([1, 2, 3, 4])
+        with pytest.raises(OSError, match="the raw write process answered .error .Errno 2."):
+            raw.write(tmp_path / "missing" / "x.bin")  # the child reports, and goes on
+        raw.write(tmp_path / "y.bin")
+        assert (tmp_path / "y.bin").read_bytes() == data
+    finally:
+        raw.close()
+    assert raw.child.returncode == 0 and not raw.path.exists()
+
+
+def test_an_optional_method_that_raises_is_reported_and_left_out(tmp_path, monkeypatch):
+    mod = load_module("bench_gpu_failing", monkeypatch)
+    calls = []
+
+    def broken(self):
+        calls.append(self.step)
+        raise OSError("planted: no /dev/shm")
+
+    monkeypatch.setattr(mod.Loop, "_raw_process_save", broken)
+    sizes = mod.dataclasses.replace(mod.TINY, methods=("none", "tg_async", "raw_thread", "raw_process"))
+    res = mod.loop_overheads(sizes, torch.device("cpu"), tmp_path / "loop")
+    assert len(calls) == 1, "left out after its first failure"
+    assert res["failed"] == {"raw_process": "OSError: planted: no /dev/shm"}
+    assert res["methods"] == ["none", "tg_async", "raw_thread"] and "raw_process" not in res
+    assert all(set(s) == {"none", "tg_async", "raw_thread"} for s in res["segments_s"])
+    assert set(res["where"]) == {"tg_async", "raw_thread"}
+    res_all = {"stall_s": 1.0, "copy_s": 1.0, "state_bytes": 1, "staging_bytes": 1, "pinned_bytes": 0}
+    res_all |= {"stalls_s": [1.0], "exact": {}, "counts_device_bytes": True, "device": "cpu", "total_s": 1.0}
+    res_all |= {"sizes": {"every": 4}, "loop": res, "errors": {}}
+    lines = mod.report(res_all)
+    assert (
+        "ERROR in the loop's raw write process (floor) (left out after it): OSError: planted: no /dev/shm"
+        in (lines)
+    )
+
+
+def test_an_unknown_method_is_an_error_even_without_cuda():
+    p = bench("--methods", "raw_thread,tg_sync", timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--methods: unknown method(s) tg_sync; choose from" in p.stderr and "SKIP" not in p.stdout
 
 
 @pytest.mark.gpu
