@@ -24,6 +24,7 @@ from .incremental.chunkstore import ChunkStore
 from .incremental.delta import IncrementalState
 from .results import RestoreTimings, SaveResult
 from .retention import RetentionPolicy
+from .retention.collector import BackgroundCollection
 from .retention.refs import ManifestCache
 from .storage.base import Storage
 from .validation.attach import Validation
@@ -61,7 +62,8 @@ class RootContext:
         storage: its storage; ``store``: the chunk store on it.
         dist: the distributed context (rank, world size, collectives).
         options: chunking options of the writer.
-        retention: the preservation policy; ``refs``: retention's cache of committed steps.
+        retention: the preservation policy; ``refs``: retention's cache of committed steps; ``collection``:
+            the background deletion of unreferenced chunks (waited for before the chunk store is written).
         fsync: make saves durable. read_only: no writes (restore records no quarantine).
         new_run: the manager was opened with ``new_run=True``.
         run: this manager's run identity (replaced when a restore resumes a lineage).
@@ -92,6 +94,7 @@ class RootContext:
     new_run: bool = False
     resumed: bool = False
     refs: ManifestCache = field(default_factory=ManifestCache)
+    collection: BackgroundCollection = field(default_factory=BackgroundCollection)
     event: Callable[..., None] = _no_event
     in_flight_since: Callable[[], float] = time.time
     staging_bytes: Callable[[], int] = lambda: 0

@@ -72,6 +72,7 @@ def persist(
     Raises:
         NonFiniteStateError: ``check_finite="error"`` and the staged state holds NaN/Inf (nothing committed;
             chunks this save wrote are deleted)."""
+    ctx.collection.wait()  # the last retention's chunk deletions end before this save deduplicates
     overlap = not ctx.dist.enabled
     probe = (
         ctx.validation.before_persist(step, flat, scan=not overlap) if ctx.validation is not None else None
@@ -95,6 +96,9 @@ def persist(
         extra = (lambda mbytes: {PROBE_FILE: encode(probe[0], manifest=mbytes)}) if probe else None
         publish(ctx.storage, m, fsync=ctx.fsync, extra=extra)
         manifest_box.append(m)
+        # known to retention before the chunks are unpinned (``finally`` below): a background chunk deletion
+        # checks pins, then these counts, under the store's lock (ChunkStore.collect)
+        ctx.refs.add(step, m.chunks, run_id=ctx.run.run_id, metrics=m.metrics)
 
     local = not ctx.dist.enabled and plain_state(flat)
     staging = ctx.store.staging_for(partial)  # on the chunks' filesystem
@@ -193,7 +197,6 @@ def persist(
         ctx.saves.append(result)
         return result
     m = manifest_box[0]
-    ctx.refs.add(step, m.chunks, run_id=ctx.run.run_id, metrics=m.metrics)
     ctx.refs.committed(step)
     result = SaveResult(
         step=step,
@@ -225,7 +228,8 @@ def persist(
         **({"probe_s": probe[1]} if probe is not None else {}),
     )
     tier_error = ctx.tiers.after_commit(step) if ctx.tiers is not None else None  # dual write, queue uploads
-    apply_retention(ctx)
+    if cancel is None or not cancel.is_set():  # an abandoned save's worker has a successor: it decides
+        apply_retention(ctx)
     if tier_error is not None:
         raise tier_error
     return result

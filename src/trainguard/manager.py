@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -100,8 +101,9 @@ class CheckpointManager:
         when_busy: what ``maybe_save`` does when every buffer set is still persisting earlier saves:
             ``"wait"`` (block until one is free, default) or ``"skip"`` (skip this save, logging a
             ``save_skipped`` event). ``save`` always waits.
-        save_timeout_s: a background save that makes no progress (no chunk written or deduplicated, no flush
-            finished) for this many seconds is abandoned: it fails with a SaveError naming its step (raised by
+        save_timeout_s: a background save that makes no progress (no chunk written, deduplicated or, while it
+            waits for the previous retention's deletions, deleted; no flush finished) for this many seconds
+            is abandoned: it fails with a SaveError naming its step (raised by
             the next ``save``/``maybe_save``/``wait``/``close``), commits nothing, and its staging buffers
             are replaced so that the next save can run; ``close()`` returns after at most this long per
             stuck save. None (default) waits forever. Single process only.
@@ -269,7 +271,7 @@ class CheckpointManager:
             fsync=fsync,
             **checked_validation,
         )
-        self.validation.wait = self.wait
+        self.validation.wait = self._saves_wait
         self.ctx = RootContext(
             root=self.root,
             storage=self.storage,
@@ -388,7 +390,7 @@ class CheckpointManager:
             return
         err: BaseException | None = None
         try:
-            self.wait()
+            self._saves_wait()
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             err = e
             self._report_other_failures(e)
@@ -408,16 +410,36 @@ class CheckpointManager:
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
-                if err is None and self._lock is not None:
+                if err is None and self._lock is not None and self._settle_collection():
                     apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
+        self._settle_collection()  # no deletion of ours may run once another writer can take the root
         if self._events is not None:
             self._events.close()
         if self._lock is not None:
             self._lock.release()
         if err is not None:
             raise err
+
+    def _settle_collection(self) -> bool:
+        """Wait for retention's background chunk deletion (for ``close``). With ``save_timeout_s``, a pass that
+        deletes no chunk for that long is stopped at its next chunk and False returned (a hung storage: what
+        it has not deleted is garbage, collected when the next writer opens the root); otherwise True."""
+        coll, limit = self.ctx.collection, self.save_timeout_s
+        if limit is None:
+            return coll.wait()
+        while not coll.wait(limit):
+            if time.monotonic() - self.ctx.store.last_progress > limit:
+                coll.cancel()
+                log.error(
+                    "close(): deleting unreferenced chunks under %s made no progress for %s s (save_timeout_s); "
+                    "it stops at its next chunk, the rest is collected when the next writer opens the root",
+                    self.root,
+                    limit,
+                )
+                return False
+        return True
 
     def _report_other_failures(self, first: BaseException) -> None:
         """``close`` raises one background failure: log the other unseen ones and name their steps in it."""
@@ -615,7 +637,8 @@ class CheckpointManager:
         return self.ctx.staging_bytes()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed or failed.
+        """Block until every pending save is committed or failed, and the chunks retention let go of are
+        deleted (a background pass after each commit: :mod:`trainguard.retention.collector`).
 
         Args:
             timeout: seconds to wait at most (None: no limit).
@@ -624,6 +647,14 @@ class CheckpointManager:
             SaveError: a background save failed (raised once).
             TimeoutError: not finished within ``timeout`` seconds.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._saves_wait(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.ctx.collection.wait(left):
+            raise TimeoutError(f"unreferenced chunks under {self.root} still being deleted after {timeout} s")
+
+    def _saves_wait(self, timeout: float | None = None) -> None:
+        """:meth:`wait` for the pending saves only (a listing needs no chunk deletion to end)."""
         self._saves.wait(timeout)
 
     # -- state shared with the collaborators (RootContext) ------------------------------------------------
@@ -653,7 +684,7 @@ class CheckpointManager:
         manager's pending saves first, so a save just made is listed. Cheap: reads manifests and stats chunks;
         ``verify`` re-reads data. Safe against a writer in another process committing and deleting
         checkpoints meanwhile (a stable scan, see :func:`catalog.scan`)."""
-        self.wait()
+        self._saves_wait()
         if self._tiers is not None:
             from .tiers.attach import listing
 
@@ -670,6 +701,7 @@ class CheckpointManager:
         """
         if self._tiers is None:
             return self.latest_step()
+        self.ctx.collection.wait()  # a chunk found on the hot root must still be there once its manifest is
         return self._tiers.materialize()
 
     def latest_step(self) -> int | None:
@@ -714,7 +746,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = as_step(step)
-        self.wait()
+        self.wait()  # the saves, and the chunk deletion after them (a restore never runs beside it)
         return _restore.restore_step(self.ctx, step, state, strict=strict)
 
     def restore_latest(self, state: MutableMapping[str, Any], *, strict: bool = True) -> int | None:
@@ -740,5 +772,5 @@ class CheckpointManager:
             ManagerClosedError: the manager is closed.
         """
         self._check_open()
-        self.wait()
+        self.wait()  # the saves, and the chunk deletion after them (a restore never runs beside it)
         return _restore.restore_newest(self.ctx, state, strict=strict)

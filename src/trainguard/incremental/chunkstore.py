@@ -115,7 +115,7 @@ class ChunkStore:
         self._staged: list[Staged] = []  # written by put, made durable and visible by sync
         self._verified: dict[str, tuple[Any, ...]] = {}  # hash -> object version when verified
         self.repaired: list[str] = []  # chunks found damaged or unreadable by a save and written anew
-        self.last_progress = time.monotonic()  # a chunk stored or a flush finished (the stall watchdog)
+        self.last_progress = time.monotonic()  # a chunk stored or deleted, a flush finished (stall watchdog)
         self._io_streak = 0  # chunks in a row that could not be read: then no more retries (bounded scrubs)
 
     # -- verified-bytes memory ----------------------------------------------------------------------------
@@ -585,16 +585,24 @@ class ChunkStore:
         referenced: Container[str],
         *,
         protect_newer_than: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> int:
         """Delete chunks in ``candidates`` that are not in ``referenced``, not pinned, and (when
         ``protect_newer_than`` is given, seconds since the epoch) not modified after that time. Returns bytes
         freed. A failed deletion is skipped, never fatal: the chunk is only garbage.
+
+        ``referenced`` is asked again under the store's lock right before each deletion, after the pins: a
+        save pins its chunks, then records its manifest's chunks where ``referenced`` sees them, then unpins,
+        so a pass running beside it (in the background) never deletes one of them. ``stop``: checked before
+        each chunk; True ends the pass there.
         """
         freed = 0
         for h in {h for h in candidates if h not in referenced}:
             key = chunk_relpath(h)
             with self._lock:  # a put() pins before it checks existence: check pins and delete atomically
-                if h in self._pins:
+                if stop is not None and stop():
+                    break
+                if h in self._pins or h in referenced:
                     continue
                 try:
                     info = self.storage.stat(key)
@@ -603,6 +611,8 @@ class ChunkStore:
                     self.storage.delete(key)
                     self._verified.pop(h, None)
                     freed += info.size
+                    # progress for the stall watchdog: the next save waits for this (background) pass
+                    self.last_progress = time.monotonic()
                 except OSError:
                     continue
         return freed

@@ -84,11 +84,16 @@ def apply_retention(ctx: RootContext, *, at_open: bool = False) -> None:
     (after its restore, so the lineage it resumed is known: reopening with a stricter ``keep`` frees space
     before the save needs it). Then nothing has just been written: the newest checkpoint, the one kept, is
     re-read in full first, and if a chunk of it is not intact nothing is deleted.
+
+    The doomed checkpoints' manifests are removed here; their chunks are deleted by a background pass
+    (:class:`~trainguard.retention.collector.BackgroundCollection`: ``ctx.collection``), which the next save
+    waits for before it writes a chunk.
     """
     from ..lineage import own
 
     if isinstance(ctx.retention, KeepAll):  # nothing is ever deleted: no need to look at the checkpoints
         return
+    ctx.collection.wait()  # the previous pass's deletions first (this pass reads the chunks it leaves)
     if len(ctx.store.repaired) != ctx.refs.repairs_seen:  # a save rewrote damaged chunks: the checkpoints
         ctx.refs.repairs_seen = len(ctx.store.repaired)  # sharing them may be valid again
         ctx.refs.invalidate()
@@ -121,12 +126,33 @@ def apply_retention(ctx: RootContext, *, at_open: bool = False) -> None:
     if referenced is None:
         log.warning("a manifest under %s is unreadable; not deleting chunks", ctx.root)
         return
-    protect = None
-    if ctx.dist.enabled:
-        candidates = ctx.store.all_hashes()  # also sweeps chunks spared by earlier passes
-        protect = ctx.in_flight_since() - GC_GRACE_S
-    freed = ctx.store.collect(candidates, referenced, protect_newer_than=protect)
-    log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
+    # the store as it is now: a tiered restore swaps ctx.store for a while
+    dist, store = ctx.dist.enabled, ctx.store
+    protect = ctx.in_flight_since() - GC_GRACE_S if dist else None
+    # A chunk stays if the manifests known now reference it, or (checked under the store's lock, right before
+    # its deletion) a manifest committed since does: a save records its manifest's chunks in ctx.refs before
+    # it unpins them.
+    in_use = _Referenced(frozenset(h for h, n in referenced.items() if n > 0), ctx.refs.referenced())
+    coll = ctx.collection
+
+    def collect() -> None:  # in the background (retention.collector): one unlink per chunk file
+        # under torch.distributed, every unreferenced chunk: also those spared by earlier passes
+        hashes = store.all_hashes() if dist else candidates
+        freed = store.collect(hashes, in_use, protect_newer_than=protect, stop=coll.cancelled)
+        log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
+
+    coll.start(collect)
+
+
+class _Referenced:
+    """``in``: referenced by a manifest known when the pass began (a snapshot: immune to later drops) or by
+    one known now (the live counts: a commit since)."""
+
+    def __init__(self, snapshot: frozenset[str], live: Mapping[str, int]) -> None:
+        self.snapshot, self.live = snapshot, live
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.snapshot or self.live.get(h, 0) > 0  # type: ignore[call-overload]
 
 
 def _intact(ctx: RootContext, step: int) -> bool:

@@ -3,8 +3,8 @@ stall watchdog and error surfacing), and the flush at interpreter exit.
 
 Invariants:
 - One save persists at a time, in order. A failed save is reported through its handle; the thread survives it.
-- With ``save_timeout_s``, a save that makes no progress (no chunk written or deduplicated, no flush finished)
-  for that long is *abandoned* by whichever caller notices it (``acquire`` waiting for a buffer set,
+- With ``save_timeout_s``, a save that makes no progress (no chunk written, deduplicated or deleted by the
+  retention pass it waits for; no flush finished) for that long is *abandoned* by whichever caller notices it (``acquire`` waiting for a buffer set,
   ``wait_handle``): its handle fails with a SaveError naming the step, its buffer set is replaced by a fresh one
   (the stuck thread may still read the old one: it is never handed out again), and a new worker thread takes
   over the queue. The stuck thread, if it ever returns, commits nothing (its commit checks the cancel flag)
