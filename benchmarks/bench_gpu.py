@@ -436,6 +436,7 @@ class Loop:
         self.x = torch.randn(sizes.batch, sizes.mlp_width, device=device)
         self.state = {"model": self.model, "optim": self.opt}
         self.every = sizes.every
+        self.methods = sizes.methods
         for _ in range(2):
             train_step(self.model, self.opt, self.x)  # AdamW state exists from here on
         self.mgr = tg.CheckpointManager(root / "tg", async_save=True, keep=2)
@@ -648,7 +649,7 @@ class Loop:
         if self.raw_process is not None:
             self.raw_process.close()
             self.raw_process = None
-        if self.process_stager_name != "not run":
+        if "dcp_process" in self.methods:
             # DCP's persist process lives as long as this process unless told to stop
             from torch.distributed.checkpoint import _async_process_executor as ape
 

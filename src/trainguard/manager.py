@@ -407,14 +407,16 @@ class CheckpointManager:
                 "close(): the saves of steps %s were abandoned (no progress); nothing was committed",
                 abandoned,
             )
+        settled = True  # False once a pass without progress was cancelled (waited for once, not twice)
         if self._tiers is not None:
             try:
                 self._tiers.close()  # waits up to upload_timeout_s; TierUploadError names what is missing
-                if err is None and self._lock is not None and self._settle_collection():
+                if err is None and self._lock is not None and (settled := self._settle_collection()):
                     apply_retention(self.ctx)  # steps kept only while they uploaded: sent now, policy applies
             except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
                 err = err or e
-        self._settle_collection()  # no deletion of ours may run once another writer can take the root
+        if settled:  # no deletion of ours may run once another writer can take the root
+            self._settle_collection()
         if self._events is not None:
             self._events.close()
         if self._lock is not None:

@@ -129,30 +129,19 @@ def apply_retention(ctx: RootContext, *, at_open: bool = False) -> None:
     # the store as it is now: a tiered restore swaps ctx.store for a while
     dist, store = ctx.dist.enabled, ctx.store
     protect = ctx.in_flight_since() - GC_GRACE_S if dist else None
-    # A chunk stays if the manifests known now reference it, or (checked under the store's lock, right before
-    # its deletion) a manifest committed since does: a save records its manifest's chunks in ctx.refs before
-    # it unpins them.
-    in_use = _Referenced(frozenset(h for h, n in referenced.items() if n > 0), ctx.refs.referenced())
+    # ``referenced`` is the live count (ctx.refs), asked again under the store's lock right before each
+    # deletion: a save records its manifest's chunks there before it unpins them, so a chunk committed since
+    # the pass began stays. Nothing drops a step from it while a pass runs (retention and a failed save's
+    # cleanup wait for the pass first), so no snapshot is needed.
     coll = ctx.collection
 
     def collect() -> None:  # in the background (retention.collector): one unlink per chunk file
         # under torch.distributed, every unreferenced chunk: also those spared by earlier passes
         hashes = store.all_hashes() if dist else candidates
-        freed = store.collect(hashes, in_use, protect_newer_than=protect, stop=coll.cancelled)
+        freed = store.collect(hashes, referenced, protect_newer_than=protect, stop=coll.cancelled)
         log.info("retention deleted steps %s (%d bytes freed)", doomed, freed)
 
     coll.start(collect)
-
-
-class _Referenced:
-    """``in``: referenced by a manifest known when the pass began (a snapshot: immune to later drops) or by
-    one known now (the live counts: a commit since)."""
-
-    def __init__(self, snapshot: frozenset[str], live: Mapping[str, int]) -> None:
-        self.snapshot, self.live = snapshot, live
-
-    def __contains__(self, h: object) -> bool:
-        return h in self.snapshot or self.live.get(h, 0) > 0  # type: ignore[call-overload]
 
 
 def _intact(ctx: RootContext, step: int) -> bool:

@@ -16,9 +16,9 @@ Invariants:
   lock; with ``save_timeout_s``, a pass without progress that long is cancelled at its next chunk). So a pass
   never runs beside a save of this process that could deduplicate against a chunk it is deleting.
 - Whatever the timing (an abandoned save's thread, which skips retention, included), a chunk is deleted only
-  if, under the chunk store's lock, it is not pinned by a save in flight and no manifest known when the pass
-  began nor committed since references it (a save records its manifest's chunks in the retention cache before
-  it unpins them: :meth:`~trainguard.incremental.chunkstore.ChunkStore.collect`). Other ranks' saves are
+  if, under the chunk store's lock, it is not pinned by a save in flight and no committed manifest known to
+  the retention cache references it (a save records its manifest's chunks there before it unpins them:
+  :meth:`~trainguard.incremental.chunkstore.ChunkStore.collect`). Other ranks' saves are
   covered as before by retention's grace period (``GC_GRACE_S``).
 - A pass that raises is logged, never fatal: its chunks are only garbage, collected by a later pass or when
   the next writer opens the root (``cleanup_after_crash``). The thread is a daemon: a process that exits

@@ -4,13 +4,13 @@ stall watchdog and error surfacing), and the flush at interpreter exit.
 Invariants:
 - One save persists at a time, in order. A failed save is reported through its handle; the thread survives it.
 - With ``save_timeout_s``, a save that makes no progress (no chunk written, deduplicated or deleted by the
-  retention pass it waits for; no flush finished) for that long is *abandoned* by whichever caller notices it (``acquire`` waiting for a buffer set,
-  ``wait_handle``): its handle fails with a SaveError naming the step, its buffer set is replaced by a fresh one
-  (the stuck thread may still read the old one: it is never handed out again), and a new worker thread takes
-  over the queue. The stuck thread, if it ever returns, commits nothing (its commit checks the cancel flag)
-  and exits. At most ``staging_buffers`` abandoned saves may be stuck at once (each holds a copy of the state,
-  so host memory stays within twice the usual bound); beyond that a save fails at once instead of staging
-  another copy.
+  retention pass it waits for; no flush finished) for that long is *abandoned* by whichever caller notices it
+  (``acquire`` waiting for a buffer set, ``wait_handle``): its handle fails with a SaveError naming the step,
+  its buffer set is replaced by a fresh one (the stuck thread may still read the old one: it is never handed
+  out again), and a new worker thread takes over the queue. The stuck thread, if it ever returns, commits
+  nothing (its commit checks the cancel flag; one that committed before skips retention) and exits. At most
+  ``staging_buffers`` abandoned saves may be stuck at once (each holds a copy of the state, so host memory
+  stays within twice the usual bound); beyond that a save fails at once instead of staging another copy.
 - A save that a caller waits for (its handle's ``wait``, :meth:`AsyncPersister.wait`, or a new save blocked
   for a buffer set) has its writer-thread limit lifted (:class:`~trainguard._writers.WriterThreads`): nothing
   trains meanwhile, so it persists with every writer thread.
