@@ -331,7 +331,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mb", default="100,1000", help="state sizes in MB (10^6 bytes), comma-separated")
-    ap.add_argument("--cache", default="cold,warm", help="cache conditions: cold, warm or both")
+    ap.add_argument("--cache", default="cold,warm", help="cache conditions: cold, warm, or cold,warm (both)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per (size, cache condition)")
     ap.add_argument(
         "--prefetch",
@@ -344,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     a = ap.parse_args(argv)
     sizes = [float(s) for s in a.sizes_mb.split(",") if s]
-    caches = [c for c in a.cache.split(",") if c]
-    if any(c not in ("cold", "warm") for c in caches):
-        ap.error("--cache takes cold, warm or both")
+    caches = ["cold", "warm"] if a.cache == "both" else [c for c in a.cache.split(",") if c]
+    if not caches or any(c not in ("cold", "warm") for c in caches):
+        ap.error("--cache takes cold, warm, or cold,warm (both)")
     prefetches = [p for p in a.prefetch.split(",") if p]
     if not prefetches or any(p not in ("on", "off") for p in prefetches):
         ap.error("--prefetch takes on, off or on,off")

@@ -40,6 +40,7 @@ from typing import Any
 import crc32c
 import xxhash
 
+from .._prefault import populate_for_write, unmapped
 from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
@@ -401,14 +402,17 @@ class ChunkStore:
         """
         out = out.cast("B") if out.format != "B" else out
         scanned = 0
+        fresh = unmapped(out[: rec.length])  # a relaunched job's new tensors: no page of them exists yet
 
         def once(f: Any, same: bool) -> tuple[int | None, int]:
             nonlocal scanned
             got = crc = scanned = 0
-            if same and scan is None:  # checked moments ago and nothing to scan: one read of the whole chunk
+            if same and scan is None and not fresh:  # checked moments ago, nothing to scan: one read
                 got = read_full(f, out[: rec.length])
             while got < rec.length:  # block by block: the CRC32C and the scan read it from the cache
                 start, end = got, min(rec.length, got + CRC_BLOCK_BYTES)
+                if fresh:  # its pages mapped in one call per block, not one fault per page in the read
+                    populate_for_write(out[start:end])
                 got += read_full(f, out[start:end])
                 if got < end:  # shorter than recorded: the length check below reports it
                     break
