@@ -25,6 +25,8 @@ syncfs      bench_syncfs.py                   auto durability (default) within 1
                                               another process writes to the same filesystem, and within 1.1x
                                               of batched (one syncfs) alone
 ttr         bench_ttr.py                      TTR <= 1.2x the floor (process start + imports + read)
+retention   bench_retention_delete.py         a sync save whose retention deletes the previous checkpoint's
+                                              chunks (keep=1) <= 1.1x one that deletes nothing (keep=None)
 =========== ================================= =================================================================
 
 The async 2nd save is waited for right after ``save()`` returns, so it persists with every writer thread
@@ -56,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("save_load", "async", "distributed", "syncfs", "ttr")
+PARTS = ("save_load", "async", "distributed", "syncfs", "ttr", "retention")
 
 Row = dict[str, Any]  # target, trainguard, reference, ratio (all strings), met (bool or None: info only)
 
@@ -342,12 +344,38 @@ def part_ttr(a: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     return rows, res
 
 
+def part_retention(a: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="run-issue15-retention-", dir=a.dir) as tmp:
+        out = Path(tmp) / "retention.json"
+        args = ["--size-gib", str(a.size_gib), "--repeat", str(a.repeat), "--json", str(out)]
+        if a.dir:
+            args += ["--scratch", tmp]
+        cmd = [sys.executable, str(HERE / "bench_retention_delete.py"), *args]
+        log(f"$ {' '.join(cmd[1:])}")
+        p = subprocess.run(cmd, stdout=sys.stderr, timeout=a.part_timeout, cwd=HERE.parent)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench_retention_delete.py exited with {p.returncode}")
+        res = json.loads(out.read_text())
+    row = ratio_row(
+        "sync save with keep=1 (deletes the previous checkpoint's chunks) <= 1.1x keep=None",
+        res["save_s"]["keep=1"],
+        res["save_s"]["keep=None"],
+        ref_name="keep=None",
+        ratio=lambda t, r: t / r,
+        want=lambda x: x <= 1.1,
+    )
+    return [row], res
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], dict[str, Any]]]] = {
     "save_load": part_save_load,
     "async": part_async,
     "distributed": part_distributed,
     "syncfs": part_syncfs,
     "ttr": part_ttr,
+    "retention": part_retention,
 }
 
 

@@ -53,8 +53,8 @@ def table_rows(lines: list[str]) -> list[list[str]]:
 
 
 @pytest.mark.timeout(420)
-def test_save_load_and_syncfs_parts_print_every_target(tmp_path):
-    lines, res = run(tmp_path, "save_load,syncfs")
+def test_save_load_syncfs_and_retention_parts_print_every_target(tmp_path):
+    lines, res = run(tmp_path, "save_load,syncfs,retention")
     v = verdicts(lines)
     assert set(v) == {
         "save_load: sync durable save >= 0.9x raw write",
@@ -67,12 +67,13 @@ def test_save_load_and_syncfs_parts_print_every_target(tmp_path):
         "save_load: load, verified (default: two reads) >= 0.9x raw read cold + warm",
         "syncfs: auto (default) within 1.1x of per_file, contended (0.02 GiB written beside)",
         "syncfs: auto (default) within 1.1x of batched, alone",
+        "retention: sync save with keep=1 (deletes the previous checkpoint's chunks) <= 1.1x keep=None",
     }, v
     rows = table_rows(lines)
     assert len(rows) == len(v) + 3  # + the async unchanged save, the polled save, the verified load (info)
     assert sum(r[-1] == "info" for r in rows) == 3
     assert f"{sum(x == 'PASS' for x in v.values())} of {len(v)} targets PASS" in lines
-    assert set(res["parts"]) == {"save_load", "syncfs"} and len(res["rows"]) == len(rows)
+    assert set(res["parts"]) == {"save_load", "syncfs", "retention"} and len(res["rows"]) == len(rows)
     # the unchanged save wrote nothing and its hashing floor was measured in the same repetition
     run0 = res["parts"]["save_load"]["runs"]["save"][0]
     assert run0["  xxh3-128 of the state (hashing alone)"] > 0
@@ -80,6 +81,8 @@ def test_save_load_and_syncfs_parts_print_every_target(tmp_path):
     assert all(res["parts"]["syncfs"]["runs"][m]["writer"] for m in ("auto", "batched", "per_file")), (
         "the noise writer did not run"
     )
+    kept = res["parts"]["retention"]
+    assert len(kept["save_s"]["keep=1"]) == len(kept["save_s"]["keep=None"]) == 1 and kept["tensors"] >= 1
 
 
 @pytest.mark.slow
