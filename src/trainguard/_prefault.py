@@ -4,21 +4,29 @@ A relaunched job restores into tensors it has just allocated (``torch.empty``, a
 then materialized): none of their pages exists yet, so the ``read`` that fills them takes one page fault per
 4 KiB page inside the kernel's copy. On the 2-core VM of benchmarks/RESULTS.md a 500 MiB read from the page
 cache took 0.27 s into fresh memory and 0.09 s into touched memory. ``madvise(MADV_POPULATE_WRITE)`` on the
-range first (one system call per block: the kernel maps the block's pages in one walk, without a fault per
-page, and changes no byte) cut it to 0.20 s ("Restore into fresh memory" there).
+range first (one system call per block: the kernel maps the block's pages in one walk, without a trap into
+the kernel per page, and changes no byte) cut it to 0.20 s ("Restore into fresh memory" there).
 
 Memory that is already there (a live model restored in place, a rollback, pinned host buffers) gains nothing and
 the walk would cost ~15% of a cached read, so a chunk's destination is populated (block by block) only when
-``mincore`` says its first whole page is not resident. Where the calls are missing (not Linux, a kernel before 5.14, no libc), this does nothing
-and the read faults as before.
+``mincore`` says its first whole page is not resident. Where the calls are missing (not Linux, no libc, a
+kernel before 5.14: probed once per process on a page of its own), this does nothing and the read faults as
+before.
+
+Who gains: tensors allocated and not yet written (``torch.empty``, a model built on the meta device and
+materialized with ``to_empty``), of more than glibc's mmap threshold (up to 32 MiB; smaller ones may reuse
+freed, resident heap memory). A model whose weights were initialized (``nn.Linear(...)``) is resident already:
+its restore reads as before. With transparent huge pages set to ``always``, one block's call may map a whole
+2 MiB page, which can make the next chunk's first page look resident; that chunk then faults as before (a
+2 MiB fault each, cheap), never wrongly.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import sys
+import threading
 from typing import Any
 
 MADV_POPULATE_WRITE = 23
@@ -27,19 +35,43 @@ PAGE = mmap.PAGESIZE
 
 _libc: Any = None
 _enabled = sys.platform.startswith("linux")
+_lock = threading.Lock()
+
+
+def _open_libc() -> Any:
+    lib = ctypes.CDLL(None, use_errno=True)  # the interpreter's own symbols, libc's among them
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return lib
+
+
+def _supported(lib: Any) -> bool:
+    """One ``madvise(MADV_POPULATE_WRITE)`` on a page of private anonymous memory: a kernel before 5.14
+    answers EINVAL. (EINVAL later, on a real destination, means that range only: read-only or I/O memory.)"""
+    page = mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        anchor = ctypes.c_char.from_buffer(page)
+        try:
+            return bool(lib.madvise(ctypes.addressof(anchor), PAGE, MADV_POPULATE_WRITE) == 0)
+        finally:
+            del anchor
+    finally:
+        page.close()
 
 
 def _load() -> Any:
+    """libc with ``mincore`` and ``madvise``, once the kernel was found to know the advice; else None."""
     global _libc, _enabled
     if _libc is None and _enabled:
-        try:
-            lib = ctypes.CDLL(None, use_errno=True)  # the interpreter's own symbols, libc's among them
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            _libc = lib
-        except (OSError, AttributeError):
-            _enabled = False
-    return _libc
+        with _lock:
+            if _libc is None and _enabled:
+                try:
+                    lib = _open_libc()
+                    _enabled = _supported(lib)
+                    _libc = lib
+                except (OSError, AttributeError, ValueError):
+                    _enabled = False
+    return _libc if _enabled else None
 
 
 def address(view: memoryview) -> int:
@@ -74,10 +106,10 @@ def populate_for_write(view: memoryview) -> bool:
     pages are zeroed while the block is still in the CPU cache).
 
     Returns:
-        True when the range was populated; False where the calls are missing or the kernel refused (a kernel
-        before 5.14 turns the feature off for the process; out of memory is left to the read to report).
+        True when the range was populated; False where the calls are missing or the kernel refused this range
+        (out of memory, read-only or I/O memory: the read that follows faults as it would have, and reports
+        what it meets).
     """
-    global _enabled
     if not _enabled or view.readonly or not len(view):
         return False
     lib = _load()
@@ -85,8 +117,4 @@ def populate_for_write(view: memoryview) -> bool:
         return False
     start = address(view)
     begin = start - start % PAGE
-    if lib.madvise(begin, start + len(view) - begin, MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14 does not know the advice
-            _enabled = False
-        return False
-    return True
+    return bool(lib.madvise(begin, start + len(view) - begin, MADV_POPULATE_WRITE) == 0)

@@ -380,7 +380,10 @@ class ChunkStore:
         confirmation as :meth:`verify`).
 
         The chunk is read in blocks of ``CRC_BLOCK_BYTES``; each block's CRC32C (and ``scan``) runs right after
-        its read, while the block is still in the CPU cache.
+        its read, while the block is still in the CPU cache. When ``out`` is fresh memory (its first whole page
+        not resident: a relaunched job's new tensors), each block's pages are mapped with one
+        ``madvise(MADV_POPULATE_WRITE)`` right before its read (:mod:`trainguard._prefault`). A chunk checked
+        moments ago (``checked``) with nothing to scan is read in one call instead, unless ``out`` is fresh.
 
         Args:
             rec: the chunk.

@@ -1,0 +1,49 @@
+"""``benchmarks/bench_restore_fresh.py`` in a tiny run (one 64 MiB tensor, one round after the warm-up): every
+combination is timed and checked bit for bit, the ratios print as PASS/MISS (new tensors) and info (touched),
+and the scratch root is removed. Speed verdicts at this size mean nothing (that the populate runs only for
+fresh memory is tested in tests/test_restore_fresh_memory.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO, run_env
+
+SCRIPT = REPO / "benchmarks" / "bench_restore_fresh.py"
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_run_times_every_combination(tmp_path):
+    out = tmp_path / "res.json"
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--size-gib", "0.01", "--repeat", "1", "--scratch", str(tmp_path)]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=run_env(),
+        cwd=REPO,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["tensors"] == 1 and res["bytes"] == 64 << 20
+    assert len(res["seconds"]) == 8 and all(len(v) == 1 and v[0] > 0 for v in res["seconds"].values())
+    lines = p.stdout.splitlines()
+    assert sum(ln.startswith(("PASS ", "MISS ")) for ln in lines) == 2, p.stdout
+    assert sum(ln.startswith("info ") for ln in lines) == 2, p.stdout
+    assert list(tmp_path.iterdir()) == [out], "the scratch root was not removed"
+
+
+def test_bad_sizes_are_refused():
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=run_env(),
+    )
+    assert p.returncode == 2 and "--repeat must be >= 1" in p.stderr
