@@ -127,3 +127,24 @@ def test_a_range_the_kernel_refuses_leaves_the_feature_on_for_the_next(monkeypat
     assert _prefault._enabled is True
     fresh = torch.empty(NUMEL)
     assert _prefault.populate_for_write(view_of(fresh)) and not _prefault.unmapped(view_of(fresh))
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_a_read_only_destination_is_named_as_such_and_no_checkpoint_is_skipped(tmp_path):
+    """A tensor over a read-only mapping cannot be restored into: the read fails with EFAULT. That is the
+    destination's fault, not the storage's: a clear StateMismatchError at once, no retries, no fallback to an
+    older checkpoint (each would fail the same way), no checkpoint marked."""
+    import numpy as np
+
+    root = tmp_path / "r"
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"m": {"w": torch.randn(NUMEL)}})
+    (tmp_path / "f").write_bytes(bytes(NUMEL * 4))
+    ro = torch.from_numpy(np.memmap(tmp_path / "f", dtype="float32", mode="r", shape=(NUMEL,)))
+    with tg.CheckpointManager(root) as mgr:
+        with pytest.raises(tg.StateMismatchError, match=r"\(m\.w\): that memory is not writable") as e:
+            mgr.restore_latest({"m": {"w": ro}})
+        assert "step 2" in str(e.value) and "fix access to the storage" not in str(e.value)
+        assert [c.step for c in mgr.checkpoints() if c.usable] == [1, 2]
+    assert not any(root.glob("step-*/corrupt.json"))

@@ -28,6 +28,7 @@ reported as ``unreadable`` and never condemns a chunk.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -41,7 +42,7 @@ import crc32c
 import xxhash
 
 from .._prefault import populate_for_write, unmapped
-from ..errors import CorruptCheckpointError, StorageFullError, UnsafeFileError
+from ..errors import CorruptCheckpointError, StateMismatchError, StorageFullError, UnsafeFileError
 from ..format import CHUNKS_DIR, ChunkRecord, chunk_relpath
 from ..storage.base import ObjectInfo, Staged, Storage
 from ..storage.local import DURABILITY_MODES, LocalStorage
@@ -519,6 +520,17 @@ class ChunkStore:
             except UnsafeFileError as e:
                 raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
             except OSError as e:
+                if (
+                    e.errno == errno.EFAULT
+                ):  # the kernel could not write into the destination: not the storage
+                    raise StateMismatchError(
+                        f"chunk {rec.path}{f' of step {step}' if step is not None else ''} could not be read into "
+                        f"its destination ({', '.join(owners) if owners else 'a tensor of the state'}): that "
+                        "memory is not writable (EFAULT), e.g. a tensor over a read-only mapping "
+                        "(np.memmap(mode='r'), a read-only file mapped by torch.from_file or safetensors). "
+                        "Restore into writable tensors (.clone() them) or into an empty dict; the checkpoint is "
+                        "fine, and other tensors of the state may already hold its values"
+                    ) from None
                 io_errors += 1
                 if io_errors >= max(1, attempts):
                     self._io_streak += 1
