@@ -202,15 +202,18 @@ def test_the_diagnosis_methods_run_on_cpu_and_write_what_they_should(tmp_path):
     out = tmp_path / "res.json"
     p = bench(
         "--device", "cpu", "--tiny", "--every", "4", "--json", str(out), "--scratch", str(tmp_path),
-        "--methods", "raw_process, tg_1thread,dcp_process",
+        "--methods", "raw_thread,raw_process, tg_1thread,dcp_process,raw_thread_1m",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())
     loop = res["loop"]
-    assert loop["methods"] == ["none", "tg_async", "raw_process", "tg_1thread", "dcp_process"], loop
+    assert loop["methods"] == [
+        "none", "tg_async", "raw_thread", "raw_process", "tg_1thread", "dcp_process", "raw_thread_1m",
+    ], loop  # fmt: skip
     assert loop["failed"] == {} and res["errors"] == {}
     assert loop["dcp_process_stager"] == "DefaultStager (shared memory)"
-    for m in ("raw_process", "tg_1thread", "dcp_process"):
+    assert "info a raw write thread writing 1 MiB pieces instead of whole tensors" in p.stdout
+    for m in ("raw_thread", "raw_process", "tg_1thread", "dcp_process", "raw_thread_1m"):
         assert isinstance(loop[m], float) and loop["where"][m]["persist_s"] > 0, (m, loop["where"][m])
     assert res["sizes"]["methods"] == loop["methods"]
     assert "not measured: trainguard async overhead <= dcp.async_save's" in p.stdout
@@ -284,3 +287,19 @@ def test_on_cuda_the_full_run_restores_bit_exactly_and_pins_its_staging_buffers(
     assert all(res["exact"].values()), res["exact"]
     assert res["pinned_bytes"] == res["staging_bytes"] > 0
     assert res["counts_device_bytes"] and res["loop"]["dtensor"]["no_device_copy"]
+
+
+def test_the_raw_write_thread_in_pieces_writes_the_same_bytes(tmp_path, monkeypatch):
+    """``raw_thread_1m`` differs from ``raw_thread`` only in the size of its ``write`` calls."""
+    mod = load_module("bench_gpu_pieces", monkeypatch)
+    loop = mod.Loop(mod.TINY, torch.device("cpu"), tmp_path / "loop")
+    try:
+        written = []
+        for piece in (None, 3):
+            loop.step += 1
+            loop._raw_save(piece=piece).result()
+            written.append((loop.dcp_root / f"raw-{loop.step}.bin").read_bytes())
+        expect = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in loop.raw_bufs.values())
+        assert written == [expect, expect] and len(expect) > 3
+    finally:
+        loop.close()
