@@ -918,8 +918,9 @@ def report(res: dict[str, Any]) -> list[str]:
     if "raw_thread" in loop and "raw_thread_1m" in loop:
         lines.append(
             "info a raw write thread writing 1 MiB pieces instead of whole tensors: "
-            f"{loop['raw_thread_1m']:+.2%} vs {loop['raw_thread']:+.2%} (clearly lower: long writes stall the "
-            "training thread, and trainguard's persist should write in pieces)"
+            f"{loop['raw_thread_1m']:+.2%} vs {loop['raw_thread']:+.2%} (if clearly lower, beyond the rounds' "
+            "spread: long writes stall the training thread, and trainguard's persist should write in pieces; "
+            "the same write calls for tensors of 1 MiB or less)"
         )
     lines.append(
         f"{verdict(res['counts_device_bytes'])} a synchronous save counts the device tensors' bytes "

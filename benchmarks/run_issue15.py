@@ -347,6 +347,8 @@ def part_ttr(a: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
 def part_retention(a: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     import tempfile
 
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-issue15-retention-", dir=a.dir) as tmp:
         out = Path(tmp) / "retention.json"
         args = ["--size-gib", str(a.size_gib), "--repeat", str(a.repeat), "--json", str(out)]

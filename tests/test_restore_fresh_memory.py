@@ -129,6 +129,60 @@ def test_a_range_the_kernel_refuses_leaves_the_feature_on_for_the_next(monkeypat
     assert _prefault.populate_for_write(view_of(fresh)) and not _prefault.unmapped(view_of(fresh))
 
 
+def test_the_memory_maps_snapshot_knows_read_only_mappings():
+    import mmap
+
+    import numpy as np
+
+    ro = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
+    ro_addr = np.frombuffer(ro, dtype=np.uint8).__array_interface__["data"][0]
+    rw = torch.empty(NUMEL)
+    maps = _prefault.MemoryMaps()
+    assert maps.read_only(ro_addr, 1 << 16) and maps.read_only(ro_addr + 100, 1)
+    assert maps.read_only(ro_addr + (1 << 16) - 1, 10)  # runs past its end: still overlaps it
+    assert not maps.read_only(rw.data_ptr(), rw.nbytes)
+    empty = _prefault.MemoryMaps.__new__(_prefault.MemoryMaps)
+    empty.starts, empty.ends, empty.write = [], [], []  # no /proc/self/maps: nothing is reported
+    assert not empty.read_only(ro_addr, 1)
+    ro.close()
+
+
+SMALL_AND_LARGE = """
+import sys, warnings, numpy as np, torch, trainguard as tg
+warnings.simplefilter("ignore")
+root, f, compression = sys.argv[1], sys.argv[2], sys.argv[3]
+with tg.CheckpointManager(root, async_save=False, compression=compression) as mgr:
+    mgr.save(1, {"m": {"small": torch.randn(1000), "large": torch.randn(1 << 20)}})
+np.zeros(1 << 20, dtype=np.float32).tofile(f)
+live = {"small": torch.from_numpy(np.memmap(f, dtype="float32", mode="r", shape=(1000,))),
+        "large": torch.zeros(1 << 20)}
+try:
+    tg.CheckpointManager(root, read_only=True).restore(1, {"m": live})
+    print("loaded")
+except tg.StateMismatchError as e:
+    print("refused", "m.small: the live tensor is on read-only memory" in str(e), "Nothing was loaded" in str(e),
+          bool((live["large"] == 0).all()))
+"""
+
+
+@pytest.mark.parametrize("compression", ["off", "zstd"])
+def test_a_read_only_destination_is_refused_before_anything_is_written(tmp_path, compression):
+    """A small tensor (packed with others, copied in memory) or a compressed one over a read-only mapping
+    crashed the process (SIGSEGV in the copy); it is refused before the first byte is written, naming it."""
+    import subprocess
+
+    script = tmp_path / "ro.py"
+    script.write_text(SMALL_AND_LARGE)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "r"), str(tmp_path / "f"), compression],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["refused", "True", "True", "True"], r.stdout + r.stderr[-2000:]
+
+
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_a_read_only_destination_is_named_as_such_and_no_checkpoint_is_skipped(tmp_path):
     """A tensor over a read-only mapping cannot be restored into: the read fails with EFAULT. That is the
@@ -143,8 +197,113 @@ def test_a_read_only_destination_is_named_as_such_and_no_checkpoint_is_skipped(t
     (tmp_path / "f").write_bytes(bytes(NUMEL * 4))
     ro = torch.from_numpy(np.memmap(tmp_path / "f", dtype="float32", mode="r", shape=(NUMEL,)))
     with tg.CheckpointManager(root) as mgr:
-        with pytest.raises(tg.StateMismatchError, match=r"\(m\.w\): that memory is not writable") as e:
+        with pytest.raises(tg.StateMismatchError, match=r"m\.w: the live tensor is on read-only memory") as e:
             mgr.restore_latest({"m": {"w": ro}})
         assert "step 2" in str(e.value) and "fix access to the storage" not in str(e.value)
         assert [c.step for c in mgr.checkpoints() if c.usable] == [1, 2]
     assert not any(root.glob("step-*/corrupt.json"))
+
+
+TWO_RANKS = """
+import os, sys, warnings, numpy as np, torch, torch.distributed as dist, torch.multiprocessing as mp
+import trainguard as tg
+warnings.simplefilter("ignore")
+
+def body(rank, root, pg, out):
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + pg)
+    with tg.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"m": {"w": torch.randn(1 << 20), "b": torch.randn(10)}})
+    f = os.path.join(out, f"ro{rank}")
+    np.zeros(10, dtype=np.float32).tofile(f)
+    b = torch.from_numpy(np.memmap(f, dtype="float32", mode="r", shape=(10,))) if rank == 1 else torch.zeros(10)
+    try:
+        with tg.CheckpointManager(root) as mgr:
+            mgr.restore_latest({"m": {"w": torch.zeros(1 << 20), "b": b}})
+        result = "loaded"
+    except tg.StateMismatchError as e:
+        result = "refused " + ("read-only memory" if "read-only memory" in str(e) else "another rank")
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as fh:  # one file per rank: no shared pipe
+        fh.write(result)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization (a gloo thread may abort it: tests/distributed/worker.py)
+
+if __name__ == "__main__":
+    mp.spawn(body, args=tuple(sys.argv[1:4]), nprocs=2)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_under_torch_distributed_one_rank_s_read_only_destination_stops_every_rank(tmp_path):
+    """Only rank 1's tensor is on read-only memory: rank 1 names it, rank 0 stops too (a rank that went on
+    alone would wait forever in the load's collectives), nothing is marked."""
+    import subprocess
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS)
+    root = tmp_path / "root"
+    r = subprocess.run(
+        [sys.executable, str(script), str(root), str(tmp_path / "pg"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    results = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert results == ["refused another rank", "refused read-only memory"], r.stderr[-3000:]
+    assert not any(root.glob("step-*/corrupt.json"))
+
+
+def test_the_same_target_problem_on_every_rank_is_not_reported_as_a_failed_save():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainguard._persist import unwrap
+
+    both = CheckpointException(
+        "load", {0: tg.StateMismatchError("rank 0's"), 1: tg.StateMismatchError("rank 1's")}
+    )
+    assert isinstance(unwrap(both, 2), tg.StateMismatchError) and str(unwrap(both, 2)) == "rank 0's"
+    mixed = CheckpointException("load", {0: tg.StateMismatchError("a"), 1: OSError("b")})
+    assert isinstance(unwrap(mixed, 2), tg.SaveError)  # different problems: every rank's is listed
+
+
+def test_efault_blames_the_caller_s_memory_only_on_a_read_into_it(tmp_path, monkeypatch):
+    """EFAULT on ``readinto`` (the caller's destination) is a StateMismatchError; on ``verify``'s read into
+    trainguard's own buffer it can only come from the storage (e.g. a FUSE daemon): an unreadable chunk."""
+    saved(tmp_path, n=1)
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    try:
+        from trainguard.catalog import read_manifest
+
+        store = mgr.store
+        rec = next(iter(read_manifest(tmp_path, 1).chunks.values()))
+        real_open = store.storage.open_read
+
+        class Faulty:  # the chunk's file, whose reads into a buffer fail with EFAULT
+            def __init__(self, f):
+                self.f = f
+
+            def readinto(self, _view):
+                raise OSError(errno.EFAULT, "Bad address")
+
+            def read(self, *a):
+                return self.f.read(*a)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+        def faulty_open(*a, **k):
+            f, info = real_open(*a, **k)
+            return Faulty(f), info
+
+        monkeypatch.setattr(store.storage, "open_read", faulty_open)
+        with pytest.raises(tg.StateMismatchError, match="could not be read into its destination"):
+            store.readinto(rec, memoryview(bytearray(rec.length)))
+        with pytest.raises(tg.CorruptCheckpointError, match="cannot be read"):
+            store.verify(rec)
+    finally:
+        mgr.close()

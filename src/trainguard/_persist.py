@@ -20,7 +20,7 @@ from ._writers import WriterThreads
 from .commit import publish
 from .distributed.chunkwrite import ChunkWriter, ItemResult, Layout, plain_state, save_local, tensor_bytes
 from .distributed.manifest import build_manifest
-from .errors import NonFiniteStateError, SaveError, StorageFullError, TrainguardError
+from .errors import NonFiniteStateError, SaveError, StateMismatchError, StorageFullError, TrainguardError
 from .format import Manifest
 from .format.layout import partial_dir_name
 from .incremental.auto import SAMPLE_BYTES, SAMPLE_TENSORS, Decision, state_sample
@@ -446,6 +446,8 @@ def unwrap(e: BaseException, step: int | None = None, prefer: type | None = None
                 return inner
     if len(errors) == 1:
         return next(iter(errors.values()))
+    if errors and all(isinstance(x, StateMismatchError) for x in errors.values()):
+        return errors[min(errors)]  # a restore's target problem on every rank: not a failed save
     ranks = sorted(errors)
     first = errors[ranks[0]] if ranks else e
     return SaveError(

@@ -403,16 +403,27 @@ def load(
             mark_corrupt(ctx, step, bad_dtype)
         raise
     memory_error: InsufficientMemoryError | None = None
+    mismatch: StateMismatchError | None = None
     try:
         template, paths, reshard = _statefn.build_template(m, state, strict=strict)
     except InsufficientMemoryError as e:
         memory_error = e
+    except StateMismatchError as e:
+        mismatch = e
     if ctx.dist.enabled and ctx.dist.any(memory_error is not None):  # every rank skips the step together
         memory_error = memory_error or InsufficientMemoryError(
             f"restoring step {step}: another rank has not enough memory for it", step=step
         )
     if memory_error is not None:
         raise memory_error
+    # a target that only some ranks cannot take (one rank's tensor on read-only memory): every rank stops
+    if ctx.dist.enabled and ctx.dist.any(mismatch is not None):
+        mismatch = mismatch or StateMismatchError(
+            f"cannot restore step {step}: another rank's state cannot take it (its error lists why); nothing "
+            "was loaded"
+        )
+    if mismatch is not None:
+        raise mismatch
     reader: ShardReader
     known: dict[str, int] | None = None  # tensors the reading threads scanned for NaN/Inf as they landed
     writing = False  # True once bytes may have reached the caller's objects (tensors loaded in place)

@@ -429,7 +429,7 @@ class ChunkStore:
                 return None, 0
             return got, rec.crc32c if same else crc
 
-        self._checked_read(rec, once, step, owners, READ_ATTEMPTS, checked=checked)
+        self._checked_read(rec, once, step, owners, READ_ATTEMPTS, checked=checked, into_memory=True)
         return scanned if scan is not None else None
 
     def verify(
@@ -495,11 +495,13 @@ class ChunkStore:
         attempts: int,
         *,
         checked: tuple[Any, ...] | None = None,
+        into_memory: bool = False,
     ) -> tuple[Any, ...]:
         """Run ``once(file, same) -> (length read or None, crc32c)`` on the chunk's file until it matches
         ``rec``, retrying I/O errors and confirming a mismatch by one more read; ``same``: the file is the
         object version ``checked`` (its CRC32C was checked by this process moments ago). Returns the version
-        of the file that matched."""
+        of the file that matched. ``into_memory``: ``once`` reads into the caller's memory (:meth:`readinto`),
+        so EFAULT is that memory's problem (StateMismatchError), not the storage's."""
         io_errors = 0
         mismatches = 0
         if self._io_streak >= 3:  # the storage is unreadable, not this chunk: one attempt is enough
@@ -520,16 +522,14 @@ class ChunkStore:
             except UnsafeFileError as e:
                 raise self._corrupt(rec, f"is refused ({e})", step, owners) from None
             except OSError as e:
-                if (
-                    e.errno == errno.EFAULT
-                ):  # the kernel could not write into the destination: not the storage
+                if e.errno == errno.EFAULT and into_memory:  # the kernel could not write into ``out``
                     raise StateMismatchError(
                         f"chunk {rec.path}{f' of step {step}' if step is not None else ''} could not be read into "
-                        f"its destination ({', '.join(owners) if owners else 'a tensor of the state'}): that "
-                        "memory is not writable (EFAULT), e.g. a tensor over a read-only mapping "
-                        "(np.memmap(mode='r'), a read-only file mapped by torch.from_file or safetensors). "
-                        "Restore into writable tensors (.clone() them) or into an empty dict; the checkpoint is "
-                        "fine, and other tensors of the state may already hold its values"
+                        f"its destination ({', '.join(owners) if owners else 'a tensor of the state'}): the "
+                        "kernel could not write to that memory (EFAULT: a read-only mapping the restore's check "
+                        "did not see, or memory that could not be allocated). The checkpoint is fine; restore "
+                        "into writable tensors (.clone() them) or into an empty dict; other tensors of the state "
+                        "may already hold its values"
                     ) from None
                 io_errors += 1
                 if io_errors >= max(1, attempts):
