@@ -184,11 +184,14 @@ def unloadable(t: torch.Tensor, maps: MemoryMaps | None = None) -> str | None:
             "of its own (e.g. t.contiguous()) or an empty container"
         )
     if maps is not None and t.device.type == "cpu" and not is_dtensor(t):
-        try:  # from the first element, the tensor's bytes (0.7 us a tensor; its storage object: 6 us)
+        # the mapping holding its first element (0.7 us a tensor; its storage object would cost 6 us): one
+        # allocation never spans mappings of different permissions, and numel x itemsize from there could
+        # overrun the storage for an overlapping view (unfold), into a neighbouring mapping
+        try:
             start, size = t.data_ptr(), t.nbytes
         except (RuntimeError, NotImplementedError):  # a tensor without plain storage: nothing to look up
             return None
-        if size and maps.read_only(start, size):
+        if size and maps.read_only(start, 1):
             return (
                 "on read-only memory (e.g. a tensor over np.memmap(mode='r') or a file mapped read-only: "
                 "writing into it would crash the process); restore into a writable copy (t.clone()) or an "
