@@ -218,3 +218,34 @@ def test_installing_the_preemption_handler_outside_the_main_thread_is_a_config_e
     thread.start()
     thread.join()
     assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+SIGNAL_STORM = """
+import os, signal, subprocess, sys, time
+from trainguard.recovery import heartbeat as hb
+hb.install_preemption_handler((signal.SIGUSR1, signal.SIGTERM))
+sender = subprocess.Popen([sys.executable, "-c", f'''
+import os, signal, time
+end = time.monotonic() + 1.5
+while time.monotonic() < end:
+    os.kill({os.getpid()}, signal.SIGUSR1)
+    os.kill({os.getpid()}, signal.SIGTERM)
+'''])
+while sender.poll() is None:  # the training loop: checks the flag between steps
+    seen = hb.preemption_requested()
+print("alive", seen)
+"""
+
+
+def test_signals_arriving_together_never_deadlock_the_handler(tmp_path):
+    """Python runs a signal's handler inside the previous one when both arrive together (Slurm's USR1 and
+    the agent's or the supervisor's SIGTERM). The handler used to set a threading.Event, whose lock the
+    nested handler then waited for on the same thread: the job hung (or hit RecursionError) instead of
+    saving. A storm of both signals must leave the process running with the flag set."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "storm.py"
+    script.write_text(SIGNAL_STORM)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["alive", "True"]), (r.returncode, r.stderr[-2000:])

@@ -79,7 +79,8 @@ def test_usr1_to_every_process_of_a_torchrun_job_saves_and_exits_75(tmp_path):
     result = json.loads(stdout)
     assert (result["status"], result["reason"]) == ("preempted", "SIGUSR1")
     saves = read_events(root, event="preemption")
-    assert len(saves) == 2 and len({s["step"] for s in saves}) == 1  # both ranks, one step
+    # both ranks, one step (the job's stderr holds the workers' tracebacks if they failed)
+    assert len(saves) == 2 and len({s["step"] for s in saves}) == 1, (saves, stderr[-6000:])
     step = saves[0]["step"]
     assert (root / f"step-{step:09d}" / "manifest.json").exists()  # the preemption checkpoint committed
     assert len(read_events(root, event="job_start")) == 1  # not restarted

@@ -300,14 +300,18 @@ def read_heartbeat(path: str | os.PathLike[str]) -> tuple[int, float] | None:
 
 # --- preemption ---------------------------------------------------------------------------------------------
 
-_preempted = threading.Event()
+_preempted = False
 _previous_handlers: dict[int, Any] = {}
 
 
 def _on_preemption_signal(signum: int, frame: object) -> None:
     # Only set a flag: the save happens at the next step boundary, outside the signal handler. A second
     # SIGTERM (torchrun forwards one, the supervisor signals the whole group) is deliberately not fatal.
-    _preempted.set()
+    # A plain global, no lock: Python runs a second signal's handler inside the first one, between its
+    # bytecodes, so a handler that takes a lock (threading.Event.set) deadlocked on itself when two signals
+    # came together (Slurm's USR1 and the agent's SIGTERM: the job hung until SIGKILL).
+    global _preempted
+    _preempted = True
 
 
 def install_preemption_handler(signals: tuple[int, ...] | None = None) -> None:
@@ -361,12 +365,13 @@ def uninstall_preemption_handler() -> None:
     for sig, previous in list(_previous_handlers.items()):
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         del _previous_handlers[sig]
-    _preempted.clear()
+    global _preempted
+    _preempted = False
 
 
 def preemption_requested() -> bool:
     """Return True once a preemption signal arrived (cheap: safe to call every step, from any thread)."""
-    return _preempted.is_set()
+    return _preempted
 
 
 def exit_after_preemption_save() -> NoReturn:
