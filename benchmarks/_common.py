@@ -270,3 +270,48 @@ def dump_json(obj: Any, file: Any = None) -> None:
 def log(msg: str) -> None:
     """Progress on stderr (stdout is for the table or the JSON)."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def sized_run_main(
+    doc: str,
+    run: Callable[[float, int, Path], dict[str, Any]],
+    *,
+    default_size_gib: float,
+    size_help: str,
+    scratch_help: str,
+    prefix: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The command line of a benchmark that measures ``run(size_gib, repeat, scratch)`` in a scratch folder:
+    ``--size-gib``, ``--repeat`` (timed rounds after a warm-up), ``--scratch`` (its parent) and ``--json FILE``.
+    Refuses a size or repeat below 1 (exit code 2), removes the scratch folder after the run, adds the machine
+    to the result, writes the JSON and prints the date, machine and trainguard's location.
+
+    Returns:
+        The result of ``run`` (with ``machine``) and the machine's description.
+    """
+    import argparse
+    import tempfile
+
+    import trainguard
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--size-gib", type=float, default=default_size_gib, help=size_help)
+    ap.add_argument("--repeat", type=int, default=5, help="timed rounds after a warm-up (default 5)")
+    ap.add_argument("--scratch", help=scratch_help)
+    ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
+    a = ap.parse_args()
+    if a.repeat < 1 or a.size_gib <= 0:
+        ap.error("--repeat must be >= 1 and --size-gib > 0")
+    info = machine_info()
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=a.scratch))
+    try:
+        res = run(a.size_gib, a.repeat, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    res["machine"] = info
+    if a.json:
+        with open(a.json, "w") as f:
+            dump_json(res, f)
+    print(f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, load average {info['loadavg_1m']}")
+    print(f"# trainguard from {Path(trainguard.__file__).parent}")
+    return res, info

@@ -21,11 +21,8 @@ tensors, on and off within the noise (the ``mincore`` check is one system call p
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dump_json, machine_info  # noqa: E402
+from _common import sized_run_main  # noqa: E402
 
 import trainguard as tg  # noqa: E402
 import trainguard.incremental.chunkstore as chunkstore  # noqa: E402
@@ -101,28 +98,16 @@ def run(size_gib: float, repeat: int, scratch: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gib", type=float, default=1.0, help="checkpoint size in GiB (default 1)")
-    ap.add_argument("--repeat", type=int, default=5, help="timed rounds after a warm-up (default 5)")
-    ap.add_argument("--scratch", help="parent folder of the run root (default: the temp folder)")
-    ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
-    a = ap.parse_args()
-    if a.repeat < 1 or a.size_gib <= 0:
-        ap.error("--repeat must be >= 1 and --size-gib > 0")
-    info = machine_info()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-restore-fresh-", dir=a.scratch))
-    try:
-        res = run(a.size_gib, a.repeat, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    res["machine"] = info
-    if a.json:
-        with open(a.json, "w") as f:
-            dump_json(res, f)
-    print(f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, load average {info['loadavg_1m']}")
-    print(f"# trainguard from {Path(tg.__file__).parent}")
+    res, _ = sized_run_main(
+        __doc__,
+        run,
+        default_size_gib=1.0,
+        size_help="checkpoint size in GiB (default 1)",
+        scratch_help="parent folder of the run root (default: the temp folder)",
+        prefix="bench-restore-fresh-",
+    )
     print(
-        f"# {res['bytes'] / 2**30:.2f} GiB in {res['tensors']} tensors, page cache warm; medians of {a.repeat} rounds"
+        f"# {res['bytes'] / 2**30:.2f} GiB in {res['tensors']} tensors, page cache warm; medians of {res['repeat']} rounds"
     )
     for key, v in res["seconds"].items():
         print(f"{key:<40} {res['median_s'][key]:.3f} s ({min(v):.3f}-{max(v):.3f})")

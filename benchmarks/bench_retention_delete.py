@@ -22,19 +22,16 @@ Target: the ``keep=1`` save takes at most 1.1x the ``keep=None`` save (the delet
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dump_json, log, machine_info  # noqa: E402
+from _common import log, sized_run_main  # noqa: E402
 
 import trainguard as tg  # noqa: E402
 
@@ -110,26 +107,14 @@ def run(size_gib: float, repeat: int, scratch: Path) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gib", type=float, default=0.5, help="state size in GiB (default 0.5)")
-    ap.add_argument("--repeat", type=int, default=5, help="timed rounds after a warm-up (default 5)")
-    ap.add_argument("--scratch", help="folder for the two run roots (default: a temp folder, removed after)")
-    ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
-    a = ap.parse_args()
-    if a.repeat < 1 or a.size_gib <= 0:
-        ap.error("--repeat must be >= 1 and --size-gib > 0")
-    info = machine_info()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-retention-delete-", dir=a.scratch))
-    try:
-        res = run(a.size_gib, a.repeat, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    res["machine"] = info
-    if a.json:
-        with open(a.json, "w") as f:
-            dump_json(res, f)
-    print(f"# {info['date']}  {info.get('cpu', '?')} x{info['nproc']}, load average {info['loadavg_1m']}")
-    print(f"# trainguard from {Path(tg.__file__).parent}")
+    res, _ = sized_run_main(
+        __doc__,
+        run,
+        default_size_gib=0.5,
+        size_help="state size in GiB (default 0.5)",
+        scratch_help="folder for the two run roots (default: a temp folder, removed after)",
+        prefix="bench-retention-delete-",
+    )
     print(
         f"# state {res['bytes'] / 2**30:.2f} GiB in {res['tensors']} chunk files; sync durable saves; "
         f"medians of {res['repeat']} rounds"

@@ -34,6 +34,19 @@ def run_env() -> dict[str, str]:
     return env
 
 
+def run_benchmark(script: str, *args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> *args`` in a subprocess from the repository root (``run_env``), its output
+    captured as text."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=run_env(),
+        cwd=REPO,
+    )
+
+
 def run_with_file_size_limit(
     code: str, args: list[str], limit_bytes: int
 ) -> subprocess.CompletedProcess[str]:

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from trainguard.storage.local import direct_io_supported
 
-from .conftest import REPO, run_env
+from .conftest import run_benchmark
 
-SCRIPT = REPO / "benchmarks" / "bench_direct_io.py"
+SCRIPT = "bench_direct_io.py"
 
 
 @pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
@@ -26,14 +25,7 @@ def test_a_tiny_run_measures_every_method_in_both_conditions(tmp_path):
     args = ["--size-gib", "0.01", "--repeat", "1", "--settle-s", "0", "--dir", str(tmp_path)]
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, str(SCRIPT), *args, *extra],
-            capture_output=True,
-            text=True,
-            timeout=280,
-            env=run_env(),
-            cwd=REPO,
-        )
+        return run_benchmark(SCRIPT, *args, *extra)
 
     p = run("--json")
     assert p.returncode == 0, p.stderr[-3000:]

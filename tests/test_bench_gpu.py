@@ -11,20 +11,13 @@ import sys
 import pytest
 import torch
 
-from .conftest import REPO, run_env
+from .conftest import REPO, run_benchmark
 
 SCRIPT = REPO / "benchmarks" / "bench_gpu.py"
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=run_env(),
-        cwd=REPO,
-    )
+    return run_benchmark(SCRIPT.name, *args, timeout=timeout)
 
 
 @pytest.mark.timeout(300)

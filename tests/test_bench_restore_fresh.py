@@ -6,27 +6,19 @@ fresh memory is tested in tests/test_restore_fresh_memory.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import REPO, run_env
+from .conftest import run_benchmark
 
-SCRIPT = REPO / "benchmarks" / "bench_restore_fresh.py"
+SCRIPT = "bench_restore_fresh.py"
 
 
 @pytest.mark.timeout(300)
 def test_a_tiny_run_times_every_combination(tmp_path):
     out = tmp_path / "res.json"
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size-gib", "0.01", "--repeat", "1", "--scratch", str(tmp_path)]
-        + ["--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=run_env(),
-        cwd=REPO,
+    p = run_benchmark(
+        SCRIPT, "--size-gib", "0.01", "--repeat", "1", "--scratch", str(tmp_path), "--json", str(out)
     )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -39,11 +31,5 @@ def test_a_tiny_run_times_every_combination(tmp_path):
 
 
 def test_bad_sizes_are_refused():
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--repeat", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=run_env(),
-    )
+    p = run_benchmark(SCRIPT, "--repeat", "0", timeout=60)
     assert p.returncode == 2 and "--repeat must be >= 1" in p.stderr

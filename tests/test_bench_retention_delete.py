@@ -6,27 +6,19 @@ path is tested in tests/retention/test_background_collection.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import REPO, run_env
+from .conftest import run_benchmark
 
-SCRIPT = REPO / "benchmarks" / "bench_retention_delete.py"
+SCRIPT = "bench_retention_delete.py"
 
 
 @pytest.mark.timeout(300)
 def test_a_tiny_run_times_both_saves_and_the_deletion_apart(tmp_path):
     out = tmp_path / "res.json"
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size-gib", "0.03", "--repeat", "1", "--scratch", str(tmp_path)]
-        + ["--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=run_env(),
-        cwd=REPO,
+    p = run_benchmark(
+        SCRIPT, "--size-gib", "0.03", "--repeat", "1", "--scratch", str(tmp_path), "--json", str(out)
     )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -41,12 +33,5 @@ def test_a_tiny_run_times_both_saves_and_the_deletion_apart(tmp_path):
 
 @pytest.mark.parametrize("args", [["--repeat", "0"], ["--size-gib", "0"]])
 def test_bad_sizes_are_refused(args):
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=run_env(),
-        cwd=REPO,
-    )
+    p = run_benchmark(SCRIPT, *args, timeout=120)
     assert p.returncode == 2 and "--repeat must be >= 1 and --size-gib > 0" in p.stderr

@@ -84,18 +84,25 @@ def address(view: memoryview) -> int:
         del anchor  # releases the export: the caller may release ``view`` afterwards
 
 
+def _target(view: memoryview, min_bytes: int) -> tuple[Any, int] | None:
+    """libc and the address of ``view``, or None where the calls are missing, ``view`` is read-only or it is
+    shorter than ``min_bytes``."""
+    if not _enabled or view.readonly or len(view) < min_bytes:
+        return None
+    lib = _load()
+    return None if lib is None else (lib, address(view))
+
+
 def unmapped(view: memoryview) -> bool:
     """Whether ``view`` looks like fresh memory: its first whole page is not resident (``mincore``).
 
     False where the calls are missing, for a read-only view, and for a view shorter than two pages (a range
     that small gains nothing). One system call.
     """
-    if not _enabled or view.readonly or len(view) < 2 * PAGE:
+    target = _target(view, 2 * PAGE)
+    if target is None:
         return False
-    lib = _load()
-    if lib is None:
-        return False
-    start = address(view)
+    lib, start = target
     first = -(-start // PAGE) * PAGE  # the first whole page: the page before may hold other data already
     resident = (ctypes.c_ubyte * 1)()  # per call: reading threads run this side by side
     return lib.mincore(first, PAGE, resident) == 0 and not resident[0] & 1
@@ -111,12 +118,10 @@ def populate_for_write(view: memoryview) -> bool:
         (out of memory, read-only or I/O memory: the read that follows faults as it would have, and reports
         what it meets).
     """
-    if not _enabled or view.readonly or not len(view):
+    target = _target(view, 1)
+    if target is None:
         return False
-    lib = _load()
-    if lib is None:
-        return False
-    start = address(view)
+    lib, start = target
     begin = start - start % PAGE
     return bool(lib.madvise(begin, start + len(view) - begin, MADV_POPULATE_WRITE) == 0)
 
