@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         + (
             "dropped before each cold TTR and each cold floor read (echo 3 > /proc/sys/vm/drop_caches worked)"
             if can_drop
+            else "not dropped (no cold rows asked for)"
+            if "cold" not in caches
             else "could NOT be dropped (not root?): 'cold' rows read from the page cache"
         )
     )

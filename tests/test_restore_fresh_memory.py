@@ -307,3 +307,161 @@ def test_efault_blames_the_caller_s_memory_only_on_a_read_into_it(tmp_path, monk
             store.verify(rec)
     finally:
         mgr.close()
+
+
+# -- one read into memory never written: no verify pass for those chunks -------------------------------------
+
+
+def test_never_written_is_true_only_for_untouched_anonymous_private_memory(tmp_path):
+    import mmap
+
+    import numpy as np
+
+    maps = lambda: _prefault.MemoryMaps()  # noqa: E731 - a snapshot after each allocation
+    fresh = torch.empty(NUMEL)
+    assert _prefault.never_written(view_of(fresh), maps())
+    one_page = torch.empty(NUMEL)
+    one_page[NUMEL // 2] = 1.0  # one page in the middle written: the whole range is checked, not its start
+    assert not _prefault.never_written(view_of(one_page), maps())
+    assert not _prefault.never_written(view_of(torch.zeros(NUMEL)), maps())
+    shared = torch.empty(NUMEL).share_memory_()  # shared memory: another process may have written it
+    assert not _prefault.never_written(view_of(shared), maps())
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\x01" * (8 << 20))
+    cow = np.memmap(f, dtype=np.uint8, mode="c")  # a private file mapping: absent pages hold the file's bytes
+    assert not _prefault.never_written(memoryview(cow), maps())
+    anon = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert _prefault.never_written(memoryview(anon), maps())
+    assert not _prefault.never_written(memoryview(anon)[:100], maps())  # no whole page
+    empty = _prefault.MemoryMaps.__new__(_prefault.MemoryMaps)
+    empty.starts, empty.ends, empty.write, empty.anonymous = [], [], [], []  # no /proc/self/maps
+    assert not _prefault.never_written(view_of(fresh), empty)
+    del cow
+    anon.close()
+
+
+@pytest.fixture
+def no_swap(monkeypatch):
+    """The skip needs a machine without swap (a swapped-out page is absent too); CI runners may have swap, and
+    the memory these tests allocate is not swapped out meanwhile."""
+    import trainguard.distributed.chunkread as chunkread
+
+    monkeypatch.setattr(chunkread, "swap_configured", lambda: False)
+
+
+def saved_two(tmp_path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    state = {"new": torch.randn(NUMEL, generator=g), "old": torch.randn(NUMEL, generator=g)}
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"m": state})
+        mgr.save(2, {"m": {k: v + 1 for k, v in state.items()}})
+    return state
+
+
+def corrupt(root, step: int, fqn: str, where: int | None = None) -> None:
+    from trainguard.catalog import read_manifest
+
+    m = read_manifest(root, step)
+    p = root / m.chunks[m.entries[fqn].shards[0].segments[0].chunk].path
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2 if where is None else where] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+def test_a_restore_into_new_tensors_reads_each_chunk_once_and_checks_it_as_it_loads(tmp_path, no_swap):
+    state = saved_two(tmp_path)
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    live = {k: torch.empty(NUMEL) for k in state}
+    mgr.restore(1, {"m": live})
+    assert all(torch.equal(live[k].view(torch.int32), state[k].view(torch.int32)) for k in state)
+    assert mgr.last_restore.verify_bytes == 0  # no pass before the load
+    mgr.restore(1, {"m": live})  # the same tensors, written now: the pass is back
+    assert mgr.last_restore.verify_bytes == 2 * NUMEL * 4
+    mixed = {"new": torch.empty(NUMEL), "old": torch.zeros(NUMEL)}
+    mgr.restore(1, {"m": mixed})
+    assert mgr.last_restore.verify_bytes == NUMEL * 4  # only the chunk going into written memory
+    assert all(torch.equal(mixed[k], state[k]) for k in state)
+
+
+def test_with_swap_every_chunk_is_checked_before_the_load(tmp_path, monkeypatch):
+    """A page swapped out is absent too: with swap space, absent memory may hold data, so the pass stays."""
+    import trainguard.distributed.chunkread as chunkread
+
+    state = saved_two(tmp_path)
+    monkeypatch.setattr(chunkread, "swap_configured", lambda: True)
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    live = {k: torch.empty(NUMEL) for k in state}
+    mgr.restore(1, {"m": live})
+    assert mgr.last_restore.verify_bytes == 2 * NUMEL * 4
+    assert all(torch.equal(live[k], state[k]) for k in state)
+
+
+def test_a_corrupt_chunk_into_new_memory_is_put_back_and_written_memory_never_touched(tmp_path, no_swap):
+    """The chunks going into never-written memory are loaded (and checked) first; a corrupt one stops the
+    restore before the written tensor's chunk is copied in, and the never-written memory is put back as it
+    was: its pages zero again, and the bytes the caller wrote in its first partial page (beside the
+    allocator's header, not looked at by the mincore check) rewritten. So the objects were not modified.
+    restore_latest then falls back to the older checkpoint, bit-exact."""
+    state = saved_two(tmp_path)
+    corrupt(tmp_path, 2, "m.new", where=-5)  # near the end: the read has filled the tensor by then
+    written = torch.full((NUMEL,), 7.0)
+    new = torch.empty(NUMEL)
+    head = -new.data_ptr() % _prefault.PAGE // 4  # elements in the first, partial page
+    assert head > 0, "torch's allocator puts data after a header: the first page is partial"
+    new[:head] = 3.0  # the caller's bytes, in a page that mincore finds resident (the header's page)
+    assert _prefault.never_written(view_of(new), _prefault.MemoryMaps())
+    with pytest.raises(tg.CorruptCheckpointError, match="not modified") as ei:
+        tg.CheckpointManager(tmp_path, read_only=True).restore(2, {"m": {"new": new, "old": written}})
+    assert ei.value.state_modified is False
+    assert bool((written == 7.0).all())  # not one byte of the corrupt checkpoint in the written tensor
+    assert bool((new[:head] == 3.0).all()) and bool((new[head:] == 0).all())  # as it was
+    mgr = tg.CheckpointManager(tmp_path)
+    live = {"new": torch.empty(NUMEL), "old": torch.empty(NUMEL)}
+    assert mgr.restore_latest({"m": live}) == 1
+    assert all(torch.equal(live[k].view(torch.int32), state[k].view(torch.int32)) for k in state)
+
+
+def test_when_the_kernel_keeps_the_failed_read_s_bytes_the_error_says_which_tensors(
+    tmp_path, no_swap, monkeypatch
+):
+    import trainguard.distributed.chunkread as chunkread
+
+    saved_two(tmp_path)
+    corrupt(tmp_path, 2, "m.new")
+    monkeypatch.setattr(chunkread, "put_back", lambda view, kept: False)
+    written = torch.full((NUMEL,), 7.0)
+    with pytest.raises(tg.CorruptCheckpointError, match="only tensors allocated and never written") as ei:
+        tg.CheckpointManager(tmp_path, read_only=True).restore(
+            2, {"m": {"new": torch.empty(NUMEL), "old": written}}
+        )
+    assert ei.value.state_modified is True
+    assert bool((written == 7.0).all())
+
+
+def test_a_fallback_to_a_step_without_some_entries_works_after_a_never_written_failure(tmp_path, no_swap):
+    """The newest step's chunk into trainguard's own new tensors (a restore into an empty container) fails:
+    nothing reached the caller, so an older step that lacks an entry is restored, not refused."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"m": {"a": a}})
+        mgr.save(2, {"m": {"a": a + 1, "b": b}})
+    corrupt(tmp_path, 2, "m.a")
+    target: dict = {"m": {}}
+    assert tg.CheckpointManager(tmp_path).restore_latest(target) == 1
+    assert sorted(target["m"]) == ["a"] and torch.equal(target["m"]["a"], a)
+
+
+def test_a_chunk_counts_as_never_written_only_when_every_destination_is(tmp_path, no_swap):
+    """Two entries with the same bytes share one chunk: one goes into new memory, one into a written tensor.
+    The chunk is checked before the load (the written tensor's values are protected), never loaded first."""
+    t = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"m": {"a": t, "b": t.clone()}})
+    corrupt(tmp_path, 1, "m.a")
+    written = torch.full((NUMEL,), 7.0)
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    with pytest.raises(tg.CorruptCheckpointError) as ei:
+        mgr.restore(1, {"m": {"a": torch.empty(NUMEL), "b": written}})
+    assert ei.value.state_modified is False
+    assert bool((written == 7.0).all())

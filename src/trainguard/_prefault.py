@@ -32,6 +32,8 @@ from typing import Any
 
 MADV_POPULATE_WRITE = 23
 """``include/uapi/asm-generic/mman-common.h`` (Linux 5.14)."""
+MADV_DONTNEED = 4
+"""Drop a private anonymous range's pages: the next touch maps zero-filled ones, as if never written."""
 PAGE = mmap.PAGESIZE
 
 _libc: Any = None
@@ -126,6 +128,81 @@ def populate_for_write(view: memoryview) -> bool:
     return bool(lib.madvise(begin, start + len(view) - begin, MADV_POPULATE_WRITE) == 0)
 
 
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's residency bit of each page (the others are reserved)
+
+
+def swap_configured() -> bool:
+    """Whether this machine has swap space (``SwapTotal`` in ``/proc/meminfo`` is not 0). True where it cannot
+    be read: a page swapped out is not resident either, so :func:`never_written` cannot tell it from a page
+    never written."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"SwapTotal:"):
+                    return int(line.split()[1]) != 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+
+
+def never_written(view: memoryview, maps: MemoryMaps) -> bool:
+    """Whether ``view``'s whole pages (at least one) are memory this process allocated and never wrote: they
+    lie in private anonymous mappings (``maps``: not a file, not shared memory, whose absent pages would hold
+    data), none is resident (one ``mincore`` over the range), and the machine has no swap (a page swapped out
+    is absent too; checked by the caller once, :func:`swap_configured`). Such pages hold nothing but zeros,
+    and :func:`put_back` can return them to that state after a read into them failed its CRC32C.
+
+    The partial pages at the two ends are not looked at (they hold an allocator's header or a neighbour's
+    bytes, so they are resident anyway): a caller that writes there keeps their bytes (:func:`edges`) to
+    write them back. False where the calls are missing, for a read-only view or one without a whole page,
+    outside such mappings, and when any whole page is resident. Memory whose absent pages are filled by
+    someone else on first touch (``userfaultfd``, CRIU's lazy restore) is not told apart.
+    """
+    target = _target(view, PAGE)
+    if target is None:
+        return False
+    lib, start = target
+    first = -(-start // PAGE) * PAGE
+    end = (start + len(view)) // PAGE * PAGE
+    if end <= first or not maps.anonymous_private(start, len(view)):
+        return False
+    pages = (end - first) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    if lib.mincore(first, end - first, vec) != 0:
+        return False
+    return 1 not in bytes(vec).translate(_LOW_BIT)
+
+
+def edges(view: memoryview) -> tuple[bytes, bytes]:
+    """Copies of ``view``'s bytes before its first whole page and after its last (each shorter than a page),
+    for :func:`put_back`. ``view``: a writable view with at least one whole page (:func:`never_written`)."""
+    start = address(view)
+    head = min(len(view), -start % PAGE)
+    tail = min(len(view) - head, (start + len(view)) % PAGE)
+    return bytes(view[:head]), bytes(view[len(view) - tail :])
+
+
+def put_back(view: memoryview, kept: tuple[bytes, bytes]) -> bool:
+    """Return ``view``, found :func:`never_written` before a read into it, to that state after the read failed:
+    its whole pages dropped (``madvise(MADV_DONTNEED)``: zero-filled on the next touch, as before the read),
+    the bytes of its partial end pages written back from ``kept`` (:func:`edges`, taken before the read).
+
+    Returns:
+        False when the kernel refused to drop the pages (they then hold the read's bytes).
+    """
+    head, tail = kept
+    view[: len(head)] = head
+    if tail:
+        view[len(view) - len(tail) :] = tail
+    target = _target(view, 1)
+    if target is None:
+        return False
+    lib, start = target
+    first = -(-start // PAGE) * PAGE
+    end = (start + len(view)) // PAGE * PAGE
+    return end <= first or lib.madvise(first, end - first, MADV_DONTNEED) == 0
+
+
 class MemoryMaps:
     """A snapshot of this process's memory mappings (``/proc/self/maps``): which address ranges are read-only.
 
@@ -139,16 +216,25 @@ class MemoryMaps:
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.write: list[bool] = []
+        self.anonymous: list[bool] = []  # private, writable, no file or shared memory behind it
         try:
             with open("/proc/self/maps", "rb") as f:
                 for line in f:
-                    span, perms = line.split(None, 2)[:2]
+                    fields = line.split(None, 5)
+                    span, perms, inode = fields[0], fields[1], fields[4]
+                    path = fields[5].strip() if len(fields) > 5 else b""
                     a, _, b = span.partition(b"-")
                     self.starts.append(int(a, 16))
                     self.ends.append(int(b, 16))
                     self.write.append(perms[1:2] == b"w")
-        except (OSError, ValueError):
-            self.starts, self.ends, self.write = [], [], []
+                    self.anonymous.append(
+                        perms[1:2] == b"w"
+                        and perms[3:4] == b"p"
+                        and inode == b"0"
+                        and path in (b"", b"[heap]")
+                    )
+        except (OSError, ValueError, IndexError):
+            self.starts, self.ends, self.write, self.anonymous = [], [], [], []
 
     def read_only(self, start: int, nbytes: int) -> bool:
         """True when a mapping overlapping ``[start, start + nbytes)`` has no write permission. Addresses in no
@@ -160,3 +246,20 @@ class MemoryMaps:
                 return True
             i += 1
         return False
+
+    def anonymous_private(self, start: int, nbytes: int) -> bool:
+        """True when ``[start, start + nbytes)`` lies in private anonymous writable mappings only (the heap, or
+        ``mmap(MAP_PRIVATE | MAP_ANONYMOUS)``: what ``malloc`` and torch's CPU allocator hand out). False for
+        file mappings, shared memory, gaps, and where the snapshot is empty."""
+        end = start + nbytes
+        i = bisect.bisect_right(self.starts, start) - 1
+        if i < 0 or self.ends[i] <= start:
+            return False
+        while True:
+            if not self.anonymous[i]:
+                return False
+            if self.ends[i] >= end:
+                return True
+            if i + 1 >= len(self.starts) or self.starts[i + 1] != self.ends[i]:
+                return False  # a gap: not one allocation
+            i += 1

@@ -367,7 +367,9 @@ def load(
     """Load the checkpoint of ``step`` into ``state`` in place (every rank; collective under torch.distributed).
 
     In one process every chunk the state needs is read and its CRC32C checked before the first byte is loaded
-    into the caller's objects: a corrupt checkpoint raises with the objects untouched. Under torch.distributed
+    into the caller's objects: a corrupt checkpoint raises with the objects untouched. Chunks whose every
+    destination is memory never written are loaded first instead, each checked as it lands, and that memory is
+    put back as it was if one fails (``ShardReader.flush_never_written``). Under torch.distributed
     DCP loads each rank's shards in place; a corrupt chunk found there may leave part of its bytes in them
     (``CorruptCheckpointError.state_modified``).
 
@@ -427,6 +429,7 @@ def load(
     reader: ShardReader
     known: dict[str, int] | None = None  # tensors the reading threads scanned for NaN/Inf as they landed
     writing = False  # True once bytes may have reached the caller's objects (tensors loaded in place)
+    new_memory_only = False  # True when they may have reached only memory never written before (see below)
     ctx.last_restore.verify_bytes = 0
     try:
         if not ctx.dist.enabled and local_loadable(template, m):  # one process: no DCP (see trainguard._lazy)
@@ -438,11 +441,23 @@ def load(
             )
             # every chunk's CRC32C before the first byte reaches the caller's objects: a corrupt checkpoint
             # leaves them untouched (one more read, from the page cache when the checkpoint was just read;
-            # the load does not compute the CRC32C of a file checked here again)
+            # the load does not compute the CRC32C of a file checked here again). Chunks whose every
+            # destination is memory never written (a relaunch's new tensors) are loaded first instead, each
+            # checked as it lands (one read); a failure there puts that memory back as it was
             try:
                 rest = queue_local(template, reader)  # no I/O yet: what the load will read
+                fresh = reader.never_written_chunks() if ctx.verify_before_load else set()
                 if ctx.verify_before_load:
-                    ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template, reader)
+                    ctx.last_restore.verify_bytes = verify_chunks(ctx, m, template, reader, skip=fresh)
+                if fresh:
+                    try:
+                        reader.flush_never_written(fresh)
+                    except BaseException:
+                        if reader.not_put_back:  # the kernel kept the failed read's bytes there
+                            writing = new_memory_only = True
+                            if touched is not None:
+                                touched.update(reader.not_put_back)
+                        raise
                 writing = True
                 if touched is not None:
                     touched.update(template)
@@ -478,8 +493,12 @@ def load(
                 + (
                     "tensors of the state may hold part of this checkpoint's bytes: rebuild the objects (a new "
                     "model and optimizer) before training on them"
+                    if writing and not new_memory_only
+                    else "only tensors allocated and never written before this restore (e.g. torch.empty) may "
+                    "hold part of this checkpoint's bytes, the others were not modified: initialize those (or "
+                    "rebuild the objects) before training on them"
                     if writing
-                    else "the state objects were not modified (every chunk is checked before loading)"
+                    else "the state objects were not modified (every chunk is checked before it reaches them)"
                 ),
             )
         if (
@@ -538,7 +557,12 @@ def local_numels(template: MutableMapping[str, Any]) -> dict[str, int]:
 
 
 def verify_chunks(
-    ctx: RootContext, m: Manifest, template: MutableMapping[str, Any], reader: ShardReader | None = None
+    ctx: RootContext,
+    m: Manifest,
+    template: MutableMapping[str, Any],
+    reader: ShardReader | None = None,
+    *,
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> int:
     """Read every chunk a load of ``template`` reads, the whole chain of delta bases of each delta chunk
     included, and check its length and CRC32C; returns the bytes read.
@@ -548,6 +572,8 @@ def verify_chunks(
             each file that passed (``ShardReader.checked``: the load does not compute that same file's CRC32C
             again) and the NaN/Inf count of each chunk it would scan (``ShardReader.block_scans``, counted
             here while the disk is the bottleneck, not again in the load).
+        skip: chunk hashes not read here (``ShardReader.never_written_chunks``: the load checks them as it
+            reads them, before anything else is written).
 
     Raises:
         CorruptCheckpointError: a chunk is missing, unreadable or fails its check (nothing was loaded).
@@ -556,7 +582,7 @@ def verify_chunks(
     wanted = set(template)
     needed = [h for h, o in owners.items() if wanted.intersection(o)]  # skip chunks of entries not loaded
     users = delta_chain_users(m, needed, owners)
-    todo = [(m.chunks[h], users[h]) for h in m.chunks if h in users]
+    todo = [(m.chunks[h], users[h]) for h in m.chunks if h in users and h not in skip]
 
     scans = reader.block_scans() if reader is not None else {}
 

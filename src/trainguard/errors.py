@@ -51,8 +51,9 @@ class CorruptCheckpointError(TrainguardError):
         unreadable: True when the chunk could not be read at all (an I/O error such as EACCES or EIO that
             persisted through the retries): reported, never recorded as corruption.
         state_modified: raised by a restore: True when tensors of the state passed may hold part of this
-            checkpoint's bytes (a failure while loading in place, under torch.distributed); False when every
-            chunk was checked before loading and the objects were not modified; None outside a restore.
+            checkpoint's bytes (a failure while loading in place, under torch.distributed or with
+            ``verify_before_load=False``); False when the objects were not modified (every chunk checked before
+            loading, or loaded into never-written memory that was put back); None outside a restore.
     """
 
     def __init__(

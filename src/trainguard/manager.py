@@ -148,7 +148,10 @@ class CheckpointManager:
             for 256 MiB warm, ``benchmarks/bench_restore_verify.py``). False: one read, each chunk checked as it
             is loaded in place (the fastest restart); a corrupt chunk found then may leave part of its bytes in
             the objects (``CorruptCheckpointError.state_modified``; a fallback to an older checkpoint overwrites
-            them). Under torch.distributed chunks are always checked as they load.
+            them). Under torch.distributed chunks are always checked as they load. With True, a chunk whose
+            every destination is memory allocated and never written (a relaunched job's ``torch.empty`` tensors,
+            a model materialized with ``to_empty``; Linux, no swap) is not read before: it is loaded first,
+            checked as it lands, and on a failure that memory is put back as it was (zero pages).
         compression: ``"auto"`` (default: compress a save's chunks, byte shuffle + zstd-1 via blosc2, only when
             that measured faster on this storage: the write time of this manager's own saves both ways; before
             compression was measured, a model of bandwidth, codec speed and ratio decides whether to try it;
@@ -735,7 +738,8 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: no committed checkpoint of that step.
             CorruptCheckpointError: the checkpoint failed an integrity check. In one process every chunk is
-                checked before loading: the state's objects were not modified. Under torch.distributed tensors
+                checked before loading (a chunk going into never-written memory as it loads, that memory put
+                back as it was on failure): the state's objects were not modified. Under torch.distributed tensors
                 loaded in place may hold part of it (``state_modified``): rebuild them before training.
             StateMismatchError: the state does not match the checkpoint (shapes; with ``strict``, keys, dtypes
                 or missing optimizer state); one message lists every difference (the first 20 of each kind,

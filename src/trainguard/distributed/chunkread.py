@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .._prefault import MemoryMaps, edges, never_written, put_back, swap_configured
 from ..errors import CorruptCheckpointError
 from ..format import ChunkRecord, Manifest, Segment, ShardRecord, TensorEntry, ValueEntry
 from ..incremental.chunkstore import ChunkStore
@@ -67,6 +68,7 @@ class ShardReader:
         # ``verify_before_load``): read again without computing it a second time (``ChunkStore.readinto``)
         self.checked: dict[str, tuple[Any, ...]] = {}
         self._prescanned: dict[str, int] = {}  # chunk hash -> NaN/Inf count found by that pass (block_scan)
+        self.not_put_back: set[str] = set()  # see flush_never_written
 
     def entry(self, fqn: str) -> TensorEntry | ValueEntry:
         entry = self.manifest.entries.get(fqn)
@@ -203,6 +205,44 @@ class ShardReader:
         (largest first: one stream at a time leaves the disk idle between files)."""
         jobs, self._jobs = self._jobs, []
         self._run(jobs)
+
+    def never_written_chunks(self) -> set[str]:
+        """The queued chunks (stored, not encoded) whose every destination is memory never written
+        (:func:`trainguard._prefault.never_written`: a relaunched job's new ``torch.empty`` tensors, a model
+        materialized with ``to_empty``): :meth:`flush_never_written` loads them in one read each, checked as
+        they land, and puts that memory back as it was if one fails, so ``verify_before_load`` need not read
+        them first. Empty where the machine has swap or the calls are missing. Call after every read is
+        queued, before any is run."""
+        if not self._jobs or swap_configured():
+            return set()
+        maps = MemoryMaps()  # after the destinations were allocated: ~1 ms for a few thousand mappings
+        by_chunk: dict[str, bool] = {}
+        for rec, view, _, _ in self._jobs:
+            ok = by_chunk.get(rec.hash, True)
+            by_chunk[rec.hash] = ok and not rec.encoded and never_written(view, maps)
+        return {h for h, ok in by_chunk.items() if ok}
+
+    def flush_never_written(self, chunks: set[str]) -> None:
+        """Read the queued reads of ``chunks`` (:meth:`never_written_chunks`) now, as :meth:`flush` does, and
+        leave the others queued. When one fails (a chunk fails its check, an I/O error), every destination of
+        these reads is put back as it was (:func:`trainguard._prefault.put_back`: its pages dropped, zero-filled
+        as never written; the bytes of its partial end pages rewritten) before the error is raised.
+
+        Attributes set:
+            not_put_back: the fqns whose memory the kernel refused to put back (they may hold the failed
+                read's bytes); empty when everything was.
+        """
+        jobs = [j for j in self._jobs if j[0].hash in chunks]
+        self._jobs = [j for j in self._jobs if j[0].hash not in chunks]
+        kept = [edges(view) for _, view, _, _ in jobs]  # before any byte is written
+        self.not_put_back = set()
+        try:
+            self._run(jobs)  # returns or raises only once every read has ended (no thread left writing)
+        except BaseException:
+            for (_, view, fqn, _), k in zip(jobs, kept, strict=True):
+                if not put_back(view, k):
+                    self.not_put_back.add(fqn)
+            raise
 
     @contextlib.contextmanager
     def flushing(self) -> Iterator[None]:
