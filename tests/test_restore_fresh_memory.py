@@ -465,3 +465,79 @@ def test_a_chunk_counts_as_never_written_only_when_every_destination_is(tmp_path
         mgr.restore(1, {"m": {"a": torch.empty(NUMEL), "b": written}})
     assert ei.value.state_modified is False
     assert bool((written == 7.0).all())
+
+
+def test_locked_memory_is_never_counted_as_never_written():
+    """Locked memory (mlock with MLOCK_ONFAULT, mlockall(MCL_FUTURE | MCL_ONFAULT)) is absent until touched but
+    refuses the drop that putting it back needs: it goes through the check before the load instead."""
+    import mmap
+
+    libc = _prefault._load()
+    if libc is None or not hasattr(libc, "mlock2"):
+        pytest.skip("no mlock2 here")
+    size = 16 * _prefault.PAGE  # within the smallest usual RLIMIT_MEMLOCK (64 KiB)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(region)
+    assert _prefault.never_written(view, _prefault.MemoryMaps())
+    addr = _prefault.address(view)
+    if libc.mlock2(ctypes.c_void_p(addr), ctypes.c_size_t(size), 1) != 0:  # MLOCK_ONFAULT
+        pytest.skip(f"mlock2 refused here (errno {ctypes.get_errno()})")
+    try:
+        assert _prefault.never_written(view, _prefault.MemoryMaps()) is False
+    finally:
+        libc.munlock(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+        view.release()
+        region.close()
+
+
+@pytest.mark.parametrize(
+    ("total", "mine", "swap"),
+    [(0, 0, False), (4096, 0, True), (0, 12, True), (None, 0, True), (0, None, True)],
+)
+def test_swap_counts_when_the_machine_has_it_or_the_process_uses_it(monkeypatch, total, mine, swap):
+    """A container's /proc/meminfo can be rewritten to show no swap (LXCFS) on a host that swaps: the process's
+    own VmSwap counts too; what cannot be read counts as swap."""
+    values = {b"SwapTotal:": total, b"VmSwap:": mine}
+    monkeypatch.setattr(_prefault, "_field_kib", lambda path, name: values[name])
+    assert _prefault.swap_configured() is swap
+
+
+def test_after_a_failed_read_the_reads_not_begun_are_skipped_and_none_runs_on(tmp_path, monkeypatch):
+    """One failing chunk stops the load: reads not begun are skipped, and when the error is raised no reading
+    thread is left writing into a destination."""
+    import threading
+    import time
+
+    import trainguard.distributed.chunkread as chunkread
+    from trainguard.catalog import read_manifest
+
+    g = torch.Generator().manual_seed(4)
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"m": {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(24)}})
+    m = read_manifest(tmp_path, 1)
+    store = tg.CheckpointManager(tmp_path, read_only=True).ctx.store
+    reader = chunkread.ShardReader(store, m, threads=2)
+    dests = {f: torch.empty(1 << 18) for f in m.entries if f.startswith("m.t")}
+    for f, d in dests.items():
+        assert reader.read_tensor(f, (0,), (0,), (1 << 18,), d)
+    real = store.readinto
+    ended: list[float] = []
+    first = threading.Event()
+
+    def slow(rec, out, **kw):
+        if not first.is_set():
+            first.set()
+            raise tg.CorruptCheckpointError("injected", step=1)
+        time.sleep(0.05)
+        try:
+            return real(rec, out, **kw)
+        finally:
+            ended.append(time.monotonic())
+
+    monkeypatch.setattr(store, "readinto", slow)
+    with pytest.raises(tg.CorruptCheckpointError, match="injected"):
+        reader.flush()
+    raised = time.monotonic()
+    time.sleep(0.3)
+    assert len(ended) < 23, "every other read ran after the failure"
+    assert all(t <= raised for t in ended), "a read ended after the error was raised"

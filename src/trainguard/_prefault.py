@@ -131,26 +131,37 @@ def populate_for_write(view: memoryview) -> bool:
 _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's residency bit of each page (the others are reserved)
 
 
-def swap_configured() -> bool:
-    """Whether this machine has swap space (``SwapTotal`` in ``/proc/meminfo`` is not 0). True where it cannot
-    be read: a page swapped out is not resident either, so :func:`never_written` cannot tell it from a page
-    never written."""
+def _field_kib(path: str, name: bytes) -> int | None:
+    """The value in KiB of the line ``name`` (``b"SwapTotal:"``) of a /proc file; None where it cannot be read."""
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"SwapTotal:"):
-                    return int(line.split()[1]) != 0
+                if line.startswith(name):
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
-    return True
+    return None
+
+
+def swap_configured() -> bool:
+    """Whether pages of this process may be swapped out: the machine has swap space (``SwapTotal`` in
+    ``/proc/meminfo``) or this process has pages in swap now (``VmSwap`` in ``/proc/self/status``: a container
+    whose ``/proc/meminfo`` is rewritten, e.g. by LXCFS, can show no swap on a host that swaps). True where
+    either cannot be read: a page swapped out is not resident either, so :func:`never_written` cannot tell it
+    from a page never written."""
+    total = _field_kib("/proc/meminfo", b"SwapTotal:")
+    mine = _field_kib("/proc/self/status", b"VmSwap:")
+    return total != 0 or mine != 0  # None (unknown) counts as swap
 
 
 def never_written(view: memoryview, maps: MemoryMaps) -> bool:
     """Whether ``view``'s whole pages (at least one) are memory this process allocated and never wrote: they
     lie in private anonymous mappings (``maps``: not a file, not shared memory, whose absent pages would hold
     data), none is resident (one ``mincore`` over the range), and the machine has no swap (a page swapped out
-    is absent too; checked by the caller once, :func:`swap_configured`). Such pages hold nothing but zeros,
-    and :func:`put_back` can return them to that state after a read into them failed its CRC32C.
+    is absent too; checked by the caller once, :func:`swap_configured`), and they are not locked (the
+    ``madvise(MADV_DONTNEED)`` that :func:`put_back` needs is tried on them: absent, they lose nothing). Such
+    pages hold nothing but zeros, and :func:`put_back` can return them to that state after a read into them
+    failed its CRC32C.
 
     The partial pages at the two ends are not looked at (they hold an allocator's header or a neighbour's
     bytes, so they are resident anyway): a caller that writes there keeps their bytes (:func:`edges`) to
@@ -168,9 +179,11 @@ def never_written(view: memoryview, maps: MemoryMaps) -> bool:
         return False
     pages = (end - first) // PAGE
     vec = (ctypes.c_ubyte * pages)()
-    if lib.mincore(first, end - first, vec) != 0:
+    if lib.mincore(first, end - first, vec) != 0 or 1 in bytes(vec).translate(_LOW_BIT):
         return False
-    return 1 not in bytes(vec).translate(_LOW_BIT)
+    # locked memory (mlock, mlockall(MCL_FUTURE): absent until touched with MCL_ONFAULT) refuses the drop
+    # that put_back needs: try it now, on pages that are absent, so it changes nothing
+    return bool(lib.madvise(first, end - first, MADV_DONTNEED) == 0)
 
 
 def edges(view: memoryview) -> tuple[bytes, bytes]:

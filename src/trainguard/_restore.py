@@ -498,7 +498,7 @@ def load(
                     "hold part of this checkpoint's bytes, the others were not modified: initialize those (or "
                     "rebuild the objects) before training on them"
                     if writing
-                    else "the state objects were not modified (every chunk is checked before it reaches them)"
+                    else "the state objects were not modified (no unchecked byte was left in them)"
                 ),
             )
         if (

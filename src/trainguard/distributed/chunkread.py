@@ -220,6 +220,8 @@ class ShardReader:
         for rec, view, _, _ in self._jobs:
             ok = by_chunk.get(rec.hash, True)
             by_chunk[rec.hash] = ok and not rec.encoded and never_written(view, maps)
+        if swap_configured():  # again, after the mincore calls: a page swapped out meanwhile counts as swap
+            return set()
         return {h for h, ok in by_chunk.items() if ok}
 
     def flush_never_written(self, chunks: set[str]) -> None:
@@ -237,7 +239,7 @@ class ShardReader:
         kept = [edges(view) for _, view, _, _ in jobs]  # before any byte is written
         self.not_put_back = set()
         try:
-            self._run(jobs)  # returns or raises only once every read has ended (no thread left writing)
+            self._run(jobs)  # returns or raises only once no read can write any more
         except BaseException:
             for (_, view, fqn, _), k in zip(jobs, kept, strict=True):
                 if not put_back(view, k):
@@ -303,9 +305,38 @@ class ShardReader:
             for job in jobs:
                 one(job)
         else:
-            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="trainguard-read") as pool:
-                for f in [pool.submit(one, j) for j in jobs]:
-                    f.result()
+            # Returns or raises only once no thread can write into a destination any more: after a failure
+            # (or a KeyboardInterrupt landing in submit, when the pool may not know a thread it started) the
+            # reads not begun are skipped, and the ones under way are waited for
+            done = threading.Condition()
+            gate = {"running": 0, "stop": False}
+
+            def guarded(job: tuple[ChunkRecord, memoryview, str, torch.dtype]) -> None:
+                with done:
+                    gate["running"] += 1  # before looking at "stop": the wait below then sees this read
+                try:
+                    if not gate["stop"]:
+                        one(job)
+                finally:
+                    with done:
+                        gate["running"] -= 1
+                        done.notify_all()
+
+            try:
+                with ThreadPoolExecutor(
+                    max_workers=self.threads, thread_name_prefix="trainguard-read"
+                ) as pool:
+                    try:
+                        for f in [pool.submit(guarded, j) for j in jobs]:
+                            f.result()
+                    except BaseException:
+                        gate["stop"] = True
+                        raise
+            finally:
+                with done:
+                    gate["stop"] = True
+                    while gate["running"]:
+                        done.wait()
         with self._lock:
             self.bytes_read += sum(job[0].length for job in jobs if not job[0].encoded)
 
