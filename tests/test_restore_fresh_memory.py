@@ -541,3 +541,24 @@ def test_after_a_failed_read_the_reads_not_begun_are_skipped_and_none_runs_on(tm
     time.sleep(0.3)
     assert len(ended) < 23, "every other read ran after the failure"
     assert all(t <= raised for t in ended), "a read ended after the error was raised"
+
+
+def test_the_optimizer_state_a_restore_creates_is_read_once(tmp_path, no_swap):
+    """A relaunch with an initialized model and a new optimizer: the model's weights are checked before the
+    load (resident: real values), AdamW's two moments, which the restore allocates itself, are read once."""
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4096, NUMEL // 4096, bias=False)  # one 48 MiB weight
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4096)).sum().backward()
+    opt.step()
+    with tg.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    model2 = torch.nn.Linear(4096, NUMEL // 4096, bias=False)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    mgr = tg.CheckpointManager(tmp_path, read_only=True)
+    assert mgr.restore_latest({"model": model2, "optim": opt2}) == 1
+    assert NUMEL * 4 <= mgr.last_restore.verify_bytes < 2 * NUMEL * 4  # the weight, not the moments
+    assert mgr.last_restore.bytes >= 3 * NUMEL * 4
+    assert torch.equal(model2.weight, model.weight)
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt2.state[model2.weight][k], opt.state[model.weight][k])
