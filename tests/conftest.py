@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -45,6 +46,20 @@ def run_benchmark(script: str, *args: str, timeout: float = 280) -> subprocess.C
         env=run_env(),
         cwd=REPO,
     )
+
+
+def run_sized_benchmark(
+    script: str, size_gib: str, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """A tiny run of a benchmark with ``_common.sized_run_main``'s command line (``--size-gib size_gib
+    --repeat 1``, scratch in ``tmp_path``, JSON to ``tmp_path / "res.json"``), checked to exit 0; returns the
+    process and its JSON."""
+    out = tmp_path / "res.json"
+    p = run_benchmark(
+        script, "--size-gib", size_gib, "--repeat", "1", "--scratch", str(tmp_path), "--json", str(out)
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, json.loads(out.read_text())
 
 
 def run_with_file_size_limit(

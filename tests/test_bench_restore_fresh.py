@@ -5,30 +5,23 @@ fresh memory is tested in tests/test_restore_fresh_memory.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from .conftest import run_benchmark
+from .conftest import run_benchmark, run_sized_benchmark
 
 SCRIPT = "bench_restore_fresh.py"
 
 
 @pytest.mark.timeout(300)
 def test_a_tiny_run_times_every_combination(tmp_path):
-    out = tmp_path / "res.json"
-    p = run_benchmark(
-        SCRIPT, "--size-gib", "0.01", "--repeat", "1", "--scratch", str(tmp_path), "--json", str(out)
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(out.read_text())
+    p, res = run_sized_benchmark(SCRIPT, "0.01", tmp_path)
     assert res["tensors"] == 1 and res["bytes"] == 64 << 20
     assert len(res["seconds"]) == 8 and all(len(v) == 1 and v[0] > 0 for v in res["seconds"].values())
     lines = p.stdout.splitlines()
     assert sum(ln.startswith(("PASS ", "MISS ")) for ln in lines) == 2, p.stdout
     assert sum(ln.startswith("info ") for ln in lines) == 4, p.stdout
     assert set(res["verify_cost"]) == {"new", "touched"} and all(x > 0 for x in res["verify_cost"].values())
-    assert list(tmp_path.iterdir()) == [out], "the scratch root was not removed"
+    assert list(tmp_path.iterdir()) == [tmp_path / "res.json"], "the scratch root was not removed"
 
 
 def test_bad_sizes_are_refused():

@@ -5,30 +5,23 @@ path is tested in tests/retention/test_background_collection.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from .conftest import run_benchmark
+from .conftest import run_benchmark, run_sized_benchmark
 
 SCRIPT = "bench_retention_delete.py"
 
 
 @pytest.mark.timeout(300)
 def test_a_tiny_run_times_both_saves_and_the_deletion_apart(tmp_path):
-    out = tmp_path / "res.json"
-    p = run_benchmark(
-        SCRIPT, "--size-gib", "0.03", "--repeat", "1", "--scratch", str(tmp_path), "--json", str(out)
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(out.read_text())
+    p, res = run_sized_benchmark(SCRIPT, "0.03", tmp_path)
     assert res["tensors"] == 4 and res["bytes"] == 4 * (8 << 20)
     assert all(len(v) == 1 and v[0] > 0 for v in res["save_s"].values())
     assert all(len(v) == 1 and v[0] >= 0 for v in res["background_delete_s"].values())
     assert p.stdout.count("background deletion after it") == 2, p.stdout
     verdict = [ln for ln in p.stdout.splitlines() if ln.startswith(("PASS ", "MISS "))]
     assert len(verdict) == 1 and "deletes the previous checkpoint's chunks" in verdict[0], p.stdout
-    assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
+    assert list(tmp_path.iterdir()) == [tmp_path / "res.json"], "the scratch roots were not removed"
 
 
 @pytest.mark.parametrize("args", [["--repeat", "0"], ["--size-gib", "0"]])

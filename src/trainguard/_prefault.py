@@ -86,6 +86,12 @@ def address(view: memoryview) -> int:
         del anchor  # releases the export: the caller may release ``view`` afterwards
 
 
+def _whole_pages(start: int, nbytes: int) -> tuple[int, int]:
+    """The first and the end address of the whole pages inside ``[start, start + nbytes)`` (equal when there
+    is none): the partial pages at the two ends may hold other data (an allocator's header, a neighbour)."""
+    return -(-start // PAGE) * PAGE, (start + nbytes) // PAGE * PAGE
+
+
 def _target(view: memoryview, min_bytes: int) -> tuple[Any, int] | None:
     """libc and the address of ``view``, or None where the calls are missing, ``view`` is read-only or it is
     shorter than ``min_bytes``."""
@@ -105,7 +111,7 @@ def unmapped(view: memoryview) -> bool:
     if target is None:
         return False
     lib, start = target
-    first = -(-start // PAGE) * PAGE  # the first whole page: the page before may hold other data already
+    first, _ = _whole_pages(start, len(view))
     resident = (ctypes.c_ubyte * 1)()  # per call: reading threads run this side by side
     return lib.mincore(first, PAGE, resident) == 0 and not resident[0] & 1
 
@@ -173,8 +179,7 @@ def never_written(view: memoryview, maps: MemoryMaps) -> bool:
     if target is None:
         return False
     lib, start = target
-    first = -(-start // PAGE) * PAGE
-    end = (start + len(view)) // PAGE * PAGE
+    first, end = _whole_pages(start, len(view))
     if end <= first or not maps.anonymous_private(start, len(view)):
         return False
     pages = (end - first) // PAGE
@@ -190,9 +195,10 @@ def edges(view: memoryview) -> tuple[bytes, bytes]:
     """Copies of ``view``'s bytes before its first whole page and after its last (each shorter than a page),
     for :func:`put_back`. ``view``: a writable view with at least one whole page (:func:`never_written`)."""
     start = address(view)
-    head = min(len(view), -start % PAGE)
-    tail = min(len(view) - head, (start + len(view)) % PAGE)
-    return bytes(view[:head]), bytes(view[len(view) - tail :])
+    first, end = _whole_pages(start, len(view))
+    if end <= first:  # no whole page: all of it is edge
+        return bytes(view), b""
+    return bytes(view[: first - start]), bytes(view[end - start :])
 
 
 def put_back(view: memoryview, kept: tuple[bytes, bytes]) -> bool:
@@ -211,8 +217,7 @@ def put_back(view: memoryview, kept: tuple[bytes, bytes]) -> bool:
     if target is None:
         return False
     lib, start = target
-    first = -(-start // PAGE) * PAGE
-    end = (start + len(view)) // PAGE * PAGE
+    first, end = _whole_pages(start, len(view))
     return end <= first or lib.madvise(first, end - first, MADV_DONTNEED) == 0
 
 
