@@ -9,8 +9,10 @@ Run (a minute or two per process at 1 GiB)::
 Each measurement runs in a fresh process (``--child``): it builds bench_save_load's transformer-like state,
 saves it once with ``CheckpointManager(root, async_save=False, fsync=True)`` (untimed: imports and first
 allocations), then times ``--n`` saves after changing one byte in every 4 KiB of every tensor (the change
-itself included, identical on both sides), ``--n`` saves of the unchanged state (every chunk deduplicated)
-and ``--n`` restores in place. It reports the median of the process CPU time (all threads, user + system,
+itself included, identical on both sides), ``--n`` saves of the unchanged state (every chunk deduplicated),
+``--n`` async saves of a changed state into another root (``CheckpointManager(root, fsync=True, keep=1)``, the
+default ``async_save=True``: the staging copy in the calling thread, then the background persist, each save
+waited for; its first save, which allocates the staging buffers, untimed) and ``--n`` restores in place. It reports the median of the process CPU time (all threads, user + system,
 ``time.process_time``) and of the wall time per operation. With ``--baseline-src`` the baseline (that
 directory first on ``PYTHONPATH``) and this checkout alternate for ``--rounds`` rounds; the ratio column is
 this checkout's median CPU over the baseline's.
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-OPS = ("changed", "unchanged", "restore")
+OPS = ("changed", "unchanged", "async", "restore")
 
 
 def child(gib: float, n: int, scratch: str) -> dict[str, Any]:
@@ -41,6 +43,7 @@ def child(gib: float, n: int, scratch: str) -> dict[str, Any]:
     import trainguard
 
     root = Path(tempfile.mkdtemp(prefix="bench_cpu-", dir=scratch))
+    aroot = root.with_name(root.name + "-async")
     sd = make_state(int(gib * (1 << 30)))
     out: dict[str, Any] = {"trainguard": str(Path(trainguard.__file__).parent)}
     step = 1
@@ -70,10 +73,22 @@ def child(gib: float, n: int, scratch: str) -> dict[str, Any]:
 
             measure("changed", changed)
             measure("unchanged", unchanged)
+        with trainguard.CheckpointManager(aroot, fsync=True, keep=1) as amgr:
+            amgr.save(1, {"model": sd}).wait()  # untimed: the staging buffers are allocated
+
+            def async_changed() -> None:
+                nonlocal astep
+                perturb(sd, 1)
+                astep += 1
+                amgr.save(astep, {"model": sd}).wait()
+
+            astep = 1
+            measure("async", async_changed)
         target = {"model": {k: torch.empty_like(v) for k, v in sd.items()}}
         measure("restore", lambda: trainguard.CheckpointManager(root, read_only=True).restore(step, target))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(aroot, ignore_errors=True)
     return out
 
 

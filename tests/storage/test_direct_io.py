@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -259,3 +260,113 @@ def test_a_direct_io_that_is_not_a_bool_is_refused_not_guessed(tmp_path: Path, b
     with pytest.raises(ConfigError, match="direct_io must be True or False"):
         trainguard.CheckpointManager(tmp_path / "root", direct_io=bad)
     assert not (tmp_path / "root").exists()  # refused before anything was created
+
+
+# -- memory that is aligned already (staging buffers, packed chunks) is written without the bounce copy ------
+def _count_bounce(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record every bounce buffer taken from the pool (one per direct write that had bytes to copy)."""
+    taken: list[int] = []
+    pool = local_mod._BOUNCE
+    real = pool.acquire
+
+    def acquire() -> tuple[memoryview, Any]:
+        taken.append(1)
+        return real()
+
+    monkeypatch.setattr(pool, "acquire", acquire)
+    return taken
+
+
+@pytest.mark.parametrize("size", [1, DIRECT_IO_ALIGN, B, 2 * B + 12345])
+def test_aligned_empty_starts_on_the_alignment_and_holds_size_bytes(size: int) -> None:
+    a = local_mod.aligned_empty(size)
+    assert a.ctypes.data % DIRECT_IO_ALIGN == 0
+    assert a.nbytes == size and a.flags.c_contiguous and a.flags.writeable
+
+
+@pytest.mark.parametrize("size", [DIRECT_IO_ALIGN, B, 3 * B, 2 * B + 5 * DIRECT_IO_ALIGN])
+def test_aligned_memory_is_written_as_it_is_with_o_direct_and_no_bounce_buffer(
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    src = local_mod.aligned_empty(size)
+    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    taken = _count_bounce(monkeypatch)
+    seen = _flags_while_writing(monkeypatch)
+    write_file(direct_fs / "f", memoryview(src), direct=True)
+    assert taken == []  # no copy: the kernel read the buffer itself
+    assert seen and all(f & os.O_DIRECT for f in seen)
+    assert len(seen) == -(-size // B)  # DIRECT_IO_BLOCK_BYTES per write, as through the bounce buffer
+    assert (direct_fs / "f").read_bytes() == src.tobytes()
+
+
+@pytest.mark.parametrize("tail", [1, DIRECT_IO_ALIGN - 1])
+def test_aligned_memory_with_a_partial_last_block_copies_only_that_block(
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch, tail: int
+) -> None:
+    size = B + 3 * DIRECT_IO_ALIGN + tail
+    src = local_mod.aligned_empty(size)
+    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    copied: list[int] = []
+    real_copyto = np.copyto
+
+    def copyto(dst: Any, s: Any) -> None:
+        copied.append(len(s))
+        real_copyto(dst, s)
+
+    monkeypatch.setattr(np, "copyto", copyto)
+    taken = _count_bounce(monkeypatch)
+    # an unaligned buffer after it goes through the bounce buffer too, in order
+    more = os.urandom(5000)
+    write_file(direct_fs / "f", [memoryview(src), more], direct=True)
+    assert taken == [1] and copied == [tail, len(more)]
+    assert (direct_fs / "f").stat().st_size == size + len(more)
+    assert (direct_fs / "f").read_bytes() == src.tobytes() + more
+
+
+def test_aligned_memory_refused_with_einval_half_way_is_finished_through_the_page_cache(
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 3 * B + 100
+    src = local_mod.aligned_empty(size)
+    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    real = os.write
+    calls: list[int] = []
+
+    def write(fd: int, data: Any) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        calls.append(flags)
+        if flags & os.O_DIRECT and len(calls) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if flags & os.O_DIRECT and len(data) > DIRECT_IO_ALIGN:  # and a short write of whole blocks first
+            return real(fd, memoryview(data)[:DIRECT_IO_ALIGN])
+        return real(fd, data)
+
+    monkeypatch.setattr(local_mod.os, "write", write)
+    write_file(direct_fs / "f", memoryview(src), direct=True)
+    assert [bool(f & os.O_DIRECT) for f in calls[:3]] == [True, True, False]
+    assert not any(f & os.O_DIRECT for f in calls[2:])
+    assert (direct_fs / "f").stat().st_size == size
+    assert (direct_fs / "f").read_bytes() == src.tobytes()
+
+
+def test_an_async_save_writes_its_staging_buffers_and_a_sync_save_its_packs_without_a_bounce_copy(
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    big = {"w": torch.randn(1 << 20), "v": torch.randn(3, 1 << 19).to(torch.bfloat16)}  # 4 and 3 MiB
+    small = {f"b{i}": torch.randn(1 << 16) for i in range(16)}  # 16 x 256 KiB: one 4 MiB pack
+    taken = _count_bounce(monkeypatch)
+    with trainguard.CheckpointManager(direct_fs / "async", direct_io=True, keep=None) as m:
+        m.save(1, {"model": big})
+        m.wait()
+        for buf in m._stager.sets[0].buffers.values():  # noqa: SLF001 - the buffers written
+            assert buf.data_ptr() % DIRECT_IO_ALIGN == 0
+    with trainguard.CheckpointManager(direct_fs / "sync", direct_io=True, async_save=False) as m:
+        m.save(1, {"model": small})
+    assert taken == []
+    for root, state in (("async", big), ("sync", small)):
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert trainguard.CheckpointManager(direct_fs / root, read_only=True).restore(1, {"model": got}) == 1
+        for k, v in state.items():
+            assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+        assert verify(direct_fs / root).ok

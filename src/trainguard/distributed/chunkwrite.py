@@ -31,6 +31,7 @@ from ..incremental.chunkstore import ChunkStore
 from ..incremental.delta import PieceKey, SaveEncoder, chunk_info
 from ..state.dtypes import dtype_name
 from ..state.values import TAG_JSON, EncodedValue, bool_bytes_valid, encode_value
+from ..storage.local import aligned_empty
 from ..validation.finite import SaveScan, byte_view
 from .options import WriterOptions
 
@@ -224,7 +225,7 @@ class ChunkWriter:
                 nonlocal pack, pack_size
                 if not pack:
                     return
-                blob = bytearray(pack_size)
+                blob = aligned_empty(pack_size)  # written with direct I/O without a bounce copy
                 off = 0
                 placed = []
                 for item, view, codec in pack:

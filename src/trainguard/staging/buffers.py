@@ -31,6 +31,7 @@ import torch
 
 from .._lazy import dtensor_type, is_dtensor
 from ..state.values import EncodedValue, encode_value
+from ..storage.local import DIRECT_IO_MIN_BYTES, aligned_empty
 
 
 class BufferSet:
@@ -51,7 +52,7 @@ class BufferSet:
         pin = src.device.type == "cuda" and torch.cuda.is_available()
         buf = self.buffers.get(fqn)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or self._pinned.get(fqn) != pin:
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            buf = _empty(src, pin)
             self.buffers[fqn] = buf
             self._pinned[fqn] = pin
         return buf
@@ -87,6 +88,16 @@ class BufferSet:
             devices.add(src.device)
         buf.copy_(src.detach(), non_blocking=cuda)
         return buf
+
+
+def _empty(src: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A new contiguous buffer shaped like ``src``. One in pageable host memory of ``DIRECT_IO_MIN_BYTES`` or
+    more starts on a ``DIRECT_IO_ALIGN`` boundary (:func:`~trainguard.storage.local.aligned_empty`), so its
+    chunks are written with direct I/O straight from it, without a bounce copy (pinned memory comes
+    page-aligned from the CUDA host allocator)."""
+    if pin or src.numel() * src.element_size() < DIRECT_IO_MIN_BYTES:
+        return torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+    return torch.from_numpy(aligned_empty(src.numel() * src.element_size())).view(src.dtype).view(src.shape)
 
 
 def synchronize(devices: set[torch.device]) -> None:

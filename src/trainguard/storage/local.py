@@ -160,59 +160,85 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_BOUNCE.reset)
 
 
-def _write_direct(fd: int, buffers: list[Any]) -> None:
-    """Write ``buffers`` in order to ``fd``, a new file with ``O_DIRECT`` set, through an aligned bounce
-    buffer (``_BOUNCE``; the copy releases the GIL), in ``DIRECT_IO_BLOCK_BYTES`` calls.
+def aligned_empty(nbytes: int) -> Any:
+    """A new, uninitialized ``uint8`` NumPy array of ``nbytes`` (>= 1) bytes whose first byte sits on a
+    ``DIRECT_IO_ALIGN`` boundary (``DIRECT_IO_ALIGN - 1`` bytes more are allocated; the array keeps them alive).
 
-    The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
-    data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, or one
-    wanting a larger alignment) clears ``O_DIRECT`` on ``fd`` and the same bytes go through the page cache,
-    from there to the end of the file (without the padding). Durability still needs an fsync (or
-    ``syncfs``): it flushes the file's metadata and the device's write cache.
+    A buffer written with direct I/O from such memory (:func:`write_file` with ``direct=True``) is written as
+    it is, without the bounce copy: staging buffers and packed chunks are allocated so.
     """
     import numpy as np
 
-    bounce = _BOUNCE.acquire()
-    view, arr = bounce
+    raw = np.empty(nbytes + DIRECT_IO_ALIGN - 1, dtype=np.uint8)
+    off = -raw.ctypes.data % DIRECT_IO_ALIGN
+    return raw[off : off + nbytes]
+
+
+def _write_direct(fd: int, buffers: list[Any]) -> None:
+    """Write ``buffers`` in order to ``fd``, a new file with ``O_DIRECT`` set, in ``DIRECT_IO_BLOCK_BYTES``
+    calls.
+
+    A buffer whose memory starts on a ``DIRECT_IO_ALIGN`` boundary, at an aligned file offset, is written from
+    its own memory (a staging buffer, a packed chunk: :func:`aligned_empty`), all but its last partial block.
+    Other bytes are copied into an aligned bounce buffer first (``_BOUNCE``; the copy releases the GIL).
+    The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
+    data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, one wanting a
+    larger alignment, or a write at an unaligned offset after a short write) clears ``O_DIRECT`` on ``fd`` and
+    the same bytes go through the page cache, from there to the end of the file (without the padding).
+    Durability still needs an fsync (or ``syncfs``): it flushes the file's metadata and the device's write
+    cache.
+    """
+    import numpy as np
+
+    bounce: tuple[memoryview, Any] | None = None  # taken at the first byte that needs a copy
     direct = True
     total = fill = 0
 
-    def flush(n: int, data: int) -> None:
-        """Write the first ``n`` bytes of the buffer, of which the first ``data`` are the file's (the rest is
-        the last block's padding, dropped once the file is written through the page cache)."""
-        nonlocal direct
+    def write(view: memoryview, data: int) -> None:
+        """Write ``view`` at the end of the file; its first ``data`` bytes are the file's (the rest is the last
+        block's padding, dropped once the file is written through the page cache)."""
+        nonlocal direct, total
         done = 0
-        while done < (n if direct else data):
+        while done < (len(view) if direct else data):
             try:
-                done += os.write(fd, view[done : n if direct else data])
+                done += os.write(fd, view[done : len(view) if direct else data])
             except OSError as e:
                 if e.errno != errno.EINVAL or not direct:
                     raise
                 _set_direct(fd, on=False)
                 direct = False
+        total += data
 
     try:
         for buf in buffers:
-            src = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+            own = memoryview(buf).cast("B")
+            src = np.frombuffer(own, dtype=np.uint8)
             pos = 0
+            if direct and not fill and src.ctypes.data % DIRECT_IO_ALIGN == 0:
+                whole = len(src) - len(src) % DIRECT_IO_ALIGN
+                while pos < whole:
+                    n = min(DIRECT_IO_BLOCK_BYTES, whole - pos)
+                    write(own[pos : pos + n], n)
+                    pos += n
             while pos < len(src):
+                if bounce is None:
+                    bounce = _BOUNCE.acquire()
                 n = min(DIRECT_IO_BLOCK_BYTES - fill, len(src) - pos)
-                np.copyto(arr[fill : fill + n], src[pos : pos + n])
+                np.copyto(bounce[1][fill : fill + n], src[pos : pos + n])
                 fill += n
                 pos += n
                 if fill == DIRECT_IO_BLOCK_BYTES:
-                    flush(fill, fill)
-                    total += fill
+                    write(bounce[0][:fill], fill)
                     fill = 0
-        if fill:
+        if fill and bounce is not None:
             padded = -(-fill // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN if direct else fill
-            arr[fill:padded] = 0
-            flush(padded, fill)
-            total += fill
+            bounce[1][fill:padded] = 0
+            write(bounce[0][:padded], fill)
             if os.fstat(fd).st_size != total:  # the padding reached the file
                 os.ftruncate(fd, total)
     finally:
-        _BOUNCE.release(bounce)
+        if bounce is not None:
+            _BOUNCE.release(bounce)
 
 
 def nbytes_of(data: Any) -> int:
