@@ -2,6 +2,9 @@
 alignment and bounce-buffer boundaries, O_DIRECT really set on the descriptor while the bytes are written, the
 fall-back to the page cache where the filesystem refuses direct I/O (when it is set, or at a write), a real
 failing write (``RLIMIT_FSIZE``) leaving nothing behind, and a manager's save and restore with it on and off.
+Aligned memory (staging buffers, packed chunks) is written from itself, without the bounce copy, and falls
+back to it where the kernel refuses that memory (EFAULT, a real device-mapped mapping where the kernel offers
+one).
 
 A filesystem that refuses ``O_DIRECT`` cannot be mounted in a test, so that refusal is simulated by making
 ``fcntl`` or one ``write`` fail with EINVAL, exactly as the kernel reports it.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -370,3 +374,78 @@ def test_an_async_save_writes_its_staging_buffers_and_a_sync_save_its_packs_with
         for k, v in state.items():
             assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
         assert verify(direct_fs / root).ok
+
+
+@pytest.mark.parametrize("after_blocks", [0, 1])
+def test_aligned_memory_the_kernel_refuses_for_direct_io_is_copied_from_there_on(
+    direct_fs: Path, monkeypatch: pytest.MonkeyPatch, after_blocks: int
+) -> None:
+    size = 3 * B + 100
+    src = local_mod.aligned_empty(size)
+    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    lo, hi = src.ctypes.data, src.ctypes.data + size
+    real = os.write
+    own_writes: list[int] = []
+
+    def write(fd: int, data: Any) -> int:
+        addr = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8).ctypes.data
+        if lo <= addr < hi:  # straight from the source's memory, as from device-mapped host memory
+            own_writes.append(len(data))
+            if len(own_writes) > after_blocks:
+                raise OSError(errno.EFAULT, "Bad address")
+        return real(fd, data)
+
+    monkeypatch.setattr(local_mod.os, "write", write)
+    taken = _count_bounce(monkeypatch)
+    seen = _flags_while_writing(monkeypatch)  # wraps the refusing write: every call, O_DIRECT kept on
+    write_file(direct_fs / "f", memoryview(src), direct=True)
+    assert len(own_writes) == after_blocks + 1 and taken == [1]
+    assert all(f & os.O_DIRECT for f in seen)
+    assert (direct_fs / "f").stat().st_size == size
+    assert (direct_fs / "f").read_bytes() == src.tobytes()
+
+
+def _device_mapped_bytes(nbytes: int) -> Any:
+    """``nbytes`` of page-aligned, readable memory the kernel cannot pin for direct I/O: the data pages of a
+    perf ring buffer (a ``VM_PFNMAP`` mapping, as accelerator host memory such as ``aclrtMallocHost`` or a
+    u-dma-buf is); skips where ``perf_event_open`` is unavailable."""
+    import ctypes
+    import mmap
+    import platform
+    import struct
+
+    if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
+        pytest.skip("perf_event_open's syscall number is known here for x86_64 Linux only")
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = bytearray(128)
+    struct.pack_into("IIQ", attr, 0, 1, 128, 9)  # PERF_TYPE_SOFTWARE, its size, PERF_COUNT_SW_DUMMY
+    struct.pack_into("Q", attr, 40, 1 | 1 << 5 | 1 << 6)  # disabled, exclude kernel and hypervisor
+    fd = libc.syscall(298, (ctypes.c_char * 128).from_buffer(attr), 0, -1, -1, 0)
+    if fd < 0:
+        pytest.skip(f"perf_event_open refused here (errno {ctypes.get_errno()})")
+    pages = nbytes // mmap.PAGESIZE
+    try:
+        m = mmap.mmap(fd, (1 + pages) * mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return memoryview(m)[mmap.PAGESIZE :]
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+def test_a_save_of_a_tensor_over_device_mapped_memory_succeeds(direct_fs: Path) -> None:
+    mem = _device_mapped_bytes(2 << 20)
+    t = torch.frombuffer(mem, dtype=torch.uint8)  # read-only, aligned: taken for the no-copy path
+    assert t.data_ptr() % DIRECT_IO_ALIGN == 0
+    with pytest.raises(OSError) as ei:  # what the kernel says to a direct write from it
+        fd = os.open(direct_fs / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, mem[: 1 << 20])
+        finally:
+            os.close(fd)
+    assert ei.value.errno == errno.EFAULT
+    with trainguard.CheckpointManager(direct_fs / "root", async_save=False) as m:
+        m.save(1, {"model": {"buf": t}})
+    got = {"buf": torch.ones_like(t)}
+    assert trainguard.CheckpointManager(direct_fs / "root", read_only=True).restore(1, {"model": got}) == 1
+    assert torch.equal(got["buf"], t)
+    assert verify(direct_fs / "root").ok

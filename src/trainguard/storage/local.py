@@ -179,8 +179,10 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
     calls.
 
     A buffer whose memory starts on a ``DIRECT_IO_ALIGN`` boundary, at an aligned file offset, is written from
-    its own memory (a staging buffer, a packed chunk: :func:`aligned_empty`), all but its last partial block.
-    Other bytes are copied into an aligned bounce buffer first (``_BOUNCE``; the copy releases the GIL).
+    its own memory (a staging buffer, a packed chunk: :func:`aligned_empty`), all but its last partial block;
+    where the kernel refuses that memory for direct I/O (EFAULT: device-mapped host memory such as a
+    ``VM_PFNMAP`` mapping), the rest of the buffer is copied. Other bytes are copied into an aligned bounce
+    buffer first (``_BOUNCE``; the copy releases the GIL).
     The last partial block is written padded with zeros to ``DIRECT_IO_ALIGN`` and the file cut back to the
     data's length (``ftruncate``). A write refused with EINVAL (a filesystem without direct I/O, one wanting a
     larger alignment, or a write at an unaligned offset after a short write) clears ``O_DIRECT`` on ``fd`` and
@@ -199,15 +201,17 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
         block's padding, dropped once the file is written through the page cache)."""
         nonlocal direct, total
         done = 0
-        while done < (len(view) if direct else data):
-            try:
-                done += os.write(fd, view[done : len(view) if direct else data])
-            except OSError as e:
-                if e.errno != errno.EINVAL or not direct:
-                    raise
-                _set_direct(fd, on=False)
-                direct = False
-        total += data
+        try:
+            while done < (len(view) if direct else data):
+                try:
+                    done += os.write(fd, view[done : len(view) if direct else data])
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not direct:
+                        raise
+                    _set_direct(fd, on=False)
+                    direct = False
+        finally:
+            total += min(done, data)  # the file's bytes written, also when a write failed part-way
 
     try:
         for buf in buffers:
@@ -215,11 +219,16 @@ def _write_direct(fd: int, buffers: list[Any]) -> None:
             src = np.frombuffer(own, dtype=np.uint8)
             pos = 0
             if direct and not fill and src.ctypes.data % DIRECT_IO_ALIGN == 0:
-                whole = len(src) - len(src) % DIRECT_IO_ALIGN
-                while pos < whole:
-                    n = min(DIRECT_IO_BLOCK_BYTES, whole - pos)
-                    write(own[pos : pos + n], n)
-                    pos += n
+                whole, start = len(src) - len(src) % DIRECT_IO_ALIGN, total
+                try:
+                    while pos < whole:
+                        n = min(DIRECT_IO_BLOCK_BYTES, whole - pos)
+                        write(own[pos : pos + n], n)
+                        pos += n
+                except OSError as e:
+                    if e.errno != errno.EFAULT:
+                        raise
+                    pos = total - start  # memory the kernel cannot use for direct I/O: copied from here on
             while pos < len(src):
                 if bounce is None:
                     bounce = _BOUNCE.acquire()
