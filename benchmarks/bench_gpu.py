@@ -232,13 +232,17 @@ def train_step(model: Any, opt: Any, x: Any) -> None:
     opt.step()
 
 
-def bit_exact(sizes: Sizes, device: Any, root: Path) -> tuple[dict[str, bool], bool]:
+def bit_exact(sizes: Sizes, device: Any, root: Path) -> tuple[dict[str, bool], bool, dict[str, Any]]:
     """Save and restore a model, AdamW, RNGState and loose tensors on ``device`` synchronously and
-    asynchronously; return which checks held, and whether the synchronous save counted the device tensors'
-    bytes (``SaveResult.logical_bytes``)."""
+    asynchronously; return which checks held, whether the synchronous save counted the device tensors'
+    bytes (``SaveResult.logical_bytes``), and how the async save's staging buffers reached the disk:
+    ``{"buffers": staging buffers of DIRECT_IO_MIN_BYTES or more, "aligned": those on a DIRECT_IO_ALIGN
+    boundary, "scratch_direct_io": whether the scratch folder takes O_DIRECT}`` (both: written straight from
+    the staging buffers, pinned ones on CUDA, without a bounce copy)."""
     import torch
 
     import trainguard as tg
+    from trainguard.storage.local import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES, direct_io_supported
 
     torch.manual_seed(1)
     model = make_model(dataclasses.replace(sizes, mlp_layers=1), device)
@@ -254,13 +258,27 @@ def bit_exact(sizes: Sizes, device: Any, root: Path) -> tuple[dict[str, bool], b
         "bool": torch.rand(17, device=device) > 0.5,
         "int64": torch.arange(9, device=device) * 3,
         "view": base.t()[2:5],  # a non-contiguous view
+        "fp32": torch.randn(1 << 18, device=device),  # 1 MiB: its staging buffer is written without a copy
     }
     checks: dict[str, bool] = {}
     counted = False
+    direct: dict[str, Any] = {}
     for mode, async_save in (("sync", False), ("async", True)):
         state = {"model": model, "optim": opt, "rng": tg.RNGState(), "loose": loose}
         with tg.CheckpointManager(root / mode, async_save=async_save) as mgr:
             saved = mgr.save(1, state).wait()
+            if async_save:
+                bufs = [  # the buffers the async save just wrote its chunks from
+                    b
+                    for st in mgr._stager.sets  # noqa: SLF001 - a benchmark of trainguard's own staging
+                    for b in st.buffers.values()
+                    if b.numel() * b.element_size() >= DIRECT_IO_MIN_BYTES
+                ]
+                direct = {
+                    "buffers": len(bufs),
+                    "aligned": sum(b.data_ptr() % DIRECT_IO_ALIGN == 0 for b in bufs),
+                    "scratch_direct_io": direct_io_supported(root / mode),
+                }
             want_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
             want_optim = [
                 {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -286,14 +304,14 @@ def bit_exact(sizes: Sizes, device: Any, root: Path) -> tuple[dict[str, bool], b
             )
             for g, w in zip(got_optim, want_optim, strict=True)
         )
-        checks[f"{mode}: tensors of 6 dtypes"] = all(
+        checks[f"{mode}: tensors of 7 dtypes"] = all(
             torch.equal(live_loose[k], v) and live_loose[k].device == v.device for k, v in loose.items()
         )
         checks[f"{mode}: {device.type} RNG"] = torch.equal(draw, want_draw)
         if mode == "sync":  # a synchronous save reads the device tensors themselves: their bytes count
             model_bytes = sum(v.numel() * v.element_size() for v in want_model.values())
             counted = saved.logical_bytes >= model_bytes
-    return checks, counted
+    return checks, counted, direct
 
 
 # -- 6. a DTensor on the device ------------------------------------------------------------------------------------
@@ -823,7 +841,9 @@ def run(device_name: str, sizes: Sizes, scratch: Path, json_path: str | None = N
 
     def exact() -> None:
         log("bit-exact save and restore ...")
-        res["exact"], res["counts_device_bytes"] = bit_exact(sizes, device, scratch / "exact")
+        res["exact"], res["counts_device_bytes"], res["direct_path"] = bit_exact(
+            sizes, device, scratch / "exact"
+        )
 
     def loop() -> None:
         log("training loop with each method ...")
@@ -921,6 +941,18 @@ def report(res: dict[str, Any]) -> list[str]:
             f"{loop['raw_thread_1m']:+.2%} vs {loop['raw_thread']:+.2%} (if clearly lower, beyond the rounds' "
             "spread: long writes stall the training thread, and trainguard's persist should write in pieces; "
             "the same write calls for tensors of 1 MiB or less)"
+        )
+    dp = res.get("direct_path")
+    if dp:
+        both = dp["buffers"] and dp["aligned"] == dp["buffers"] and dp["scratch_direct_io"]
+        lines.append(
+            f"info the async save's staging buffers of 1 MiB or more: {dp['aligned']} of {dp['buffers']} on a "
+            f"4 KiB boundary, scratch takes O_DIRECT: {'yes' if dp['scratch_direct_io'] else 'no'} -> chunks "
+            + (
+                "written straight from them (no bounce copy)"
+                if both
+                else "copied through bounce buffers or the page cache"
+            )
         )
     lines.append(
         f"{verdict(res['counts_device_bytes'])} a synchronous save counts the device tensors' bytes "

@@ -48,6 +48,15 @@ def test_the_cpu_run_prints_every_target_and_restores_bit_exactly(tmp_path):
     assert res["errors"] == {} and res["counts_device_bytes"] is True
     assert res["loop"]["dtensor"]["exact"] is True and res["loop"]["dtensor"]["device_growth_bytes"] == 0
     assert res["device"] == "cpu" and res["pinned_bytes"] == 0
+    # the 1 MiB loose tensor's staging buffer is aligned, so its chunk is written from it without a copy
+    from trainguard.storage.local import direct_io_supported
+
+    takes_direct = direct_io_supported(tmp_path)
+    assert res["direct_path"] == {"buffers": 1, "aligned": 1, "scratch_direct_io": takes_direct}
+    info = [ln for ln in p.stdout.splitlines() if ln.startswith("info the async save's staging buffers")]
+    assert info and info[0].endswith(
+        "(no bounce copy)" if takes_direct else "copied through bounce buffers or the page cache"
+    ), info
     assert 0 < res["state_bytes"] <= res["staging_bytes"] <= 2 * res["state_bytes"]
     assert len(res["stalls_s"]) == 2 and res["copy_s"] > 0
     assert set(res["loop"]) >= {"tg_async", "dcp_async", "step_s", "segments_s"}
@@ -280,6 +289,8 @@ def test_on_cuda_the_full_run_restores_bit_exactly_and_pins_its_staging_buffers(
     assert all(res["exact"].values()), res["exact"]
     assert res["pinned_bytes"] == res["staging_bytes"] > 0
     assert res["counts_device_bytes"] and res["loop"]["dtensor"]["no_device_copy"]
+    # pinned staging buffers come page-aligned from the CUDA host allocator: written without a bounce copy
+    assert res["direct_path"]["aligned"] == res["direct_path"]["buffers"] > 0, res["direct_path"]
 
 
 def test_the_raw_write_thread_in_pieces_writes_the_same_bytes(tmp_path, monkeypatch):
