@@ -12,10 +12,11 @@ allocations), then times ``--n`` saves after changing one byte in every 4 KiB of
 itself included, identical on both sides), ``--n`` saves of the unchanged state (every chunk deduplicated),
 ``--n`` async saves of a changed state into another root (``CheckpointManager(root, fsync=True, keep=1)``, the
 default ``async_save=True``: the staging copy in the calling thread, then the background persist, each save
-waited for; its first save, which allocates the staging buffers, untimed) and ``--n`` restores in place. It reports the median of the process CPU time (all threads, user + system,
-``time.process_time``) and of the wall time per operation. With ``--baseline-src`` the baseline (that
-directory first on ``PYTHONPATH``) and this checkout alternate for ``--rounds`` rounds; the ratio column is
-this checkout's median CPU over the baseline's.
+waited for; its first save, which allocates the staging buffers, untimed) and ``--n`` restores in place. It
+reports the median of the process CPU time (all threads, user + system, ``time.process_time``) and of the
+wall time per operation. With ``--baseline-src`` the baseline (that directory first on ``PYTHONPATH``) and
+this checkout alternate for ``--rounds`` rounds; the ratio column is this checkout's median CPU over the
+baseline's.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def child(gib: float, n: int, scratch: str) -> dict[str, Any]:
             measure("unchanged", unchanged)
         with trainguard.CheckpointManager(aroot, fsync=True, keep=1) as amgr:
             amgr.save(1, {"model": sd}).wait()  # untimed: the staging buffers are allocated
+            astep = 1
 
             def async_changed() -> None:
                 nonlocal astep
@@ -82,7 +84,6 @@ def child(gib: float, n: int, scratch: str) -> dict[str, Any]:
                 astep += 1
                 amgr.save(astep, {"model": sd}).wait()
 
-            astep = 1
             measure("async", async_changed)
         target = {"model": {k: torch.empty_like(v) for k, v in sd.items()}}
         measure("restore", lambda: trainguard.CheckpointManager(root, read_only=True).restore(step, target))

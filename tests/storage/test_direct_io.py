@@ -281,6 +281,13 @@ def _count_bounce(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return taken
 
 
+def _aligned_random(size: int) -> Any:
+    """``size`` random bytes in memory from ``aligned_empty`` (the no-copy path's source)."""
+    src = local_mod.aligned_empty(size)
+    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    return src
+
+
 @pytest.mark.parametrize("size", [1, DIRECT_IO_ALIGN, B, 2 * B + 12345])
 def test_aligned_empty_starts_on_the_alignment_and_holds_size_bytes(size: int) -> None:
     a = local_mod.aligned_empty(size)
@@ -292,8 +299,7 @@ def test_aligned_empty_starts_on_the_alignment_and_holds_size_bytes(size: int) -
 def test_aligned_memory_is_written_as_it_is_with_o_direct_and_no_bounce_buffer(
     direct_fs: Path, monkeypatch: pytest.MonkeyPatch, size: int
 ) -> None:
-    src = local_mod.aligned_empty(size)
-    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    src = _aligned_random(size)
     taken = _count_bounce(monkeypatch)
     seen = _flags_while_writing(monkeypatch)
     write_file(direct_fs / "f", memoryview(src), direct=True)
@@ -308,8 +314,7 @@ def test_aligned_memory_with_a_partial_last_block_copies_only_that_block(
     direct_fs: Path, monkeypatch: pytest.MonkeyPatch, tail: int
 ) -> None:
     size = B + 3 * DIRECT_IO_ALIGN + tail
-    src = local_mod.aligned_empty(size)
-    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    src = _aligned_random(size)
     copied: list[int] = []
     real_copyto = np.copyto
 
@@ -331,8 +336,7 @@ def test_aligned_memory_refused_with_einval_half_way_is_finished_through_the_pag
     direct_fs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     size = 3 * B + 100
-    src = local_mod.aligned_empty(size)
-    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    src = _aligned_random(size)
     real = os.write
     calls: list[int] = []
 
@@ -381,8 +385,7 @@ def test_aligned_memory_the_kernel_refuses_for_direct_io_is_copied_from_there_on
     direct_fs: Path, monkeypatch: pytest.MonkeyPatch, after_blocks: int
 ) -> None:
     size = 3 * B + 100
-    src = local_mod.aligned_empty(size)
-    src[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    src = _aligned_random(size)
     lo, hi = src.ctypes.data, src.ctypes.data + size
     real = os.write
     own_writes: list[int] = []
